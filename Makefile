@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make train` and `make test`. Both create .venv on first use.
+# TORCH_SPEC pins the CPU build found on this project's machines; GPU users override it,
+# e.g. `make TORCH_SPEC=torch train`, since pyproject.toml only asks for a range.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+NPROC ?= 2
+OUTPUT_DIR ?= runs/char_lm
+ARGS ?=
+
+BIN := $(VENV)/bin
+
+.PHONY: train test lint bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+train: $(BIN)/.installed
+	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m recipes.char_lm $(OUTPUT_DIR) $(ARGS)
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check src tests recipes benchmarks
+	$(BIN)/ruff format --check src tests recipes benchmarks
+	$(BIN)/mypy
+
+bench: $(BIN)/.installed
+	$(BIN)/python -m benchmarks.step_throughput
+
+clean:
+	rm -rf $(VENV) runs

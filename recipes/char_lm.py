@@ -1,0 +1,395 @@
+"""Train a small byte-level decoder-only transformer on a directory of text files.
+
+By default the text is the running Python's standard library sources, so the recipe needs no
+download. Run it with ``torchrun --standalone --nproc-per-node 2 -m recipes.char_lm OUTPUT_DIR``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sysconfig
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torcheval.metrics import Mean, Perplexity
+
+from checkpoint import CheckpointManager
+from gangs import Gangs, setup_gangs
+from runtime import (
+    DataReader,
+    MapDataReader,
+    PatienceEarlyStopper,
+    SyncMode,
+    Trainer,
+    apply_data_parallel,
+    apply_tensor_parallel,
+    main,
+)
+from units import EvalUnit, TrainUnit
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------- config
+
+
+@dataclass
+class GangSection:
+    tp_size: int = 1
+    timeout_minutes: int = 15
+
+
+@dataclass
+class DataSection:
+    data_dir: Path | None = None
+    """Text files to train on (``*.py`` and ``*.txt``, recursively); default: the stdlib."""
+    max_train_bytes: int = 4_000_000
+    max_valid_bytes: int = 200_000
+    seq_len: int = 128
+    batch_size: int = 16
+    """Sequences per micro-batch on each DP rank."""
+    num_accumulate: int = 1
+    valid_every_nth_file: int = 20
+    """Every file whose path hashes to 0 modulo this is a validation file."""
+
+
+@dataclass
+class ModelSection:
+    dim: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    ffn_dim: int = 512
+    dropout: float = 0.0
+
+
+@dataclass
+class OptimizerSection:
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 20
+
+
+@dataclass
+class TrainerSection:
+    max_num_steps: int = 300
+    max_num_data_epochs: int | None = None
+    publish_metrics_every_n_steps: int = 10
+    validate_every_n_steps: int = 100
+    checkpoint_every_n_steps: int = 100
+    keep_last_n_checkpoints: int | None = 2
+    keep_best_n_checkpoints: int | None = 1
+    early_stop_patience: int | None = None
+    max_gradient_norm: float | None = 1.0
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    amp: bool = False
+    seed: int = 2
+
+
+@dataclass
+class CharLMConfig:
+    gang: GangSection = field(default_factory=GangSection)
+    data: DataSection = field(default_factory=DataSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    data_parallel: Literal["auto", "ddp", "fsdp"] = "auto"
+    """``auto`` is DDP without tensor parallelism and FSDP2 with it."""
+    wandb_project: str | None = None
+
+    def validate(self) -> None:
+        if self.model.dim % self.model.num_heads != 0:
+            raise ValueError(
+                f"model.dim ({self.model.dim}) must be a multiple of model.num_heads "
+                f"({self.model.num_heads})."
+            )
+        if self.model.num_heads % self.gang.tp_size != 0:
+            raise ValueError(
+                f"model.num_heads ({self.model.num_heads}) must be a multiple of gang.tp_size "
+                f"({self.gang.tp_size}), since each TP rank computes whole heads."
+            )
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def load_corpus(config: DataSection) -> tuple[Tensor, Tensor]:
+    """Read the text files into a train and a valid byte tensor, split by file deterministically."""
+    root = config.data_dir or stdlib_dir()
+    if not root.is_dir():
+        raise ValueError(f"data.data_dir must be a directory of text files, but is {root}.")
+    files = sorted(
+        p
+        for p in root.rglob("*")
+        if p.suffix in (".py", ".txt") and p.is_file() and "site-packages" not in p.parts
+    )
+    chunks: dict[str, list[bytes]] = {"train": [], "valid": []}
+    budget = {"train": config.max_train_bytes, "valid": config.max_valid_bytes}
+    for file in files:
+        relative = file.relative_to(root).as_posix()
+        split = "valid" if zlib.crc32(relative.encode()) % config.valid_every_nth_file == 0 else "train"
+        if budget[split] <= 0:
+            if all(b <= 0 for b in budget.values()):
+                break
+            continue
+        data = file.read_bytes()[: budget[split]]
+        chunks[split].append(data)
+        budget[split] -= len(data)
+    train, valid = (torch.frombuffer(bytearray(b"".join(chunks[s])), dtype=torch.uint8) for s in ("train", "valid"))
+    for name, tensor in (("train", train), ("valid", valid)):
+        if tensor.numel() < 4 * (config.seq_len + 1):
+            raise ValueError(
+                f"{root} holds too little {name} text ({tensor.numel()} bytes) for data.seq_len "
+                f"{config.seq_len}. Point data.data_dir at more text."
+            )
+    return train, valid
+
+
+class ByteWindows(torch.utils.data.Dataset[Tensor]):
+    """Non-overlapping windows of ``seq_len + 1`` bytes: inputs and next-byte targets."""
+
+    def __init__(self, data: Tensor, seq_len: int) -> None:
+        self._data = data
+        self._window = seq_len + 1
+
+    def __len__(self) -> int:
+        return (self._data.numel() - 1) // self._window
+
+    def __getitem__(self, index: int) -> Tensor:
+        start = index * self._window
+        return self._data[start : start + self._window].long()
+
+
+@dataclass
+class LMBatch:
+    inputs: Tensor
+    targets: Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.inputs.size(0)
+
+    @property
+    def num_targets(self) -> int:
+        return self.targets.numel()
+
+
+def collate_windows(windows: list[Tensor]) -> LMBatch:
+    stacked = torch.stack(windows)
+    return LMBatch(inputs=stacked[:, :-1], targets=stacked[:, 1:])
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.head_dim = dim // num_heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.dropout = dropout
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds only its own heads.
+        q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim)
+        self.w2 = nn.Linear(ffn_dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelSection) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(config.dim)
+        self.attn = Attention(config.dim, config.num_heads, config.dropout)
+        self.ffn_norm = nn.LayerNorm(config.dim)
+        self.ffn = FeedForward(config.dim, config.ffn_dim)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x)))
+        return x + self.drop(self.ffn(self.ffn_norm(x)))
+
+
+class ByteTransformer(nn.Module):
+    vocab_size = 256
+
+    def __init__(self, config: ModelSection, max_seq_len: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(self.vocab_size, config.dim)
+        self.pos = nn.Embedding(max_seq_len, config.dim)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = nn.LayerNorm(config.dim)
+        self.head = nn.Linear(config.dim, self.vocab_size, bias=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        positions = torch.arange(tokens.size(1), device=tokens.device)
+        x = self.embed(tokens) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def tensor_parallel_plan(model: ByteTransformer) -> dict[str, ParallelStyle]:
+    """Attention and MLP projections, Megatron-style: column-wise in, row-wise out."""
+    plan: dict[str, ParallelStyle] = {}
+    for i in range(len(model.blocks)):
+        for name in ("wq", "wk", "wv"):
+            plan[f"blocks.{i}.attn.{name}"] = ColwiseParallel()
+        plan[f"blocks.{i}.attn.wo"] = RowwiseParallel()
+        plan[f"blocks.{i}.ffn.w1"] = ColwiseParallel()
+        plan[f"blocks.{i}.ffn.w2"] = RowwiseParallel()
+    return plan
+
+
+# ----------------------------------------------------------------------------- units
+
+
+class CharLMTrainUnit(TrainUnit[LMBatch]):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.metric_bag.register_metric("nll_loss", Mean(), persistent=False)
+
+    def __call__(self, batch: LMBatch) -> tuple[Tensor, int | None]:
+        logits = self.model(batch.inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.targets.flatten(), reduction="sum")
+        self.metric_bag.nll_loss.update(loss.detach() / batch.num_targets, weight=batch.num_targets)
+        return loss, batch.num_targets
+
+
+class CharLMEvalUnit(EvalUnit[LMBatch]):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.metric_bag.register_metric("nll_loss", Mean())
+        self.metric_bag.register_metric("perplexity", Perplexity())
+
+    def __call__(self, batch: LMBatch) -> None:
+        logits = self.model(batch.inputs).float()
+        loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten())
+        self.metric_bag.nll_loss.update(loss, weight=batch.num_targets)
+        self.metric_bag.perplexity.update(logits, batch.targets)
+
+
+# ---------------------------------------------------------------------------- recipe
+
+
+def build_model(config: CharLMConfig, gangs: Gangs) -> nn.Module:
+    # The same seed on every rank: FSDP2 and TP shard the weights each rank initialized itself.
+    torch.manual_seed(config.trainer.seed)
+    model = ByteTransformer(config.model, config.data.seq_len).to(gangs.root.device)
+    model = apply_tensor_parallel(model, gangs, tensor_parallel_plan(model))
+    kind = config.data_parallel
+    if kind == "auto":
+        kind = "fsdp" if gangs.tp.size > 1 else "ddp"
+    return apply_data_parallel(model, gangs, kind=kind, fsdp_units=(Block,))
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """Linear warmup, then cosine decay to a tenth of the peak learning rate."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+    return factor
+
+
+def recipe(config: CharLMConfig, output_dir: Path) -> Trainer[LMBatch]:
+    gangs = setup_gangs(tp_size=config.gang.tp_size, timeout=timedelta(minutes=config.gang.timeout_minutes))
+    train_bytes, valid_bytes = load_corpus(config.data)
+    log.info("Corpus: %d train bytes, %d valid bytes.", train_bytes.numel(), valid_bytes.numel())
+
+    model = build_model(config, gangs)
+    opt = config.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay)
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(opt.warmup_steps, config.trainer.max_num_steps)
+    )
+
+    data = config.data
+    train_reader: DataReader[LMBatch] = MapDataReader(
+        dataset=ByteWindows(train_bytes, data.seq_len),
+        batch_size=data.batch_size,
+        collate=collate_windows,
+        gang=gangs.dp,
+        num_accumulate=data.num_accumulate,
+        seed=config.trainer.seed,
+    )
+    valid_reader: DataReader[LMBatch] = MapDataReader(
+        dataset=ByteWindows(valid_bytes, data.seq_len),
+        batch_size=data.batch_size,
+        collate=collate_windows,
+        gang=gangs.dp,
+        shuffle=False,
+        drop_remainder=False,
+        sync_mode=SyncMode.UNTIL_LAST,
+    )
+
+    t = config.trainer
+    early_stopper = (
+        PatienceEarlyStopper(t.early_stop_patience, lower_better=True)
+        if t.early_stop_patience is not None
+        else None
+    )
+    return Trainer(
+        unit=CharLMTrainUnit(model),
+        data_reader=train_reader,
+        optimizer=optimizer,
+        checkpoint_manager=CheckpointManager(output_dir / "checkpoints", gangs),
+        gangs=gangs,
+        dtype=getattr(torch, t.dtype),
+        lr_scheduler=lr_scheduler,
+        max_num_steps=t.max_num_steps,
+        max_num_data_epochs=t.max_num_data_epochs,
+        valid_units=[CharLMEvalUnit(model)],
+        valid_data_readers=[valid_reader],
+        validate_every_n_steps=t.validate_every_n_steps,
+        checkpoint_every_n_steps=t.checkpoint_every_n_steps,
+        keep_last_n_checkpoints=t.keep_last_n_checkpoints,
+        keep_best_n_checkpoints=t.keep_best_n_checkpoints,
+        score_metric_name="nll_loss",
+        lower_better=True,
+        early_stopper=early_stopper,
+        publish_metrics_every_n_steps=t.publish_metrics_every_n_steps,
+        tb_dir=output_dir / "tb",
+        metrics_dir=output_dir / "metrics",
+        wandb_project=config.wandb_project,
+        wandb_dir=output_dir,
+        max_gradient_norm=t.max_gradient_norm,
+        amp=t.amp,
+        seed=t.seed,
+    )
+
+
+if __name__ == "__main__":
+    main(recipe, CharLMConfig)

@@ -1,0 +1,22 @@
+"""Checkpoints that are complete and loadable, or invisible."""
+
+from __future__ import annotations
+
+from checkpoint.manager import (
+    CheckpointError,
+    CheckpointManager,
+    CheckpointNotFoundError,
+    LoadedCheckpoint,
+)
+from checkpoint.retention import CheckpointInfo, RetentionPlan, RetentionPolicy, plan_retention
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "LoadedCheckpoint",
+    "RetentionPlan",
+    "RetentionPolicy",
+    "plan_retention",
+]

@@ -1,0 +1,121 @@
+"""Which checkpoints to keep: keep-last and keep-best, for full checkpoints and for models."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step_nr: int
+    score: float | None
+    kind: Literal["full", "model"]
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """What survives a save. ``None`` means "no limit of that kind".
+
+    Full checkpoints kept = the last ``keep_last_n_checkpoints`` ∪ the best
+    ``keep_best_n_checkpoints`` by score ∪ the newest. Of the rest, those among the last
+    ``keep_last_n_models`` or best ``keep_best_n_models`` are pruned to their model (fairseq2's
+    meaning); the others are deleted. With no limit at all, everything is kept.
+    """
+
+    keep_last_n_checkpoints: int | None = None
+    keep_best_n_checkpoints: int | None = None
+    keep_last_n_models: int | None = None
+    keep_best_n_models: int | None = None
+    lower_better: bool = True
+
+    def __post_init__(self) -> None:
+        for name in (
+            "keep_last_n_checkpoints",
+            "keep_best_n_checkpoints",
+            "keep_last_n_models",
+            "keep_best_n_models",
+        ):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be greater than zero, but is {value} instead.")
+        _check_not_below(
+            "keep_last_n_models",
+            self.keep_last_n_models,
+            "keep_last_n_checkpoints",
+            self.keep_last_n_checkpoints,
+        )
+        _check_not_below(
+            "keep_best_n_models",
+            self.keep_best_n_models,
+            "keep_best_n_checkpoints",
+            self.keep_best_n_checkpoints,
+        )
+
+    @property
+    def limits_checkpoints(self) -> bool:
+        return self.keep_last_n_checkpoints is not None or self.keep_best_n_checkpoints is not None
+
+    @property
+    def uses_score(self) -> bool:
+        return self.keep_best_n_checkpoints is not None or self.keep_best_n_models is not None
+
+
+@dataclass(frozen=True)
+class RetentionPlan:
+    keep: frozenset[int]
+    """Every checkpoint that survives, whole or pruned to its model."""
+    prune_to_model: frozenset[int] = field(default_factory=frozenset)
+    delete: frozenset[int] = field(default_factory=frozenset)
+
+
+def plan_retention(infos: Sequence[CheckpointInfo], policy: RetentionPolicy) -> RetentionPlan:
+    """Decide for each committed checkpoint: keep it, prune it to its model, or delete it."""
+    steps = sorted(info.step_nr for info in infos)
+    if not steps or not policy.limits_checkpoints:
+        return RetentionPlan(keep=frozenset(steps))
+
+    full = [i for i in infos if i.kind == "full"]
+    keep_full = {max(steps)}
+    keep_full |= _last(full, policy.keep_last_n_checkpoints)
+    keep_full |= _best(full, policy.keep_best_n_checkpoints, policy.lower_better)
+
+    keep_model = _last(infos, policy.keep_last_n_models)
+    keep_model |= _best(infos, policy.keep_best_n_models, policy.lower_better)
+
+    kinds = {i.step_nr: i.kind for i in infos}
+    prune = {s for s in keep_model - keep_full if kinds[s] == "full"}
+    delete = set(steps) - keep_full - keep_model
+    return RetentionPlan(
+        keep=frozenset(keep_full | keep_model),
+        prune_to_model=frozenset(prune),
+        delete=frozenset(delete),
+    )
+
+
+def _last(infos: Sequence[CheckpointInfo], n: int | None) -> set[int]:
+    if n is None:
+        return set()
+    return {i.step_nr for i in sorted(infos, key=lambda i: i.step_nr)[-n:]}
+
+
+def _best(infos: Sequence[CheckpointInfo], n: int | None, lower_better: bool) -> set[int]:
+    if n is None:
+        return set()
+    scored = [i for i in infos if i.score is not None]
+    # Ties go to the newer checkpoint.
+    ranked = sorted(
+        scored,
+        key=lambda i: (i.score if lower_better else -i.score, -i.step_nr),  # type: ignore[operator]
+    )
+    return {i.step_nr for i in ranked[:n]}
+
+
+def _check_not_below(name: str, value: int | None, other: str, other_value: int | None) -> None:
+    if value is not None and other_value is not None and value < other_value:
+        raise ValueError(
+            f"{name} must be at least {other} ({other_value}), since every kept checkpoint keeps "
+            f"its model, but is {value} instead."
+        )

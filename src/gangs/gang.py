@@ -1,0 +1,314 @@
+"""The :class:`Gang` abstraction: a group of processes that run collectives together."""
+
+from __future__ import annotations
+
+import atexit
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from enum import Enum
+from typing import Any, TypeVar, final
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from typing_extensions import override
+
+
+class GangError(RuntimeError):
+    """Raised when a gang cannot be set up or one of its collectives fails."""
+
+
+class ReduceOperation(Enum):
+    SUM = "sum"
+    MEAN = "mean"
+    PRODUCT = "product"
+    MIN = "min"
+    MAX = "max"
+
+
+class Gang(ABC):
+    """A group of processes, each with a rank in ``[0, size)``, that run collectives together."""
+
+    @property
+    @abstractmethod
+    def rank(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the gang's resources; the gang is unusable afterwards."""
+
+    @abstractmethod
+    def make_gang(self, ranks: Sequence[int]) -> Gang | None:
+        """Make a sub-gang of ``ranks``; every rank of this gang must call it.
+
+        Returns ``None`` on the ranks that are not in ``ranks``.
+        """
+
+    @abstractmethod
+    def as_process_group(self) -> ProcessGroup:
+        """Return the ``torch.distributed`` process group behind the gang."""
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+    @abstractmethod
+    def all_reduce(self, tensor: Tensor, op: ReduceOperation) -> None:
+        """Reduce ``tensor`` over all ranks in place."""
+
+    @abstractmethod
+    def all_gather(self, output_tensor: Tensor, input_tensor: Tensor) -> None:
+        """Gather ``input_tensor`` from all ranks into ``output_tensor``, stacked on a new dim 0."""
+
+    @abstractmethod
+    def all_gather_to_list(self, output_tensors: list[Tensor], input_tensor: Tensor) -> None:
+        """Gather ``input_tensor`` from all ranks into ``output_tensors``, one per rank."""
+
+    @abstractmethod
+    def broadcast(self, tensor: Tensor, source_rank: int = 0) -> None: ...
+
+    @abstractmethod
+    def broadcast_objects(self, objects: list[Any], source_rank: int = 0) -> None:
+        """Replace ``objects`` in place on every rank with those of ``source_rank``.
+
+        The objects are pickled: only use it between the processes of one run.
+        """
+
+    @abstractmethod
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        """Return the ``obj`` of every rank, in rank order (pickled, like ``broadcast_objects``)."""
+
+
+@final
+class FakeGang(Gang):
+    """A gang of one process: every collective is the identity, nothing is communicated."""
+
+    def __init__(self, *, device: torch.device | None = None) -> None:
+        self._device = device if device is not None else torch.device("cpu")
+
+    @property
+    @override
+    def rank(self) -> int:
+        return 0
+
+    @property
+    @override
+    def size(self) -> int:
+        return 1
+
+    @property
+    @override
+    def device(self) -> torch.device:
+        return self._device
+
+    @override
+    def close(self) -> None:
+        pass
+
+    @override
+    def make_gang(self, ranks: Sequence[int]) -> Gang | None:
+        _check_ranks(ranks, self.size)
+        return self if 0 in ranks else None
+
+    @override
+    def as_process_group(self) -> ProcessGroup:
+        raise GangError(
+            "A FakeGang has no process group. Launch with torchrun and more than one process "
+            "to use APIs that need torch.distributed."
+        )
+
+    @override
+    def barrier(self) -> None:
+        pass
+
+    @override
+    def all_reduce(self, tensor: Tensor, op: ReduceOperation) -> None:
+        pass
+
+    @override
+    def all_gather(self, output_tensor: Tensor, input_tensor: Tensor) -> None:
+        output_tensor.copy_(input_tensor.unsqueeze(0))
+
+    @override
+    def all_gather_to_list(self, output_tensors: list[Tensor], input_tensor: Tensor) -> None:
+        if len(output_tensors) != 1:
+            raise GangError(
+                f"output_tensors must have one tensor per rank (1), but has {len(output_tensors)}."
+            )
+        output_tensors[0].copy_(input_tensor)
+
+    @override
+    def broadcast(self, tensor: Tensor, source_rank: int = 0) -> None:
+        _check_ranks([source_rank], self.size)
+
+    @override
+    def broadcast_objects(self, objects: list[Any], source_rank: int = 0) -> None:
+        _check_ranks([source_rank], self.size)
+
+    @override
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
+_REDUCE_OPS = {
+    ReduceOperation.SUM: dist.ReduceOp.SUM,
+    ReduceOperation.PRODUCT: dist.ReduceOp.PRODUCT,
+    ReduceOperation.MIN: dist.ReduceOp.MIN,
+    ReduceOperation.MAX: dist.ReduceOp.MAX,
+}
+
+T = TypeVar("T")
+
+
+@final
+class ProcessGroupGang(Gang):
+    """A gang over a ``torch.distributed`` process group."""
+
+    def __init__(self, process_group: ProcessGroup, *, device: torch.device) -> None:
+        self._pg = process_group
+        self._rank = dist.get_rank(process_group)
+        self._size = dist.get_world_size(process_group)
+        self._device = device
+
+    @classmethod
+    def init_default(cls, *, device: torch.device, timeout: timedelta) -> ProcessGroupGang:
+        """Initialize the default process group from the ``torchrun`` environment."""
+        # gloo carries CPU tensors (objects, metric states) next to nccl on CUDA.
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        try:
+            if not dist.is_initialized():
+                dist.init_process_group(backend, timeout=timeout, device_id=_device_id(device))
+                # A process that exits with the group alive aborts in the C++ destructor.
+                atexit.register(_destroy_default_group)
+        except (RuntimeError, ValueError) as ex:
+            raise GangError(
+                f"The default process group cannot be initialized with backend '{backend}': {ex}"
+            ) from ex
+        default_group = dist.group.WORLD
+        assert default_group is not None
+        return cls(default_group, device=device)
+
+    @property
+    @override
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    @override
+    def size(self) -> int:
+        return self._size
+
+    @property
+    @override
+    def device(self) -> torch.device:
+        return self._device
+
+    @override
+    def close(self) -> None:
+        if self._pg is dist.group.WORLD:
+            _destroy_default_group()
+        elif dist.is_initialized():
+            dist.destroy_process_group(self._pg)
+
+    @override
+    def make_gang(self, ranks: Sequence[int]) -> Gang | None:
+        _check_ranks(ranks, self._size)
+        global_ranks = [dist.get_global_rank(self._pg, r) for r in ranks]
+        # new_group is collective over the default group, so every rank makes every group.
+        group = self._run("make_gang", lambda: dist.new_group(global_ranks))
+        if self._rank not in ranks:
+            return None
+        if len(ranks) == 1:
+            return FakeGang(device=self._device)
+        return ProcessGroupGang(group, device=self._device)
+
+    @override
+    def as_process_group(self) -> ProcessGroup:
+        return self._pg
+
+    @override
+    def barrier(self) -> None:
+        self._run("barrier", lambda: dist.barrier(group=self._pg))
+
+    @override
+    def all_reduce(self, tensor: Tensor, op: ReduceOperation) -> None:
+        if op is ReduceOperation.MEAN:
+            # gloo has no AVG, so MEAN is a SUM followed by a division on every backend.
+            self._run("all_reduce", lambda: dist.all_reduce(tensor, dist.ReduceOp.SUM, self._pg))
+            tensor.div_(self._size)
+        else:
+            self._run("all_reduce", lambda: dist.all_reduce(tensor, _REDUCE_OPS[op], self._pg))
+
+    @override
+    def all_gather(self, output_tensor: Tensor, input_tensor: Tensor) -> None:
+        if output_tensor.shape != (self._size, *input_tensor.shape):
+            raise GangError(
+                f"output_tensor must have shape {(self._size, *input_tensor.shape)} (gang size "
+                f"first, then the input's shape), but has {tuple(output_tensor.shape)}."
+            )
+        # Stacking equals concatenating the flattened inputs, the one layout every backend takes.
+        self._run(
+            "all_gather",
+            lambda: dist.all_gather_into_tensor(
+                output_tensor.view(-1), input_tensor.reshape(-1), group=self._pg
+            ),
+        )
+
+    @override
+    def all_gather_to_list(self, output_tensors: list[Tensor], input_tensor: Tensor) -> None:
+        if len(output_tensors) != self._size:
+            raise GangError(
+                f"output_tensors must have one tensor per rank ({self._size}), "
+                f"but has {len(output_tensors)}."
+            )
+        self._run("all_gather", lambda: dist.all_gather(output_tensors, input_tensor, self._pg))
+
+    @override
+    def broadcast(self, tensor: Tensor, source_rank: int = 0) -> None:
+        _check_ranks([source_rank], self._size)
+        src = dist.get_global_rank(self._pg, source_rank)
+        self._run("broadcast", lambda: dist.broadcast(tensor, src, self._pg))
+
+    @override
+    def broadcast_objects(self, objects: list[Any], source_rank: int = 0) -> None:
+        _check_ranks([source_rank], self._size)
+        src = dist.get_global_rank(self._pg, source_rank)
+        self._run("broadcast_objects", lambda: dist.broadcast_object_list(objects, src, self._pg))
+
+    @override
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        output: list[Any] = [None] * self._size
+        self._run("all_gather_objects", lambda: dist.all_gather_object(output, obj, self._pg))
+        return output
+
+    def _run(self, name: str, collective: Callable[[], T]) -> T:
+        try:
+            return collective()
+        except (RuntimeError, ValueError) as ex:
+            raise GangError(
+                f"The {name} collective failed on rank {self._rank} of a gang of {self._size}: {ex}"
+            ) from ex
+
+
+def _check_ranks(ranks: Sequence[int], size: int) -> None:
+    bad = [r for r in ranks if not 0 <= r < size]
+    if bad:
+        raise GangError(f"Ranks must be in [0, {size}), but {bad} are not.")
+
+
+def _destroy_default_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _device_id(device: torch.device) -> torch.device | None:
+    return device if device.type == "cuda" else None

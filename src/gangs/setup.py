@@ -1,0 +1,114 @@
+"""Set up the root gang from the ``torchrun`` environment and split it into DP and TP gangs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from gangs.gang import FakeGang, Gang, GangError, ProcessGroupGang
+
+
+@dataclass(frozen=True)
+class Gangs:
+    """The gangs of one process: all processes (``root``), its DP gang and its TP gang.
+
+    Ranks are laid out as ``root_rank = dp_rank * tp.size + tp_rank``: a TP gang is a run of
+    consecutive ranks (on one machine when ``tp.size`` divides the processes per node), and a DP
+    gang strides across them.
+    """
+
+    root: Gang
+    dp: Gang
+    tp: Gang
+    mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``("dp", "tp")`` mesh, for ``fully_shard`` and ``parallelize_module``."""
+        if self.mesh is None:
+            raise GangError(
+                "A DeviceMesh needs torch.distributed, but this process runs alone (WORLD_SIZE is 1). "
+                "Launch with torchrun and --nproc-per-node 2 or more to use FSDP2 or tensor parallelism."
+            )
+        return self.mesh
+
+    @staticmethod
+    def single(device: torch.device | None = None) -> Gangs:
+        """Gangs of one process, for tests and single-process tools."""
+        gang = FakeGang(device=device)
+        return Gangs(root=gang, dp=gang, tp=gang)
+
+
+def default_device() -> torch.device:
+    """The device of this process: ``cuda:LOCAL_RANK`` when CUDA is present, otherwise the CPU."""
+    if torch.cuda.is_available():
+        local_rank = _int_env("LOCAL_RANK", 0)
+        if local_rank >= torch.cuda.device_count():
+            raise GangError(
+                f"LOCAL_RANK is {local_rank}, but this machine has only "
+                f"{torch.cuda.device_count()} CUDA devices. Lower --nproc-per-node."
+            )
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def setup_root_gang(
+    device: torch.device | None = None, timeout: timedelta = timedelta(minutes=15)
+) -> Gang:
+    """Return the gang of all processes: a :class:`FakeGang` when ``WORLD_SIZE`` is 1."""
+    if device is None:
+        device = default_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if _int_env("WORLD_SIZE", 1) == 1:
+        return FakeGang(device=device)
+    return ProcessGroupGang.init_default(device=device, timeout=timeout)
+
+
+def setup_parallel_gangs(root: Gang, *, tp_size: int = 1) -> Gangs:
+    """Split ``root`` into DP and TP gangs with a ``("dp", "tp")`` DeviceMesh over them."""
+    if tp_size <= 0:
+        raise GangError(f"tp_size must be greater than zero, but is {tp_size} instead.")
+    if root.size % tp_size != 0:
+        raise GangError(
+            f"tp_size must divide the number of processes ({root.size}), but is {tp_size} instead."
+        )
+    if root.size == 1:
+        return Gangs(root=root, dp=root, tp=root)
+
+    dp_size = root.size // tp_size
+    try:
+        mesh = init_device_mesh(root.device.type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    except (RuntimeError, ValueError) as ex:
+        raise GangError(f"The ({dp_size}, {tp_size}) device mesh cannot be made: {ex}") from ex
+
+    def gang_of(dim: str, size: int) -> Gang:
+        if size == 1:
+            return FakeGang(device=root.device)
+        return ProcessGroupGang(mesh.get_group(dim), device=root.device)
+
+    return Gangs(root=root, dp=gang_of("dp", dp_size), tp=gang_of("tp", tp_size), mesh=mesh)
+
+
+def setup_gangs(
+    *,
+    tp_size: int = 1,
+    device: torch.device | None = None,
+    timeout: timedelta = timedelta(minutes=15),
+) -> Gangs:
+    """:func:`setup_root_gang` and :func:`setup_parallel_gangs` in one call."""
+    return setup_parallel_gangs(setup_root_gang(device, timeout), tp_size=tp_size)
+
+
+def _int_env(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise GangError(f"{name} must be an integer, but is '{value}' instead.") from None

@@ -1,0 +1,666 @@
+"""The Trainer: the step loop, and around it validation, checkpoints and metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Generic, TypeVar, final
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from checkpoint import CheckpointManager, RetentionPolicy
+from gangs import FakeGang, Gang, Gangs, ReduceOperation
+from runtime.data import DataReader
+from runtime.early_stop import Stateful
+from runtime.loss_scale import LossScaler
+from runtime.parallel import clip_gradient_norm, scale_gradients, skip_gradient_sync
+from runtime.profiler import TorchProfiler
+from runtime.progress import ProgressDisplay, make_progress_display
+from runtime.recorders import (
+    CompositeMetricRecorder,
+    JsonlMetricRecorder,
+    LogMetricRecorder,
+    MetricRecorder,
+    TensorBoardRecorder,
+    WandbRecorder,
+)
+from units import EvalUnit, TrainUnit
+
+log = logging.getLogger(__name__)
+
+BatchT = TypeVar("BatchT")
+
+EarlyStopperFn = Callable[[int, float], bool]
+
+
+class TrainerError(RuntimeError):
+    """The training cannot go on: the data or the unit broke an invariant the Trainer needs."""
+
+
+@final
+class Trainer(Generic[BatchT]):
+    """Trains ``unit`` on the batches of ``data_reader``; resumes from the last checkpoint.
+
+    Each step takes ``data_reader.num_accumulate`` micro-batches, backpropagates the unit's summed
+    loss of each, and scales the gradients so the update is the mean over all targets of the
+    step, across gradient accumulation and the data-parallel gang.
+    """
+
+    def __init__(
+        self,
+        *,
+        unit: TrainUnit[BatchT],
+        data_reader: DataReader[BatchT],
+        optimizer: Optimizer,
+        checkpoint_manager: CheckpointManager,
+        root_gang: Gang | None = None,
+        dp_gang: Gang | None = None,
+        tp_gang: Gang | None = None,
+        gangs: Gangs | None = None,
+        dtype: torch.dtype = torch.float32,
+        lr_scheduler: LRScheduler | None = None,
+        max_num_steps: int | None = None,
+        max_num_data_epochs: int | None = None,
+        valid_units: Sequence[EvalUnit[Any]] | None = None,
+        valid_data_readers: Sequence[DataReader[Any]] | None = None,
+        validate_every_n_steps: int | None = None,
+        checkpoint_every_n_steps: int | None = None,
+        keep_last_n_checkpoints: int | None = None,
+        keep_best_n_checkpoints: int | None = None,
+        keep_last_n_models: int | None = None,
+        keep_best_n_models: int | None = None,
+        score_metric_name: str | None = None,
+        lower_better: bool = False,
+        early_stopper: EarlyStopperFn | None = None,
+        publish_metrics_every_n_steps: int | None = None,
+        tb_dir: Path | None = None,
+        metrics_dir: Path | None = None,
+        wandb_project: str | None = None,
+        wandb_run_name: str | None = None,
+        wandb_dir: Path | None = None,
+        wandb_config: Mapping[str, object] | None = None,
+        fp16_loss_scale: tuple[float, float] = (128.0, 0.0001),
+        max_gradient_norm: float | None = None,
+        amp: bool = False,
+        anomaly_detection: bool = False,
+        profiler: TorchProfiler | None = None,
+        seed: int = 2,
+        progress: bool = True,
+    ) -> None:
+        if gangs is not None:
+            if root_gang is not None or dp_gang is not None or tp_gang is not None:
+                raise ValueError("Pass either gangs or root_gang/dp_gang/tp_gang, not both.")
+        elif root_gang is None:
+            raise ValueError("root_gang (or gangs) must be given.")
+        else:
+            gangs = Gangs(
+                root=root_gang,
+                dp=dp_gang or root_gang,
+                tp=tp_gang or FakeGang(device=root_gang.device),
+            )
+        if gangs.dp.size * gangs.tp.size != gangs.root.size:
+            raise ValueError(
+                f"The DP gang ({gangs.dp.size}) times the TP gang ({gangs.tp.size}) must make up "
+                f"the root gang ({gangs.root.size})."
+            )
+
+        for name, value in (
+            ("max_num_steps", max_num_steps),
+            ("max_num_data_epochs", max_num_data_epochs),
+            ("validate_every_n_steps", validate_every_n_steps),
+            ("checkpoint_every_n_steps", checkpoint_every_n_steps),
+            ("publish_metrics_every_n_steps", publish_metrics_every_n_steps),
+        ):
+            _check_positive(name, value)
+        if max_gradient_norm is not None and max_gradient_norm <= 0:
+            raise ValueError(
+                f"max_gradient_norm must be greater than zero, but is {max_gradient_norm} instead."
+            )
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"dtype must be torch.float32, torch.bfloat16 or torch.float16, but is {dtype} instead."
+            )
+
+        valid_units = list(valid_units or [])
+        valid_data_readers = list(valid_data_readers or [])
+        if len(valid_units) != len(valid_data_readers):
+            raise ValueError(
+                f"valid_units and valid_data_readers must have the same length, but have "
+                f"{len(valid_units)} and {len(valid_data_readers)} elements instead."
+            )
+        if valid_units and validate_every_n_steps is None:
+            raise ValueError("valid_units are given, so validate_every_n_steps must be set too.")
+
+        self._retention = RetentionPolicy(
+            keep_last_n_checkpoints=keep_last_n_checkpoints,
+            keep_best_n_checkpoints=keep_best_n_checkpoints,
+            keep_last_n_models=keep_last_n_models,
+            keep_best_n_models=keep_best_n_models,
+            lower_better=lower_better,
+        )
+        if self._retention.uses_score or early_stopper is not None:
+            if score_metric_name is None or not valid_units:
+                raise ValueError(
+                    "keep_best_n_checkpoints, keep_best_n_models and early_stopper rank by a "
+                    "validation score, so valid_units and score_metric_name must be set too."
+                )
+        if self._retention.uses_score and checkpoint_every_n_steps is not None:
+            assert validate_every_n_steps is not None
+            if checkpoint_every_n_steps % validate_every_n_steps != 0:
+                raise ValueError(
+                    "With keep-best retention every checkpoint needs a score, so "
+                    f"checkpoint_every_n_steps ({checkpoint_every_n_steps}) must be a multiple of "
+                    f"validate_every_n_steps ({validate_every_n_steps})."
+                )
+
+        self._unit = unit
+        self._model = unit.model
+        self._data_reader = data_reader
+        self._optimizer = optimizer
+        self._checkpoint_manager = checkpoint_manager
+        self._gangs = gangs
+        self._dtype = dtype
+        self._lr_scheduler = lr_scheduler
+        self._max_num_steps = max_num_steps
+        self._max_num_data_epochs = max_num_data_epochs
+        self._valid_units = valid_units
+        self._valid_data_readers = valid_data_readers
+        self._validate_every_n_steps = validate_every_n_steps
+        self._checkpoint_every_n_steps = checkpoint_every_n_steps
+        self._score_metric_name = score_metric_name
+        self._lower_better = lower_better
+        self._early_stopper = early_stopper
+        self._publish_every_n_steps = publish_metrics_every_n_steps
+        self._max_gradient_norm = max_gradient_norm
+        self._amp = amp
+        self._anomaly_detection = anomaly_detection
+        self._profiler = profiler
+        self._seed = seed
+        self._loss_scaler = LossScaler(
+            init_scale=fp16_loss_scale[0],
+            min_scale=fp16_loss_scale[1],
+            enabled=dtype == torch.float16,
+        )
+
+        self._step_nr = 0
+        self._data_epoch_nr = 1
+        self._finished = False
+        self._last_score: float | None = None
+        self._best_score: float | None = None
+        self._best_step_nr: int | None = None
+        self._window = _MetricWindow(gangs.dp.device)
+        self._run_start = time.perf_counter()
+
+        is_writer = gangs.root.rank == 0
+        self._recorder = self._make_recorder(
+            is_writer, tb_dir, metrics_dir, wandb_project, wandb_run_name, wandb_dir, wandb_config
+        )
+        self._progress: ProgressDisplay = make_progress_display(enabled=progress and is_writer)
+
+    @property
+    def step_nr(self) -> int:
+        return self._step_nr
+
+    @property
+    def gangs(self) -> Gangs:
+        return self._gangs
+
+    # ------------------------------------------------------------------- run
+
+    def run(self) -> int:
+        """Train until a stop condition; return the process exit status (0 when finished)."""
+        with contextlib.ExitStack() as stack:
+            stack.callback(self._recorder.close)
+            stack.callback(self._progress.close)
+            if self._anomaly_detection:
+                stack.enter_context(torch.autograd.detect_anomaly())
+
+            self._seed_rngs()
+            self._maybe_resume()
+            if self._finished:
+                log.info("The run finished at step %d already; nothing to do.", self._step_nr)
+                return 0
+
+            if self._profiler is not None:
+                stack.enter_context(self._profiler)
+            self._progress.start(total_steps=self._max_num_steps, initial_step=self._step_nr)
+            self._model.train()
+            self._train()
+        return 0
+
+    def _train(self) -> None:
+        log.info("Training from step %d.", self._step_nr)
+        self._run_start = time.perf_counter()
+        self._window.restart_clock()
+        while self._max_num_steps is None or self._step_nr < self._max_num_steps:
+            batches = self._next_batches()
+            if batches is None:
+                break
+            self._step_nr += 1
+            self._run_step(batches)
+            self._progress.advance(self._step_nr)
+            if self._profiler is not None:
+                self._profiler.step()
+
+            if self._should(self._publish_every_n_steps):
+                self._publish_train_metrics()
+            stop = self._should(self._validate_every_n_steps) and self._validate()
+            # Known before the save, so a checkpoint of the last step says the run is over.
+            self._finished = stop or self._step_nr == self._max_num_steps
+            if self._should(self._checkpoint_every_n_steps):
+                self._save_checkpoint()
+            if stop:
+                break
+
+        self._finished = True
+        if self._window.num_steps > 0:
+            self._publish_train_metrics()
+        if self._valid_units and self._last_validated_step != self._step_nr:
+            self._validate()
+        if self._last_checkpoint_step != self._step_nr:
+            self._save_checkpoint()
+        log.info("Training finished at step %d.", self._step_nr)
+
+    def _should(self, every_n_steps: int | None) -> bool:
+        return every_n_steps is not None and self._step_nr % every_n_steps == 0
+
+    # ------------------------------------------------------------------ step
+
+    def _next_batches(self) -> list[BatchT] | None:
+        """The next step's micro-batches; ``None`` once ``max_num_data_epochs`` are done."""
+        empty_epochs = 0
+        while True:
+            start = time.perf_counter()
+            try:
+                batches = next(self._data_reader)
+            except StopIteration:
+                self._window.data_wait_time += time.perf_counter() - start
+            else:
+                self._window.data_wait_time += time.perf_counter() - start
+                if not batches:
+                    raise TrainerError(
+                        f"The data reader returned no micro-batches for step {self._step_nr + 1}. "
+                        "Training readers must use SyncMode.UNTIL_FIRST."
+                    )
+                return batches
+
+            log.info("Data epoch %d ended at step %d.", self._data_epoch_nr, self._step_nr)
+            if self._max_num_data_epochs is not None and self._data_epoch_nr >= self._max_num_data_epochs:
+                return None
+            empty_epochs += 1
+            if empty_epochs > 1:
+                raise TrainerError(
+                    f"The data reader ended epoch {self._data_epoch_nr} without a single batch. "
+                    "Check the dataset size against batch_size, num_accumulate and the DP gang."
+                )
+            self._data_epoch_nr += 1
+            self._data_reader.reset()
+
+    def _run_step(self, batches: list[BatchT]) -> None:
+        step_nr = self._step_nr
+        self._unit.set_step_nr(step_nr)
+        if self._loss_scaler.enabled:
+            self._unit.metric_bag.begin_updates()
+
+        device_loss = torch.zeros((), device=self._gangs.dp.device, dtype=torch.float64)
+        local_weight = 0
+        num_examples = 0
+        counted_targets: bool | None = None
+        last = len(batches) - 1
+        for index, batch in enumerate(batches):
+            with skip_gradient_sync(self._model, index < last):
+                with self._autocast():
+                    loss, num_targets = self._unit(batch)
+                if counted_targets is None:
+                    counted_targets = num_targets is not None
+                elif counted_targets != (num_targets is not None):
+                    raise TrainerError(
+                        f"The unit returned a target count for some micro-batches of step {step_nr} "
+                        "and None for others. Return one or the other for every batch."
+                    )
+                if num_targets is not None and num_targets < 0:
+                    raise TrainerError(
+                        f"The unit returned {num_targets} targets at step {step_nr}; a count must "
+                        "be zero or more."
+                    )
+                (loss * self._loss_scaler.scale).backward()
+            device_loss += loss.detach()
+            local_weight += 1 if num_targets is None else num_targets
+            num_examples += _num_examples(batch)
+
+        # One CPU all-reduce per step, the one the normalization needs: the DP-wide target count.
+        # TP ranks of one DP rank see the same batch, so the root-wide sum counts each tp.size times.
+        totals = torch.tensor([float(local_weight), float(num_examples)], dtype=torch.float64)
+        self._gangs.root.all_reduce(totals, ReduceOperation.SUM)
+        total_weight, total_examples = (totals / self._gangs.tp.size).tolist()
+        if total_weight == 0:
+            raise TrainerError(
+                f"The batches of step {step_nr} have no targets on any data-parallel rank, so the "
+                "loss cannot be normalized. Check that the data yields non-empty targets."
+            )
+
+        # DDP and FSDP average gradients over the DP gang; this turns the average of per-rank sums
+        # into the sum over all targets divided by their count.
+        scale_gradients(
+            self._model, self._gangs.dp.size / (total_weight * self._loss_scaler.scale)
+        )
+        grad_norm = clip_gradient_norm(self._model, self._max_gradient_norm)
+
+        if self._loss_scaler.update(grad_norm, step_nr):
+            self._optimizer.step()
+            if self._loss_scaler.enabled:
+                self._unit.metric_bag.commit_updates()
+        else:
+            self._unit.metric_bag.rollback_updates()
+        self._optimizer.zero_grad(set_to_none=True)
+        if self._lr_scheduler is not None:
+            self._lr_scheduler.step()
+
+        self._window.add_step(
+            loss_sum=device_loss,
+            local_weight=local_weight,
+            total_weight=total_weight,
+            total_examples=total_examples,
+            grad_norm=grad_norm,
+        )
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if not self._amp or self._dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self._gangs.dp.device.type, dtype=self._dtype)
+
+    # --------------------------------------------------------------- metrics
+
+    def _publish_train_metrics(self) -> None:
+        values = self._window.compute(self._gangs.dp)
+        values["lr"] = self._current_lr()
+        values["data_epoch"] = self._data_epoch_nr
+        values["elapsed_time"] = time.perf_counter() - self._run_start
+        if self._loss_scaler.enabled:
+            values["loss_scale"] = self._loss_scaler.scale
+        values.update(self._unit.metric_bag.sync_and_compute(self._gangs.dp))
+        self._unit.metric_bag.reset_non_persistent_metrics()
+        self._window.reset()
+
+        self._recorder.record_metrics("train", values, self._step_nr)
+        self._progress.update_values(
+            {k: float(v) for k, v in values.items() if k in ("loss", "lr", "grad_norm")}
+        )
+
+    def _current_lr(self) -> float:
+        if self._lr_scheduler is not None:
+            return float(self._lr_scheduler.get_last_lr()[0])
+        return float(self._optimizer.param_groups[0]["lr"])
+
+    @staticmethod
+    def _make_recorder(
+        is_writer: bool,
+        tb_dir: Path | None,
+        metrics_dir: Path | None,
+        wandb_project: str | None,
+        wandb_run_name: str | None,
+        wandb_dir: Path | None,
+        wandb_config: Mapping[str, object] | None,
+    ) -> MetricRecorder:
+        recorders: list[MetricRecorder] = []
+        if is_writer:
+            recorders.append(LogMetricRecorder(log))
+            if metrics_dir is not None:
+                recorders.append(JsonlMetricRecorder(metrics_dir))
+            if tb_dir is not None:
+                recorders.append(TensorBoardRecorder(tb_dir))
+            if wandb_project is not None:
+                wandb_base = wandb_dir or metrics_dir or tb_dir
+                if wandb_base is None:
+                    raise ValueError("wandb_project needs wandb_dir (or metrics_dir) for its files.")
+                recorders.append(
+                    WandbRecorder(
+                        project=wandb_project,
+                        output_dir=wandb_base,
+                        run_name=wandb_run_name,
+                        config=wandb_config,
+                    )
+                )
+        return CompositeMetricRecorder(recorders)
+
+    # ------------------------------------------------------------ validation
+
+    _last_validated_step: int | None = None
+
+    def _validate(self) -> bool:
+        """Run every valid unit to the end of its data; return whether to stop early."""
+        self._last_validated_step = self._step_nr
+        self._model.eval()
+        scores = []
+        with torch.inference_mode():
+            for unit, reader in zip(self._valid_units, self._valid_data_readers, strict=True):
+                unit.set_step_nr(self._step_nr)
+                for batches in reader:
+                    for batch in batches:
+                        with self._autocast():
+                            unit(batch)
+                reader.reset()
+                values = unit.metric_bag.sync_and_compute(self._gangs.dp)
+                unit.metric_bag.reset_metrics()
+                run = "valid" if unit.display_name is None else f"valid/{unit.display_name}"
+                self._recorder.record_metrics(run, values, self._step_nr)
+                if self._score_metric_name is not None:
+                    if self._score_metric_name not in values:
+                        raise TrainerError(
+                            f"score_metric_name is '{self._score_metric_name}', but the valid unit "
+                            f"'{run}' records only {sorted(values)}."
+                        )
+                    scores.append(float(values[self._score_metric_name]))
+        self._model.train()
+
+        if not scores:
+            return False
+        # Units are weighed equally: each is one view of the model's quality.
+        score = sum(scores) / len(scores)
+        self._last_score = score
+        if self._best_score is None or (
+            score < self._best_score if self._lower_better else score > self._best_score
+        ):
+            self._best_score, self._best_step_nr = score, self._step_nr
+        log.info(
+            "Validation score at step %d: %g (best %g at step %s).",
+            self._step_nr,
+            score,
+            self._best_score,
+            self._best_step_nr,
+        )
+        return self._ask_early_stopper(score)
+
+    def _ask_early_stopper(self, score: float) -> bool:
+        if self._early_stopper is None:
+            return False
+        decision = [False]
+        if self._gangs.root.rank == 0:
+            decision[0] = bool(self._early_stopper(self._step_nr, score))
+        self._gangs.root.broadcast_objects(decision)
+        if decision[0]:
+            log.info("The early stopper stopped the training at step %d.", self._step_nr)
+        return decision[0]
+
+    # ----------------------------------------------------------- checkpoints
+
+    _last_checkpoint_step: int | None = None
+
+    def _save_checkpoint(self) -> None:
+        score = self._last_score if self._last_validated_step == self._step_nr else None
+        self._checkpoint_manager.save_checkpoint(
+            self._step_nr,
+            model=self._model,
+            optimizer=self._optimizer,
+            trainer_state=self._state_dict(),
+            score=score,
+        )
+        self._last_checkpoint_step = self._step_nr
+        self._checkpoint_manager.apply_retention(self._retention)
+
+    def _maybe_resume(self) -> None:
+        loaded = self._checkpoint_manager.load_last_checkpoint(
+            model=self._model, optimizer=self._optimizer
+        )
+        if loaded is None:
+            return
+        self._load_state_dict(loaded.trainer_state)
+        self._last_checkpoint_step = self._step_nr
+        log.info("Resumed from the checkpoint of step %d.", self._step_nr)
+
+    def _state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "step_nr": self._step_nr,
+            "data_epoch_nr": self._data_epoch_nr,
+            "finished": self._finished,
+            "data_reader": self._data_reader.state_dict(),
+            "rng": _rng_state(),
+            "loss_scaler": self._loss_scaler.state_dict(),
+            "train_metrics": self._unit.metric_bag.state_dict(),
+            "window": self._window.state_dict(),
+            "last_score": self._last_score,
+            "best_score": self._best_score,
+            "best_step_nr": self._best_step_nr,
+            "last_validated_step": self._last_validated_step,
+        }
+        if self._lr_scheduler is not None:
+            state["lr_scheduler"] = self._lr_scheduler.state_dict()
+        if isinstance(self._early_stopper, Stateful):
+            state["early_stopper"] = self._early_stopper.state_dict()
+        return state
+
+    def _load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._step_nr = int(state["step_nr"])
+        self._data_epoch_nr = int(state["data_epoch_nr"])
+        self._finished = bool(state["finished"])
+        self._data_reader.load_state_dict(state["data_reader"])
+        _set_rng_state(state["rng"])
+        self._loss_scaler.load_state_dict(state["loss_scaler"])
+        self._unit.metric_bag.load_state_dict(state["train_metrics"])
+        self._window.load_state_dict(state["window"])
+        self._last_score = state["last_score"]
+        self._best_score = state["best_score"]
+        self._best_step_nr = state["best_step_nr"]
+        self._last_validated_step = state["last_validated_step"]
+        if self._lr_scheduler is not None:
+            self._lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if isinstance(self._early_stopper, Stateful) and "early_stopper" in state:
+            self._early_stopper.load_state_dict(state["early_stopper"])
+
+    def _seed_rngs(self) -> None:
+        # TP ranks of one DP rank must draw the same numbers (e.g. dropout on replicated
+        # activations); DP ranks see different data and draw different ones.
+        seed = self._seed + self._gangs.dp.rank
+        random.seed(seed)
+        torch.manual_seed(seed)
+
+
+@final
+class _MetricWindow:
+    """What the Trainer measures between two publishes, kept on the device until then."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sum = torch.zeros((), device=self._device, dtype=torch.float64)
+        self.grad_norm_sum = torch.zeros((), device=self._device, dtype=torch.float32)
+        self.local_weight = 0
+        self.total_weight = 0.0
+        self.total_examples = 0.0
+        self.num_steps = 0
+        self.data_wait_time = 0.0
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        self._start = time.perf_counter()
+
+    def add_step(
+        self,
+        *,
+        loss_sum: Tensor,
+        local_weight: int,
+        total_weight: float,
+        total_examples: float,
+        grad_norm: Tensor,
+    ) -> None:
+        self.loss_sum += loss_sum
+        self.grad_norm_sum += grad_norm.detach().to(self._device, torch.float32)
+        self.local_weight += local_weight
+        self.total_weight += total_weight
+        self.total_examples += total_examples
+        self.num_steps += 1
+
+    def compute(self, dp_gang: Gang) -> dict[str, Any]:
+        sums = torch.stack([self.loss_sum, torch.tensor(float(self.local_weight), device=self._device, dtype=torch.float64)])
+        dp_gang.all_reduce(sums, ReduceOperation.SUM)
+        loss_sum, weight = sums.tolist()
+        elapsed = max(time.perf_counter() - self._start, 1e-9)
+        steps = max(self.num_steps, 1)
+        return {
+            "loss": loss_sum / weight if weight else math.nan,
+            "grad_norm": self.grad_norm_sum.item() / steps,
+            "num_targets": self.total_weight,
+            "targets_per_second": self.total_weight / elapsed,
+            "batch_size": self.total_examples / steps,
+            "data_wait_time": self.data_wait_time,
+            "num_steps": self.num_steps,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "loss_sum": self.loss_sum.cpu(),
+            "grad_norm_sum": self.grad_norm_sum.cpu(),
+            "local_weight": self.local_weight,
+            "total_weight": self.total_weight,
+            "total_examples": self.total_examples,
+            "num_steps": self.num_steps,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.loss_sum = state["loss_sum"].to(self._device)
+        self.grad_norm_sum = state["grad_norm_sum"].to(self._device)
+        self.local_weight = int(state["local_weight"])
+        self.total_weight = float(state["total_weight"])
+        self.total_examples = float(state["total_examples"])
+        self.num_steps = int(state["num_steps"])
+
+
+def _num_examples(batch: object) -> int:
+    """Examples in a micro-batch: ``batch.batch_size`` if it has one, else ``len(batch)``."""
+    size = getattr(batch, "batch_size", None)
+    if isinstance(size, int):
+        return size
+    try:
+        return len(batch)  # type: ignore[arg-type]
+    except TypeError:
+        return 0
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    python_state = state["python"]
+    random.setstate((python_state[0], tuple(python_state[1]), python_state[2]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _check_positive(name: str, value: int | None) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"{name} must be greater than zero, but is {value} instead.")

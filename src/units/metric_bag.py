@@ -1,0 +1,135 @@
+"""A named set of torcheval metrics that a unit updates and the Trainer publishes."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any, final
+
+import torch
+from torch import Tensor
+from torcheval.metrics import Metric
+
+from gangs import Gang
+
+
+@final
+class MetricBag:
+    """Holds torcheval metrics by name; read them back as attributes (``bag.nll_loss``).
+
+    Updates are local to the process and cost no communication. :meth:`sync_and_compute` merges
+    the states of every rank of a gang, which the Trainer does only when it publishes.
+    """
+
+    def __init__(self) -> None:
+        self._metrics: dict[str, Metric[Any]] = {}
+        self._persistent: set[str] = set()
+        self._snapshot: dict[str, dict[str, Any]] | None = None
+
+    def register_metric(self, name: str, metric: Metric[Any], persistent: bool = True) -> None:
+        """Add ``metric`` as ``name``; a non-persistent metric resets after each publish."""
+        if not name.isidentifier() or name.startswith("_"):
+            raise ValueError(
+                f"A metric name must be a public Python identifier, but is '{name}' instead."
+            )
+        if name in self._metrics:
+            raise ValueError(f"A metric named '{name}' is already registered in this bag.")
+        self._metrics[name] = metric
+        if persistent:
+            self._persistent.add(name)
+
+    def __getattr__(self, name: str) -> Metric[Any]:
+        metrics = self.__dict__.get("_metrics", {})
+        if name in metrics:
+            return metrics[name]  # type: ignore[no-any-return]
+        raise AttributeError(
+            f"The metric bag has no metric named '{name}'. "
+            f"Registered metrics: {', '.join(sorted(metrics)) or 'none'}."
+        )
+
+    @property
+    def metrics(self) -> Mapping[str, Metric[Any]]:
+        return self._metrics
+
+    def reset_metrics(self) -> None:
+        for metric in self._metrics.values():
+            metric.reset()
+
+    def reset_non_persistent_metrics(self) -> None:
+        for name, metric in self._metrics.items():
+            if name not in self._persistent:
+                metric.reset()
+
+    def begin_updates(self) -> None:
+        """Remember the current state, so the updates that follow can be rolled back."""
+        self._snapshot = {
+            name: copy.deepcopy(metric.state_dict()) for name, metric in self._metrics.items()
+        }
+
+    def commit_updates(self) -> None:
+        self._snapshot = None
+
+    def rollback_updates(self) -> None:
+        """Undo the updates since :meth:`begin_updates` (a step skipped on fp16 overflow)."""
+        if self._snapshot is None:
+            raise RuntimeError("rollback_updates() needs a begin_updates() before it.")
+        for name, state in self._snapshot.items():
+            self._metrics[name].load_state_dict(state)
+        self._snapshot = None
+
+    def sync_and_compute(self, gang: Gang) -> dict[str, Any]:
+        """Merge every rank's metric states over ``gang`` and compute each metric.
+
+        Every rank of ``gang`` must call it. 0-dim results become Python numbers.
+        """
+        if not self._metrics:
+            return {}
+        if gang.size == 1:
+            merged: Mapping[str, Metric[Any]] = self._metrics
+        else:
+            states = {name: _to_cpu(m.state_dict()) for name, m in self._metrics.items()}
+            all_states = gang.all_gather_objects(states)
+            merged = {
+                name: _merge(metric, [s[name] for r, s in enumerate(all_states) if r != gang.rank])
+                for name, metric in self._metrics.items()
+            }
+        return {name: _to_python(metric.compute()) for name, metric in merged.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state of every metric, non-persistent ones included, so a resume is exact."""
+        return {name: metric.state_dict() for name, metric in self._metrics.items()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if set(state_dict) != set(self._metrics):
+            raise ValueError(
+                f"The saved metrics {sorted(state_dict)} differ from the metrics of this bag "
+                f"({sorted(self._metrics)}). Register the same metrics as the saved run."
+            )
+        for name, state in state_dict.items():
+            self._metrics[name].load_state_dict(state)
+
+
+def _merge(metric: Metric[Any], other_states: list[dict[str, Any]]) -> Metric[Any]:
+    merged = copy.deepcopy(metric)
+    others = []
+    for state in other_states:
+        other = copy.deepcopy(metric)
+        other.load_state_dict(state)
+        others.append(other.to(metric.device))
+    return merged.merge_state(others)
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
+
+
+def _to_python(value: Any) -> Any:
+    if isinstance(value, Tensor) and value.numel() == 1:
+        return value.item() if value.dtype != torch.bool else bool(value.item())
+    return value

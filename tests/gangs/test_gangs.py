@@ -1,0 +1,113 @@
+"""Gangs under real torchrun at world sizes 1, 2 and 4, and their errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gangs import FakeGang, GangError, ReduceOperation, setup_gangs, setup_parallel_gangs
+from tests.conftest import RunTorch, assert_ok
+
+WORKER = "tests/workers/gang_check.py"
+
+
+def run_gang_check(run_torchrun: RunTorch, tmp_path: Path, nproc: int, tp_size: int) -> list[dict[str, Any]]:
+    assert_ok(run_torchrun(nproc, WORKER, str(tmp_path), str(tp_size)))
+    return [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(nproc)]
+
+
+@pytest.mark.distributed
+def test_world_of_one_is_fake(run_torchrun: RunTorch, tmp_path: Path) -> None:
+    (report,) = run_gang_check(run_torchrun, tmp_path, 1, 1)
+    assert report["root"] == [0, 1]
+    assert report["dp_fake"] and report["tp_fake"]
+    assert report["root_sum"] == 1.0
+    assert report["root_members"] == [0.0]
+    assert report["mesh"] is None
+    assert report["make_gang_single"] == [0, 1]
+    assert "[1]" in report["bad_ranks_error"]
+
+
+@pytest.mark.distributed
+def test_two_processes_data_parallel(run_torchrun: RunTorch, tmp_path: Path) -> None:
+    reports = run_gang_check(run_torchrun, tmp_path, 2, 1)
+    for rank, report in enumerate(reports):
+        assert report["root"] == [rank, 2]
+        assert report["dp"] == [rank, 2]
+        assert report["tp_fake"]
+        # values are rank + 1: 1 and 2
+        assert report["root_sum"] == 3.0
+        assert report["root_mean"] == 1.5
+        assert report["root_product"] == 2.0
+        assert report["root_min"] == 1.0
+        assert report["root_max"] == 2.0
+        assert report["root_members"] == [0.0, 1.0]
+        assert report["root_members_list"] == [0.0, 1.0]
+        assert report["root_objects"] == [{"rank": 0}, {"rank": 1}]
+        assert report["broadcast_from_last"] == 1.0
+        assert report["broadcast_objects"] == ["hello from 0", 0]
+        assert report["mesh"] == [["dp", "tp"], [[0], [1]]]
+    assert reports[0]["make_gang_single"] == [0, 1]
+    assert reports[1]["make_gang_single"] is None
+
+
+@pytest.mark.distributed
+def test_four_processes_dp_x_tp_layout(run_torchrun: RunTorch, tmp_path: Path) -> None:
+    reports = run_gang_check(run_torchrun, tmp_path, 4, 2)
+    for rank, report in enumerate(reports):
+        dp_rank, tp_rank = divmod(rank, 2)
+        assert report["dp"] == [dp_rank, 2]
+        assert report["tp"] == [tp_rank, 2]
+        # TP gangs are consecutive ranks, DP gangs stride across them.
+        tp_members = [float(dp_rank * 2 + t) for t in range(2)]
+        dp_members = [float(d * 2 + tp_rank) for d in range(2)]
+        assert report["tp_members"] == tp_members
+        assert report["dp_members"] == dp_members
+        assert report["tp_sum"] == sum(tp_members) + 2
+        assert report["dp_sum"] == sum(dp_members) + 2
+        assert report["root_sum"] == 10.0
+        assert report["mesh"] == [["dp", "tp"], [[0, 1], [2, 3]]]
+
+
+def test_fake_gang_collectives_are_identity() -> None:
+    gang = FakeGang()
+    tensor = torch.tensor([3.0])
+    for op in ReduceOperation:
+        gang.all_reduce(tensor, op)
+    assert tensor.item() == 3.0
+    out = torch.zeros(1, 1)
+    gang.all_gather(out, tensor)
+    assert out.tolist() == [[3.0]]
+    assert gang.all_gather_objects("x") == ["x"]
+    assert gang.make_gang([0]) is gang
+
+
+def test_fake_gang_has_no_process_group() -> None:
+    with pytest.raises(GangError, match="torchrun"):
+        FakeGang().as_process_group()
+
+
+def test_tp_size_must_divide_world() -> None:
+    fake = FakeGang()
+    with pytest.raises(GangError, match=r"tp_size must divide the number of processes \(1\), but is 2"):
+        setup_parallel_gangs(fake, tp_size=2)
+    with pytest.raises(GangError, match="greater than zero, but is 0"):
+        setup_parallel_gangs(fake, tp_size=0)
+
+
+def test_single_process_setup_has_no_mesh(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    gangs = setup_gangs()
+    assert isinstance(gangs.root, FakeGang)
+    with pytest.raises(GangError, match="nproc-per-node 2"):
+        _ = gangs.device_mesh
+
+
+def test_bad_world_size_env_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(GangError, match="WORLD_SIZE must be an integer, but is 'two'"):
+        setup_gangs()

@@ -1,0 +1,95 @@
+"""Distributed math: every parallel layout makes the same updates as one process would."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from tests.conftest import RunTorch, assert_ok, torchrun
+
+pytestmark = pytest.mark.distributed
+
+WORKER = "tests/workers/train_toy.py"
+
+
+def train(run_torchrun: RunTorch, out: Path, nproc: int, **options: Any) -> dict[str, Tensor]:
+    result = run_torchrun(nproc, WORKER, str(out), json.dumps(options))
+    assert_ok(result)
+    params: dict[str, Tensor] = torch.load(out / "params.pt", weights_only=True)
+    return params
+
+
+def assert_same_params(actual: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.fixture(scope="module")
+def single_process_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tensor]:
+    """DP=1, batch 8, clipped: the run every layout below must reproduce."""
+    out = tmp_path_factory.mktemp("reference")
+    return train(torchrun, out, 1, batch_size=8, max_gradient_norm=0.5)
+
+
+def test_reference_run_moved_the_weights(
+    single_process_reference: dict[str, Tensor],
+) -> None:
+    from tests.workers.train_toy import ToyModel
+
+    torch.manual_seed(0)
+    initial = ToyModel().state_dict()
+    moved = [not torch.allclose(initial[k], single_process_reference[k]) for k in initial]
+    assert all(moved)
+
+
+def test_dp2_matches_dp1_with_doubled_batch(
+    run_torchrun: RunTorch, tmp_path: Path, single_process_reference: dict[str, Tensor]
+) -> None:
+    params = train(run_torchrun, tmp_path, 2, batch_size=4, max_gradient_norm=0.5)
+    assert_same_params(params, single_process_reference)
+
+
+def test_accumulation_matches_one_batch_of_twice_the_size(
+    run_torchrun: RunTorch, tmp_path: Path, single_process_reference: dict[str, Tensor]
+) -> None:
+    params = train(run_torchrun, tmp_path, 1, batch_size=4, num_accumulate=2, max_gradient_norm=0.5)
+    assert_same_params(params, single_process_reference)
+
+
+def test_dp2_with_accumulation_matches_dp1(
+    run_torchrun: RunTorch, tmp_path: Path, single_process_reference: dict[str, Tensor]
+) -> None:
+    params = train(
+        run_torchrun, tmp_path, 2, batch_size=2, num_accumulate=2, max_gradient_norm=0.5
+    )
+    # The DP shards interleave, so the same 8 examples form each step in another grouping.
+    assert_same_params(params, single_process_reference)
+
+
+def test_fsdp2_matches_ddp(
+    run_torchrun: RunTorch, tmp_path: Path, single_process_reference: dict[str, Tensor]
+) -> None:
+    params = train(run_torchrun, tmp_path, 2, batch_size=4, max_gradient_norm=0.5, kind="fsdp")
+    assert_same_params(params, single_process_reference)
+
+
+def test_tp2_matches_tp1(
+    run_torchrun: RunTorch, tmp_path: Path, single_process_reference: dict[str, Tensor]
+) -> None:
+    params = train(run_torchrun, tmp_path, 2, batch_size=8, max_gradient_norm=0.5, tp_size=2)
+    assert_same_params(params, single_process_reference)
+
+
+def test_dp2_x_tp2_matches_dp1(
+    run_torchrun: RunTorch, tmp_path: Path, single_process_reference: dict[str, Tensor]
+) -> None:
+    params = train(
+        run_torchrun, tmp_path, 4, batch_size=4, max_gradient_norm=0.5, tp_size=2, kind="fsdp"
+    )
+    assert_same_params(params, single_process_reference)

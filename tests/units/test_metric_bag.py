@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torcheval.metrics import Mean, Sum
+
+from gangs import FakeGang
+from units import MetricBag
+
+
+def make_bag() -> MetricBag:
+    bag = MetricBag()
+    bag.register_metric("nll_loss", Mean(), persistent=False)
+    bag.register_metric("num_examples", Sum())
+    return bag
+
+
+def test_metrics_read_back_as_attributes() -> None:
+    bag = make_bag()
+    bag.nll_loss.update(torch.tensor(2.0), weight=3)
+    bag.nll_loss.update(torch.tensor(4.0), weight=1)
+    bag.num_examples.update(torch.tensor(5.0))
+    assert bag.sync_and_compute(FakeGang()) == {"nll_loss": 2.5, "num_examples": 5.0}
+
+
+def test_unknown_metric_names_the_registered_ones() -> None:
+    with pytest.raises(AttributeError, match="no metric named 'accuracy'. Registered metrics: nll_loss, num_examples"):
+        _ = make_bag().accuracy
+
+
+def test_bad_and_duplicate_names_are_rejected() -> None:
+    bag = make_bag()
+    with pytest.raises(ValueError, match="already registered"):
+        bag.register_metric("nll_loss", Mean())
+    with pytest.raises(ValueError, match="public Python identifier, but is 'bad-name'"):
+        bag.register_metric("bad-name", Mean())
+
+
+def test_only_non_persistent_metrics_reset_after_publish() -> None:
+    bag = make_bag()
+    bag.nll_loss.update(torch.tensor(1.0))
+    bag.num_examples.update(torch.tensor(7.0))
+    bag.reset_non_persistent_metrics()
+    bag.nll_loss.update(torch.tensor(3.0))
+    assert bag.sync_and_compute(FakeGang()) == {"nll_loss": 3.0, "num_examples": 7.0}
+
+
+def test_rolled_back_updates_do_not_count() -> None:
+    bag = make_bag()
+    bag.num_examples.update(torch.tensor(1.0))
+    bag.begin_updates()
+    bag.num_examples.update(torch.tensor(100.0))
+    bag.rollback_updates()
+    bag.begin_updates()
+    bag.num_examples.update(torch.tensor(2.0))
+    bag.commit_updates()
+    assert bag.sync_and_compute(FakeGang())["num_examples"] == 3.0
+
+
+def test_rollback_without_begin_is_an_error() -> None:
+    with pytest.raises(RuntimeError, match="begin_updates"):
+        make_bag().rollback_updates()
+
+
+def test_state_dict_round_trip_restores_every_metric() -> None:
+    bag = make_bag()
+    bag.nll_loss.update(torch.tensor(2.0), weight=2)
+    bag.num_examples.update(torch.tensor(4.0))
+    restored = make_bag()
+    restored.load_state_dict(bag.state_dict())
+    assert restored.sync_and_compute(FakeGang()) == bag.sync_and_compute(FakeGang())
+
+
+def test_state_of_other_metrics_is_rejected() -> None:
+    other = MetricBag()
+    other.register_metric("accuracy", Mean())
+    with pytest.raises(ValueError, match="Register the same metrics"):
+        make_bag().load_state_dict(other.state_dict())

@@ -1,0 +1,61 @@
+"""Exercise every gang collective under ``torchrun``; each rank writes what it saw as JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from gangs import FakeGang, GangError, ReduceOperation, setup_gangs
+
+
+def main(output_dir: Path, tp_size: int) -> None:
+    gangs = setup_gangs(tp_size=tp_size)
+    root, dp, tp = gangs.root, gangs.dp, gangs.tp
+    report: dict[str, object] = {
+        "root": [root.rank, root.size],
+        "dp": [dp.rank, dp.size],
+        "tp": [tp.rank, tp.size],
+        "dp_fake": isinstance(dp, FakeGang),
+        "tp_fake": isinstance(tp, FakeGang),
+    }
+
+    value = torch.tensor([float(root.rank)])
+    for gang_name, gang in (("root", root), ("dp", dp), ("tp", tp)):
+        for op in ReduceOperation:
+            reduced = value.clone() + 1
+            gang.all_reduce(reduced, op)
+            report[f"{gang_name}_{op.value}"] = reduced.item()
+        members = torch.zeros(gang.size, 1)
+        gang.all_gather(members, value)
+        report[f"{gang_name}_members"] = members.flatten().tolist()
+        listed = [torch.zeros(1) for _ in range(gang.size)]
+        gang.all_gather_to_list(listed, value)
+        report[f"{gang_name}_members_list"] = [t.item() for t in listed]
+        report[f"{gang_name}_objects"] = gang.all_gather_objects({"rank": root.rank})
+
+    broadcast = torch.tensor([float(root.rank)])
+    root.broadcast(broadcast, source_rank=root.size - 1)
+    report["broadcast_from_last"] = broadcast.item()
+    objects: list[object] = [f"hello from {root.rank}", root.rank]
+    root.broadcast_objects(objects, source_rank=0)
+    report["broadcast_objects"] = objects
+
+    sub = root.make_gang([0])
+    report["make_gang_single"] = None if sub is None else [sub.rank, sub.size]
+    try:
+        root.make_gang([root.size])
+    except GangError as ex:
+        report["bad_ranks_error"] = str(ex)
+
+    mesh = gangs.mesh
+    report["mesh"] = None if mesh is None else [list(mesh.mesh_dim_names or ()), mesh.mesh.tolist()]
+    root.barrier()
+    (output_dir / f"rank_{root.rank}.json").write_text(json.dumps(report))
+    root.close()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,143 @@
+"""A toy training run under ``torchrun`` for the equivalence and checkpoint tests.
+
+Usage: ``train_toy.py OUTPUT_DIR JSON_OPTIONS``. Trains a two-layer model whose examples carry a
+varying number of targets, then rank 0 saves the full parameters to ``OUTPUT_DIR/params.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torcheval.metrics import Mean
+
+from checkpoint import CheckpointManager
+from gangs import setup_gangs
+from runtime import MapDataReader, Trainer, apply_data_parallel, apply_tensor_parallel
+from units import TrainUnit
+
+NUM_TARGETS = 4
+
+
+class ToyDataset(torch.utils.data.Dataset[dict[str, Tensor]]):
+    """Inputs of 8 features; up to 4 regression targets each, the rest masked out."""
+
+    def __init__(self, size: int) -> None:
+        gen = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(size, 8, generator=gen)
+        self.y = torch.randn(size, NUM_TARGETS, generator=gen)
+        counts = torch.randint(1, NUM_TARGETS + 1, (size,), generator=gen)
+        self.mask = torch.arange(NUM_TARGETS)[None, :] < counts[:, None]
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        return {"x": self.x[index], "y": self.y[index], "mask": self.mask[index]}
+
+
+@dataclass
+class ToyBatch:
+    x: Tensor
+    y: Tensor
+    mask: Tensor
+    num_targets: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.x.size(0)
+
+
+def collate(examples: list[dict[str, Tensor]]) -> ToyBatch:
+    mask = torch.stack([e["mask"] for e in examples])
+    return ToyBatch(
+        x=torch.stack([e["x"] for e in examples]),
+        y=torch.stack([e["y"] for e in examples]),
+        mask=mask,
+        num_targets=int(mask.sum()),
+    )
+
+
+class ToyModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, NUM_TARGETS)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class ToyUnit(TrainUnit[ToyBatch]):
+    def __init__(self, model: nn.Module, *, mean_loss: bool, zero_targets: bool) -> None:
+        super().__init__(model)
+        self._mean_loss = mean_loss
+        self._zero_targets = zero_targets
+        self.metric_bag.register_metric("toy_loss", Mean(), persistent=False)
+
+    def __call__(self, batch: ToyBatch) -> tuple[Tensor, int | None]:
+        errors = (self.model(batch.x) - batch.y).pow(2) * batch.mask
+        if self._zero_targets:
+            return errors.sum() * 0.0, 0
+        if self._mean_loss:
+            loss = errors.sum() / batch.num_targets
+            self.metric_bag.toy_loss.update(loss.detach())
+            return loss, None
+        loss = errors.sum()
+        self.metric_bag.toy_loss.update(loss.detach() / batch.num_targets, weight=batch.num_targets)
+        return loss, batch.num_targets
+
+
+def main(output_dir: Path, options: dict[str, Any]) -> None:
+    gangs = setup_gangs(tp_size=options.get("tp_size", 1))
+    torch.manual_seed(0)
+    model: nn.Module = ToyModel()
+    model = apply_tensor_parallel(model, gangs, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    model = apply_data_parallel(model, gangs, kind=options.get("kind", "ddp"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    reader = MapDataReader(
+        dataset=ToyDataset(options.get("dataset_size", 256)),
+        batch_size=options["batch_size"],
+        collate=collate,
+        gang=gangs.dp,
+        num_accumulate=options.get("num_accumulate", 1),
+        seed=3,
+    )
+    trainer = Trainer(
+        unit=ToyUnit(
+            model,
+            mean_loss=options.get("mean_loss", False),
+            zero_targets=options.get("zero_targets", False),
+        ),
+        data_reader=reader,
+        optimizer=optimizer,
+        checkpoint_manager=CheckpointManager(output_dir / "checkpoints", gangs),
+        gangs=gangs,
+        max_num_steps=options.get("max_num_steps", 6),
+        max_num_data_epochs=options.get("max_num_data_epochs"),
+        max_gradient_norm=options.get("max_gradient_norm"),
+        publish_metrics_every_n_steps=options.get("publish_every", 2),
+        metrics_dir=output_dir / "metrics",
+        checkpoint_every_n_steps=options.get("checkpoint_every"),
+        progress=False,
+    )
+    trainer.run()
+
+    state = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if gangs.root.rank == 0:
+        torch.save({k.removeprefix("module."): v for k, v in state.items()}, output_dir / "params.pt")
+    gangs.root.close()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), json.loads(sys.argv[2]))
