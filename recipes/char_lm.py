@@ -140,7 +140,9 @@ def load_corpus(config: DataSection) -> tuple[Tensor, Tensor]:
     budget = {"train": config.max_train_bytes, "valid": config.max_valid_bytes}
     for file in files:
         relative = file.relative_to(root).as_posix()
-        split = "valid" if zlib.crc32(relative.encode()) % config.valid_every_nth_file == 0 else "train"
+        split = (
+            "valid" if zlib.crc32(relative.encode()) % config.valid_every_nth_file == 0 else "train"
+        )
         if budget[split] <= 0:
             if all(b <= 0 for b in budget.values()):
                 break
@@ -148,7 +150,10 @@ def load_corpus(config: DataSection) -> tuple[Tensor, Tensor]:
         data = file.read_bytes()[: budget[split]]
         chunks[split].append(data)
         budget[split] -= len(data)
-    train, valid = (torch.frombuffer(bytearray(b"".join(chunks[s])), dtype=torch.uint8) for s in ("train", "valid"))
+    train, valid = (
+        torch.frombuffer(bytearray(b"".join(chunks[s])), dtype=torch.uint8)
+        for s in ("train", "valid")
+    )
     for name, tensor in (("train", train), ("valid", valid)):
         if tensor.numel() < 4 * (config.seq_len + 1):
             raise ValueError(
@@ -208,7 +213,10 @@ class Attention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its own heads.
-        q, k, v = (w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k, v = (
+            w(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            for w in (self.wq, self.wk, self.wv)
+        )
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
@@ -280,7 +288,9 @@ class CharLMTrainUnit(TrainUnit[LMBatch]):
 
     def __call__(self, batch: LMBatch) -> tuple[Tensor, int | None]:
         logits = self.model(batch.inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch.targets.flatten(), reduction="sum")
+        loss = F.cross_entropy(
+            logits.flatten(0, 1).float(), batch.targets.flatten(), reduction="sum"
+        )
         self.metric_bag.nll_loss.update(loss.detach() / batch.num_targets, weight=batch.num_targets)
         return loss, batch.num_targets
 
@@ -325,13 +335,17 @@ def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]
 
 
 def recipe(config: CharLMConfig, output_dir: Path) -> Trainer[LMBatch]:
-    gangs = setup_gangs(tp_size=config.gang.tp_size, timeout=timedelta(minutes=config.gang.timeout_minutes))
+    gangs = setup_gangs(
+        tp_size=config.gang.tp_size, timeout=timedelta(minutes=config.gang.timeout_minutes)
+    )
     train_bytes, valid_bytes = load_corpus(config.data)
     log.info("Corpus: %d train bytes, %d valid bytes.", train_bytes.numel(), valid_bytes.numel())
 
     model = build_model(config, gangs)
     opt = config.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
+    )
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(opt.warmup_steps, config.trainer.max_num_steps)
     )

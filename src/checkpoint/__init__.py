@@ -8,7 +8,13 @@ from checkpoint.manager import (
     CheckpointNotFoundError,
     LoadedCheckpoint,
 )
-from checkpoint.retention import CheckpointInfo, RetentionPlan, RetentionPolicy, plan_retention
+from checkpoint.retention import (
+    CheckpointInfo,
+    RetentionPlan,
+    RetentionPolicy,
+    best_checkpoint,
+    plan_retention,
+)
 
 __all__ = [
     "CheckpointError",
@@ -18,5 +24,6 @@ __all__ = [
     "LoadedCheckpoint",
     "RetentionPlan",
     "RetentionPolicy",
+    "best_checkpoint",
     "plan_retention",
 ]

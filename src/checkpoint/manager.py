@@ -15,6 +15,7 @@ with a ``.tmp`` suffix, is never loaded and is removed when the next manager sta
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -22,20 +23,21 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar, final
 
 import torch
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -74,10 +76,6 @@ class CheckpointManager:
         self._dir = Path(checkpoint_dir)
         self._gangs = gangs
         self._root = gangs.root
-        if self._root.rank == 0:
-            self._dir.mkdir(parents=True, exist_ok=True)
-            self._remove_leftovers()
-        self._root.barrier()
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -201,13 +199,11 @@ class CheckpointManager:
         model_state, optim_state = get_state_dict(model, optimizer)
         self._collective(
             "load the model",
-            lambda: dcp_load(model_state, checkpoint_id=path / "model", process_group=self._pg()),
+            lambda: self._dcp_load(model_state, path / "model"),
         )
         self._collective(
             "load the optimizer",
-            lambda: dcp_load(
-                optim_state, checkpoint_id=path / "optimizer", process_group=self._pg()
-            ),
+            lambda: self._dcp_load(optim_state, path / "optimizer"),
         )
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
@@ -225,7 +221,7 @@ class CheckpointManager:
         state = get_model_state_dict(model)
         self._collective(
             "load the model",
-            lambda: dcp_load(state, checkpoint_id=path / "model", process_group=self._pg()),
+            lambda: self._dcp_load(state, path / "model"),
         )
         set_model_state_dict(model, state)
 
@@ -329,10 +325,18 @@ class CheckpointManager:
         return result  # type: ignore[no-any-return]
 
     def _dcp_save(self, state: dict[str, Any], path: Path) -> None:
-        dcp_save(state, checkpoint_id=path, process_group=self._pg())
+        if self._root.size == 1:
+            with _single_process_dcp():
+                dcp_save(state, checkpoint_id=path, no_dist=True)
+        else:
+            dcp_save(state, checkpoint_id=path, process_group=self._root.as_process_group())
 
-    def _pg(self) -> Any:
-        return self._root.as_process_group() if self._root.size > 1 else None
+    def _dcp_load(self, state: dict[str, Any], path: Path) -> None:
+        if self._root.size == 1:
+            with _single_process_dcp():
+                dcp_load(state, checkpoint_id=path, no_dist=True)
+        else:
+            dcp_load(state, checkpoint_id=path, process_group=self._root.as_process_group())
 
     def _rank_file(self) -> str:
         return f"rank_{self._root.rank}.pt"
@@ -340,13 +344,36 @@ class CheckpointManager:
     def _step_dir(self, step_nr: int) -> Path:
         return self._dir / f"step_{step_nr}"
 
-    def _remove_leftovers(self) -> None:
-        for path in self._dir.iterdir():
-            if path.name.endswith(".tmp") or (
-                _STEP_DIR.match(path.name) and not (path / MANIFEST_NAME).is_file()
-            ):
+    def remove_leftovers(self) -> None:
+        """Delete what interrupted saves and deletes left behind; every rank must call it.
+
+        Only a run that owns the directory may call it: a save in progress looks the same.
+        """
+        if self._root.rank == 0:
+            self._dir.mkdir(parents=True, exist_ok=True)
+            for path in self.incomplete_dirs():
                 log.warning("Removing %s, left by an interrupted save or delete.", path)
                 shutil.rmtree(path, ignore_errors=True)
+        self._root.barrier()
+
+    def incomplete_dirs(self) -> list[Path]:
+        """Directories of saves that never committed (or deletes that never finished)."""
+        if not self._dir.is_dir():
+            return []
+        return sorted(
+            path
+            for path in self._dir.iterdir()
+            if path.name.endswith(".tmp")
+            or (_STEP_DIR.match(path.name) and not (path / MANIFEST_NAME).is_file())
+        )
+
+
+@contextlib.contextmanager
+def _single_process_dcp() -> Iterator[None]:
+    # DCP warns that it "assumes" a single process even when told so with no_dist=True.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _describe_files(root: Path) -> dict[str, dict[str, Any]]:

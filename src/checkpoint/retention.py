@@ -19,8 +19,8 @@ class CheckpointInfo:
 class RetentionPolicy:
     """What survives a save. ``None`` means "no limit of that kind".
 
-    Full checkpoints kept = the last ``keep_last_n_checkpoints`` ∪ the best
-    ``keep_best_n_checkpoints`` by score ∪ the newest. Of the rest, those among the last
+    Full checkpoints kept = the union of the last ``keep_last_n_checkpoints``,
+    the best ``keep_best_n_checkpoints`` by score, and the newest. Of the rest, those among the last
     ``keep_last_n_models`` or best ``keep_best_n_models`` are pruned to their model (fairseq2's
     meaning); the others are deleted. With no limit at all, everything is kept.
     """
@@ -95,6 +95,14 @@ def plan_retention(infos: Sequence[CheckpointInfo], policy: RetentionPolicy) -> 
     )
 
 
+def best_checkpoint(
+    infos: Sequence[CheckpointInfo], *, lower_better: bool
+) -> CheckpointInfo | None:
+    """The checkpoint with the best score (the newest among equals), or None if none is scored."""
+    best = _ranked(infos, lower_better)
+    return best[0] if best else None
+
+
 def _last(infos: Sequence[CheckpointInfo], n: int | None) -> set[int]:
     if n is None:
         return set()
@@ -104,13 +112,17 @@ def _last(infos: Sequence[CheckpointInfo], n: int | None) -> set[int]:
 def _best(infos: Sequence[CheckpointInfo], n: int | None, lower_better: bool) -> set[int]:
     if n is None:
         return set()
-    scored = [i for i in infos if i.score is not None]
-    # Ties go to the newer checkpoint.
-    ranked = sorted(
-        scored,
-        key=lambda i: (i.score if lower_better else -i.score, -i.step_nr),  # type: ignore[operator]
-    )
-    return {i.step_nr for i in ranked[:n]}
+    return {i.step_nr for i in _ranked(infos, lower_better)[:n]}
+
+
+def _ranked(infos: Sequence[CheckpointInfo], lower_better: bool) -> list[CheckpointInfo]:
+    """The scored checkpoints, best first; ties go to the newer checkpoint."""
+
+    def key(info: CheckpointInfo) -> tuple[float, int]:
+        assert info.score is not None
+        return (info.score if lower_better else -info.score, -info.step_nr)
+
+    return sorted((i for i in infos if i.score is not None), key=key)
 
 
 def _check_not_below(name: str, value: int | None, other: str, other_value: int | None) -> None:

@@ -6,20 +6,29 @@ import contextlib
 import logging
 import math
 import random
+import signal
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Generic, TypeVar, final
+from typing import Any, Generic, Literal, TypeVar, final
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from checkpoint import CheckpointManager, RetentionPolicy
+from checkpoint import (
+    CheckpointManager,
+    CheckpointNotFoundError,
+    RetentionPolicy,
+    best_checkpoint,
+)
 from gangs import FakeGang, Gang, Gangs, ReduceOperation
+from runtime.callbacks import TrainerCallback
 from runtime.data import DataReader
 from runtime.early_stop import Stateful
+from runtime.evaluator import combine_scores, evaluate_units
 from runtime.loss_scale import LossScaler
 from runtime.parallel import clip_gradient_norm, scale_gradients, skip_gradient_sync
 from runtime.profiler import TorchProfiler
@@ -39,6 +48,12 @@ log = logging.getLogger(__name__)
 BatchT = TypeVar("BatchT")
 
 EarlyStopperFn = Callable[[int, float], bool]
+
+PREEMPTED_EXIT_CODE = 75
+"""``Trainer.run()`` returns it (EX_TEMPFAIL) after SIGTERM or SIGUSR1: a checkpoint was saved at the
+step every rank agreed on; launch the same command again to resume."""
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class TrainerError(RuntimeError):
@@ -72,7 +87,12 @@ class Trainer(Generic[BatchT]):
         valid_units: Sequence[EvalUnit[Any]] | None = None,
         valid_data_readers: Sequence[DataReader[Any]] | None = None,
         validate_every_n_steps: int | None = None,
+        validate_after_n_steps: int = 0,
+        validate_every_n_data_epochs: int | None = None,
+        validate_at_start: bool = False,
         checkpoint_every_n_steps: int | None = None,
+        checkpoint_after_n_steps: int = 0,
+        checkpoint_every_n_data_epochs: int | None = None,
         keep_last_n_checkpoints: int | None = None,
         keep_best_n_checkpoints: int | None = None,
         keep_last_n_models: int | None = None,
@@ -93,6 +113,7 @@ class Trainer(Generic[BatchT]):
         anomaly_detection: bool = False,
         profiler: TorchProfiler | None = None,
         seed: int = 2,
+        callbacks: Sequence[TrainerCallback] = (),
         progress: bool = True,
     ) -> None:
         if gangs is not None:
@@ -116,10 +137,18 @@ class Trainer(Generic[BatchT]):
             ("max_num_steps", max_num_steps),
             ("max_num_data_epochs", max_num_data_epochs),
             ("validate_every_n_steps", validate_every_n_steps),
+            ("validate_every_n_data_epochs", validate_every_n_data_epochs),
             ("checkpoint_every_n_steps", checkpoint_every_n_steps),
+            ("checkpoint_every_n_data_epochs", checkpoint_every_n_data_epochs),
             ("publish_metrics_every_n_steps", publish_metrics_every_n_steps),
         ):
             _check_positive(name, value)
+        for name, value in (
+            ("validate_after_n_steps", validate_after_n_steps),
+            ("checkpoint_after_n_steps", checkpoint_after_n_steps),
+        ):
+            if value < 0:
+                raise ValueError(f"{name} must be zero or more, but is {value} instead.")
         if max_gradient_norm is not None and max_gradient_norm <= 0:
             raise ValueError(
                 f"max_gradient_norm must be greater than zero, but is {max_gradient_norm} instead."
@@ -136,8 +165,11 @@ class Trainer(Generic[BatchT]):
                 f"valid_units and valid_data_readers must have the same length, but have "
                 f"{len(valid_units)} and {len(valid_data_readers)} elements instead."
             )
-        if valid_units and validate_every_n_steps is None:
-            raise ValueError("valid_units are given, so validate_every_n_steps must be set too.")
+        if valid_units and validate_every_n_steps is None and validate_every_n_data_epochs is None:
+            raise ValueError(
+                "valid_units are given, so validate_every_n_steps or validate_every_n_data_epochs "
+                "must be set too."
+            )
 
         self._retention = RetentionPolicy(
             keep_last_n_checkpoints=keep_last_n_checkpoints,
@@ -146,20 +178,22 @@ class Trainer(Generic[BatchT]):
             keep_best_n_models=keep_best_n_models,
             lower_better=lower_better,
         )
-        if self._retention.uses_score or early_stopper is not None:
-            if score_metric_name is None or not valid_units:
-                raise ValueError(
-                    "keep_best_n_checkpoints, keep_best_n_models and early_stopper rank by a "
-                    "validation score, so valid_units and score_metric_name must be set too."
-                )
-        if self._retention.uses_score and checkpoint_every_n_steps is not None:
-            assert validate_every_n_steps is not None
-            if checkpoint_every_n_steps % validate_every_n_steps != 0:
-                raise ValueError(
-                    "With keep-best retention every checkpoint needs a score, so "
-                    f"checkpoint_every_n_steps ({checkpoint_every_n_steps}) must be a multiple of "
-                    f"validate_every_n_steps ({validate_every_n_steps})."
-                )
+        if (self._retention.uses_score or early_stopper is not None) and (
+            score_metric_name is None or not valid_units
+        ):
+            raise ValueError(
+                "keep_best_n_checkpoints, keep_best_n_models and early_stopper rank by a "
+                "validation score, so valid_units and score_metric_name must be set too."
+            )
+        if self._retention.uses_score:
+            _check_every_checkpoint_is_scored(
+                checkpoint_every_n_steps=checkpoint_every_n_steps,
+                checkpoint_after_n_steps=checkpoint_after_n_steps,
+                checkpoint_every_n_data_epochs=checkpoint_every_n_data_epochs,
+                validate_every_n_steps=validate_every_n_steps,
+                validate_after_n_steps=validate_after_n_steps,
+                validate_every_n_data_epochs=validate_every_n_data_epochs,
+            )
 
         self._unit = unit
         self._model = unit.model
@@ -174,7 +208,13 @@ class Trainer(Generic[BatchT]):
         self._valid_units = valid_units
         self._valid_data_readers = valid_data_readers
         self._validate_every_n_steps = validate_every_n_steps
+        self._validate_after_n_steps = validate_after_n_steps
+        self._validate_every_n_data_epochs = validate_every_n_data_epochs
+        self._validate_at_start = validate_at_start
         self._checkpoint_every_n_steps = checkpoint_every_n_steps
+        self._checkpoint_after_n_steps = checkpoint_after_n_steps
+        self._checkpoint_every_n_data_epochs = checkpoint_every_n_data_epochs
+        self._callbacks = list(callbacks)
         self._score_metric_name = score_metric_name
         self._lower_better = lower_better
         self._early_stopper = early_stopper
@@ -192,6 +232,10 @@ class Trainer(Generic[BatchT]):
 
         self._step_nr = 0
         self._data_epoch_nr = 1
+        self._last_validated_step: int | None = None
+        self._last_checkpoint_step: int | None = None
+        self._stop_requested = False
+        self._preempted = False
         self._finished = False
         self._last_score: float | None = None
         self._best_score: float | None = None
@@ -222,8 +266,10 @@ class Trainer(Generic[BatchT]):
             stack.callback(self._progress.close)
             if self._anomaly_detection:
                 stack.enter_context(torch.autograd.detect_anomaly())
+            stack.enter_context(self._stop_on_signals())
 
             self._seed_rngs()
+            self._checkpoint_manager.remove_leftovers()
             self._maybe_resume()
             if self._finished:
                 log.info("The run finished at step %d already; nothing to do.", self._step_nr)
@@ -233,8 +279,35 @@ class Trainer(Generic[BatchT]):
                 stack.enter_context(self._profiler)
             self._progress.start(total_steps=self._max_num_steps, initial_step=self._step_nr)
             self._model.train()
+            for callback in self._callbacks:
+                callback.on_train_begin(step_nr=self._step_nr)
+            if self._validate_at_start and self._step_nr == 0 and self._valid_units:
+                self._validate()
             self._train()
-        return 0
+            if self._finished:
+                for callback in self._callbacks:
+                    callback.on_train_end(step_nr=self._step_nr)
+        return PREEMPTED_EXIT_CODE if self._preempted and not self._finished else 0
+
+    @contextlib.contextmanager
+    def _stop_on_signals(self) -> Iterator[None]:
+        """Turn SIGTERM/SIGUSR1 into a request that the next step boundary honours on all ranks."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def request_stop(signum: int, _frame: object) -> None:
+            log.warning(
+                "Received %s: stopping at the next step boundary.", signal.Signals(signum).name
+            )
+            self._stop_requested = True
+
+        previous = {sig: signal.signal(sig, request_stop) for sig in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def _train(self) -> None:
         log.info("Training from step %d.", self._step_nr)
@@ -249,14 +322,26 @@ class Trainer(Generic[BatchT]):
             self._progress.advance(self._step_nr)
             if self._profiler is not None:
                 self._profiler.step()
+            for callback in self._callbacks:
+                callback.on_step_end(step_nr=self._step_nr)
 
             if self._should(self._publish_every_n_steps):
                 self._publish_train_metrics()
-            stop = self._should(self._validate_every_n_steps) and self._validate()
+            stop = False
+            if self._should(self._validate_every_n_steps, self._validate_after_n_steps):
+                stop = self._validate()
             # Known before the save, so a checkpoint of the last step says the run is over.
             self._finished = stop or self._step_nr == self._max_num_steps
-            if self._should(self._checkpoint_every_n_steps):
+            if (
+                self._should(self._checkpoint_every_n_steps, self._checkpoint_after_n_steps)
+                or self._preempted
+            ):
                 self._save_checkpoint()
+            if self._preempted and not self._finished:
+                # The unpublished metric window is in the checkpoint, so after the resume the
+                # published values are those of an uninterrupted run.
+                log.warning("Stopped at step %d as requested by a signal.", self._step_nr)
+                return
             if stop:
                 break
 
@@ -269,8 +354,65 @@ class Trainer(Generic[BatchT]):
             self._save_checkpoint()
         log.info("Training finished at step %d.", self._step_nr)
 
-    def _should(self, every_n_steps: int | None) -> bool:
-        return every_n_steps is not None and self._step_nr % every_n_steps == 0
+    def _should(self, every_n_steps: int | None, after_n_steps: int = 0) -> bool:
+        return (
+            every_n_steps is not None
+            and self._step_nr > after_n_steps
+            and self._step_nr % every_n_steps == 0
+        )
+
+    def _on_data_epoch_end(self) -> bool:
+        """Validate and checkpoint on the epoch schedules; return whether to stop early."""
+        epoch = self._data_epoch_nr
+        stop = False
+        every = self._validate_every_n_data_epochs
+        if every is not None and epoch % every == 0 and self._last_validated_step != self._step_nr:
+            stop = self._validate()
+        every = self._checkpoint_every_n_data_epochs
+        if every is not None and epoch % every == 0 and self._last_checkpoint_step != self._step_nr:
+            self._finished = stop
+            self._save_checkpoint()
+        return stop
+
+    def evaluate_checkpoint(
+        self, which: Literal["last", "best"] | int = "last"
+    ) -> dict[str, dict[str, Any]]:
+        """Load the model of a checkpoint and run the valid units on it, published as ``eval``.
+
+        ``which`` is ``"last"``, ``"best"`` (by score, oriented by ``lower_better``) or a step.
+        Returns the values by run name (``eval``, ``eval/<display_name>``).
+        """
+        if not self._valid_units:
+            raise ValueError("Evaluating a checkpoint needs valid_units and valid_data_readers.")
+        infos = self._checkpoint_manager.list_checkpoints()
+        if not infos:
+            raise CheckpointNotFoundError(
+                f"There are no committed checkpoints in {self._checkpoint_manager.checkpoint_dir}."
+            )
+        if which == "last":
+            step_nr = infos[-1].step_nr
+        elif which == "best":
+            best = best_checkpoint(infos, lower_better=self._lower_better)
+            if best is None:
+                raise CheckpointNotFoundError("No checkpoint has a score, so none is the best.")
+            step_nr = best.step_nr
+        else:
+            step_nr = which
+        self._checkpoint_manager.load_model(step_nr, model=self._model)
+        log.info("Evaluating the model of step %d.", step_nr)
+        try:
+            return evaluate_units(
+                model=self._model,
+                units=self._valid_units,
+                data_readers=self._valid_data_readers,
+                gangs=self._gangs,
+                step_nr=step_nr,
+                recorder=self._recorder,
+                run_prefix="eval",
+                autocast=self._autocast,
+            )
+        finally:
+            self._recorder.close()
 
     # ------------------------------------------------------------------ step
 
@@ -293,7 +435,12 @@ class Trainer(Generic[BatchT]):
                 return batches
 
             log.info("Data epoch %d ended at step %d.", self._data_epoch_nr, self._step_nr)
-            if self._max_num_data_epochs is not None and self._data_epoch_nr >= self._max_num_data_epochs:
+            if self._step_nr > 0 and self._on_data_epoch_end():
+                return None
+            if (
+                self._max_num_data_epochs is not None
+                and self._data_epoch_nr >= self._max_num_data_epochs
+            ):
                 return None
             empty_epochs += 1
             if empty_epochs > 1:
@@ -331,16 +478,21 @@ class Trainer(Generic[BatchT]):
                         f"The unit returned {num_targets} targets at step {step_nr}; a count must "
                         "be zero or more."
                     )
-                (loss * self._loss_scaler.scale).backward()
+                torch.autograd.backward(loss * self._loss_scaler.scale)
             device_loss += loss.detach()
             local_weight += 1 if num_targets is None else num_targets
             num_examples += _num_examples(batch)
 
         # One CPU all-reduce per step, the one the normalization needs: the DP-wide target count.
+        # A stop request rides along, so every rank stops at the same step at no extra cost.
         # TP ranks of one DP rank see the same batch, so the root-wide sum counts each tp.size times.
-        totals = torch.tensor([float(local_weight), float(num_examples)], dtype=torch.float64)
+        totals = torch.tensor(
+            [float(local_weight), float(num_examples), float(self._stop_requested)],
+            dtype=torch.float64,
+        )
         self._gangs.root.all_reduce(totals, ReduceOperation.SUM)
-        total_weight, total_examples = (totals / self._gangs.tp.size).tolist()
+        total_weight, total_examples = (totals[:2] / self._gangs.tp.size).tolist()
+        self._preempted = bool(totals[2] > 0)
         if total_weight == 0:
             raise TrainerError(
                 f"The batches of step {step_nr} have no targets on any data-parallel rank, so the "
@@ -349,9 +501,7 @@ class Trainer(Generic[BatchT]):
 
         # DDP and FSDP average gradients over the DP gang; this turns the average of per-rank sums
         # into the sum over all targets divided by their count.
-        scale_gradients(
-            self._model, self._gangs.dp.size / (total_weight * self._loss_scaler.scale)
-        )
+        scale_gradients(self._model, self._gangs.dp.size / (total_weight * self._loss_scaler.scale))
         grad_norm = clip_gradient_norm(self._model, self._max_gradient_norm)
 
         if self._loss_scaler.update(grad_norm, step_nr):
@@ -391,6 +541,8 @@ class Trainer(Generic[BatchT]):
         self._window.reset()
 
         self._recorder.record_metrics("train", values, self._step_nr)
+        for callback in self._callbacks:
+            callback.on_metrics_published(run="train", step_nr=self._step_nr, values=values)
         self._progress.update_values(
             {k: float(v) for k, v in values.items() if k in ("loss", "lr", "grad_norm")}
         )
@@ -420,7 +572,9 @@ class Trainer(Generic[BatchT]):
             if wandb_project is not None:
                 wandb_base = wandb_dir or metrics_dir or tb_dir
                 if wandb_base is None:
-                    raise ValueError("wandb_project needs wandb_dir (or metrics_dir) for its files.")
+                    raise ValueError(
+                        "wandb_project needs wandb_dir (or metrics_dir) for its files."
+                    )
                 recorders.append(
                     WandbRecorder(
                         project=wandb_project,
@@ -433,51 +587,40 @@ class Trainer(Generic[BatchT]):
 
     # ------------------------------------------------------------ validation
 
-    _last_validated_step: int | None = None
-
     def _validate(self) -> bool:
         """Run every valid unit to the end of its data; return whether to stop early."""
         self._last_validated_step = self._step_nr
-        self._model.eval()
-        scores = []
-        with torch.inference_mode():
-            for unit, reader in zip(self._valid_units, self._valid_data_readers, strict=True):
-                unit.set_step_nr(self._step_nr)
-                for batches in reader:
-                    for batch in batches:
-                        with self._autocast():
-                            unit(batch)
-                reader.reset()
-                values = unit.metric_bag.sync_and_compute(self._gangs.dp)
-                unit.metric_bag.reset_metrics()
-                run = "valid" if unit.display_name is None else f"valid/{unit.display_name}"
-                self._recorder.record_metrics(run, values, self._step_nr)
-                if self._score_metric_name is not None:
-                    if self._score_metric_name not in values:
-                        raise TrainerError(
-                            f"score_metric_name is '{self._score_metric_name}', but the valid unit "
-                            f"'{run}' records only {sorted(values)}."
-                        )
-                    scores.append(float(values[self._score_metric_name]))
-        self._model.train()
-
-        if not scores:
-            return False
-        # Units are weighed equally: each is one view of the model's quality.
-        score = sum(scores) / len(scores)
-        self._last_score = score
-        if self._best_score is None or (
-            score < self._best_score if self._lower_better else score > self._best_score
-        ):
-            self._best_score, self._best_step_nr = score, self._step_nr
-        log.info(
-            "Validation score at step %d: %g (best %g at step %s).",
-            self._step_nr,
-            score,
-            self._best_score,
-            self._best_step_nr,
+        results = evaluate_units(
+            model=self._model,
+            units=self._valid_units,
+            data_readers=self._valid_data_readers,
+            gangs=self._gangs,
+            step_nr=self._step_nr,
+            recorder=self._recorder,
+            autocast=self._autocast,
         )
-        return self._ask_early_stopper(score)
+        for run, values in results.items():
+            for callback in self._callbacks:
+                callback.on_metrics_published(run=run, step_nr=self._step_nr, values=values)
+
+        score = None
+        if self._score_metric_name is not None:
+            score = combine_scores(results, self._score_metric_name)
+            self._last_score = score
+            if self._best_score is None or (
+                score < self._best_score if self._lower_better else score > self._best_score
+            ):
+                self._best_score, self._best_step_nr = score, self._step_nr
+            log.info(
+                "Validation score at step %d: %g (best: %g at step %s).",
+                self._step_nr,
+                score,
+                self._best_score,
+                self._best_step_nr,
+            )
+        for callback in self._callbacks:
+            callback.on_validation_end(step_nr=self._step_nr, score=score, results=results)
+        return score is not None and self._ask_early_stopper(score)
 
     def _ask_early_stopper(self, score: float) -> bool:
         if self._early_stopper is None:
@@ -488,11 +631,11 @@ class Trainer(Generic[BatchT]):
         self._gangs.root.broadcast_objects(decision)
         if decision[0]:
             log.info("The early stopper stopped the training at step %d.", self._step_nr)
+            for callback in self._callbacks:
+                callback.on_early_stop(step_nr=self._step_nr, score=score)
         return decision[0]
 
     # ----------------------------------------------------------- checkpoints
-
-    _last_checkpoint_step: int | None = None
 
     def _save_checkpoint(self) -> None:
         score = self._last_score if self._last_validated_step == self._step_nr else None
@@ -505,6 +648,11 @@ class Trainer(Generic[BatchT]):
         )
         self._last_checkpoint_step = self._step_nr
         self._checkpoint_manager.apply_retention(self._retention)
+        for callback in self._callbacks:
+            callback.on_checkpoint_saved(
+                step_nr=self._step_nr,
+                checkpoint_dir=self._checkpoint_manager.checkpoint_dir / f"step_{self._step_nr}",
+            )
 
     def _maybe_resume(self) -> None:
         loaded = self._checkpoint_manager.load_last_checkpoint(
@@ -601,7 +749,12 @@ class _MetricWindow:
         self.num_steps += 1
 
     def compute(self, dp_gang: Gang) -> dict[str, Any]:
-        sums = torch.stack([self.loss_sum, torch.tensor(float(self.local_weight), device=self._device, dtype=torch.float64)])
+        sums = torch.stack(
+            [
+                self.loss_sum,
+                torch.tensor(float(self.local_weight), device=self._device, dtype=torch.float64),
+            ]
+        )
         dp_gang.all_reduce(sums, ReduceOperation.SUM)
         loss_sum, weight = sums.tolist()
         elapsed = max(time.perf_counter() - self._start, 1e-9)
@@ -659,6 +812,38 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
     random.setstate((python_state[0], tuple(python_state[1]), python_state[2]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _check_every_checkpoint_is_scored(
+    *,
+    checkpoint_every_n_steps: int | None,
+    checkpoint_after_n_steps: int,
+    checkpoint_every_n_data_epochs: int | None,
+    validate_every_n_steps: int | None,
+    validate_after_n_steps: int,
+    validate_every_n_data_epochs: int | None,
+) -> None:
+    """Keep-best ranks checkpoints by score: each scheduled one must follow a validation."""
+    if checkpoint_every_n_steps is not None and (
+        validate_every_n_steps is None
+        or checkpoint_every_n_steps % validate_every_n_steps != 0
+        or checkpoint_after_n_steps < validate_after_n_steps
+    ):
+        raise ValueError(
+            "With keep-best retention every checkpoint needs a score, so checkpoint_every_n_steps "
+            f"({checkpoint_every_n_steps}) must be a multiple of validate_every_n_steps "
+            f"({validate_every_n_steps}), and checkpoint_after_n_steps "
+            f"({checkpoint_after_n_steps}) at least validate_after_n_steps ({validate_after_n_steps})."
+        )
+    if checkpoint_every_n_data_epochs is not None and (
+        validate_every_n_data_epochs is None
+        or checkpoint_every_n_data_epochs % validate_every_n_data_epochs != 0
+    ):
+        raise ValueError(
+            "With keep-best retention every checkpoint needs a score, so "
+            f"checkpoint_every_n_data_epochs ({checkpoint_every_n_data_epochs}) must be a multiple "
+            f"of validate_every_n_data_epochs ({validate_every_n_data_epochs})."
+        )
 
 
 def _check_positive(name: str, value: int | None) -> None:

@@ -79,7 +79,10 @@ def test_keep_best_ignores_unscored_checkpoints_and_keeps_the_newest() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"keep_last_n_checkpoints": 0}, "keep_last_n_checkpoints must be greater than zero, but is 0"),
+        (
+            {"keep_last_n_checkpoints": 0},
+            "keep_last_n_checkpoints must be greater than zero, but is 0",
+        ),
         ({"keep_best_n_models": -1}, "keep_best_n_models must be greater than zero, but is -1"),
         (
             {"keep_last_n_checkpoints": 3, "keep_last_n_models": 2},

@@ -15,7 +15,9 @@ from tests.conftest import RunTorch, assert_ok
 WORKER = "tests/workers/gang_check.py"
 
 
-def run_gang_check(run_torchrun: RunTorch, tmp_path: Path, nproc: int, tp_size: int) -> list[dict[str, Any]]:
+def run_gang_check(
+    run_torchrun: RunTorch, tmp_path: Path, nproc: int, tp_size: int
+) -> list[dict[str, Any]]:
     assert_ok(run_torchrun(nproc, WORKER, str(tmp_path), str(tp_size)))
     return [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(nproc)]
 
@@ -93,7 +95,9 @@ def test_fake_gang_has_no_process_group() -> None:
 
 def test_tp_size_must_divide_world() -> None:
     fake = FakeGang()
-    with pytest.raises(GangError, match=r"tp_size must divide the number of processes \(1\), but is 2"):
+    with pytest.raises(
+        GangError, match=r"tp_size must divide the number of processes \(1\), but is 2"
+    ):
         setup_parallel_gangs(fake, tp_size=2)
     with pytest.raises(GangError, match="greater than zero, but is 0"):
         setup_parallel_gangs(fake, tp_size=0)

@@ -65,9 +65,7 @@ def test_accumulation_matches_one_batch_of_twice_the_size(
 def test_dp2_with_accumulation_matches_dp1(
     run_torchrun: RunTorch, tmp_path: Path, single_process_reference: dict[str, Tensor]
 ) -> None:
-    params = train(
-        run_torchrun, tmp_path, 2, batch_size=2, num_accumulate=2, max_gradient_norm=0.5
-    )
+    params = train(run_torchrun, tmp_path, 2, batch_size=2, num_accumulate=2, max_gradient_norm=0.5)
     # The DP shards interleave, so the same 8 examples form each step in another grouping.
     assert_same_params(params, single_process_reference)
 

@@ -24,7 +24,10 @@ def test_metrics_read_back_as_attributes() -> None:
 
 
 def test_unknown_metric_names_the_registered_ones() -> None:
-    with pytest.raises(AttributeError, match="no metric named 'accuracy'. Registered metrics: nll_loss, num_examples"):
+    with pytest.raises(
+        AttributeError,
+        match=r"no metric named 'accuracy'\. Registered metrics: nll_loss, num_examples",
+    ):
         _ = make_bag().accuracy
 
 

@@ -100,7 +100,9 @@ def main(output_dir: Path, options: dict[str, Any]) -> None:
     gangs = setup_gangs(tp_size=options.get("tp_size", 1))
     torch.manual_seed(0)
     model: nn.Module = ToyModel()
-    model = apply_tensor_parallel(model, gangs, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    model = apply_tensor_parallel(
+        model, gangs, {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    )
     model = apply_data_parallel(model, gangs, kind=options.get("kind", "ddp"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     reader = MapDataReader(
@@ -135,7 +137,9 @@ def main(output_dir: Path, options: dict[str, Any]) -> None:
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
     if gangs.root.rank == 0:
-        torch.save({k.removeprefix("module."): v for k, v in state.items()}, output_dir / "params.pt")
+        torch.save(
+            {k.removeprefix("module."): v for k, v in state.items()}, output_dir / "params.pt"
+        )
     gangs.root.close()
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from runtime.commands import main
+
+sys.exit(main())

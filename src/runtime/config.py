@@ -1,0 +1,520 @@
+"""Recipe configs: dataclasses filled from defaults, YAML files and ``key.sub=value`` overrides.
+
+A config is a (nested) ``@dataclass`` whose fields have defaults. :func:`load_config` starts from
+those defaults, merges the YAML files in order (nested mappings key by key, later wins), applies the
+overrides in order, checks every value against its annotation and finally calls each section's
+optional ``validate()`` hook. :func:`dump_config` writes a config back as YAML that loads to an
+equal config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import types
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path, PurePath
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Literal,
+    TypeGuard,
+    TypeVar,
+    Union,
+    final,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
+
+import yaml
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+ConfigT = TypeVar("ConfigT")
+
+_NONE_TYPE = type(None)
+
+
+@final
+class ConfigError(ValueError):
+    """A config file, override or value is wrong; the message says which and how to fix it."""
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        # The dotted key the error is about, so the loader can say which file or override set it.
+        self.key = key
+
+
+def load_config(
+    config_class: type[ConfigT],
+    *,
+    config_files: Sequence[Path | str] = (),
+    overrides: Sequence[str] = (),
+) -> ConfigT:
+    """Build a ``config_class``: dataclass defaults < ``config_files`` in order < ``overrides`` in order.
+
+    Each override is ``key.sub=value`` with ``value`` parsed as YAML (``3`` is an int, ``true`` a
+    bool, ``null`` None). Raises :class:`ConfigError` for unreadable files, unknown keys, values of
+    the wrong type and values a ``validate()`` hook rejects.
+    """
+    data = _default_data(config_class)
+    origins: dict[str, str] = {}
+    for file in config_files:
+        file_data = read_config_file(file)
+        data = _merge(data, file_data)
+        _record_origins(file_data, "", f"config file '{file}'", origins)
+    for override in overrides:
+        key, value = parse_override(override)
+        data = _merge(data, _nest(key.split("."), value))
+        origins[key] = f"--config {override}"
+    return _build(config_class, data, origins)
+
+
+def config_from_dict(config_class: type[ConfigT], data: Mapping[str, object]) -> ConfigT:
+    """Build a ``config_class`` from its defaults updated by the (nested) mapping ``data``."""
+    return _build(config_class, _merge(_default_data(config_class), data), {})
+
+
+def read_config_file(path: Path | str) -> dict[str, object]:
+    """Read one YAML config file; an empty file is an empty mapping."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(
+            f"Config file '{path}' does not exist. Check the path given to --config-file."
+        ) from None
+    except (OSError, UnicodeDecodeError) as ex:
+        raise ConfigError(f"Config file '{path}' cannot be read: {ex}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as ex:
+        raise ConfigError(f"Config file '{path}' is not valid YAML: {_one_line(str(ex))}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"Config file '{path}' must hold a mapping of config keys at its top level, but holds "
+            f"{_show(data)}. Write it as 'key: value' lines."
+        )
+    return data
+
+
+def parse_override(override: str) -> tuple[str, object]:
+    """Split ``key.sub=value`` into the dotted key and the YAML-parsed value."""
+    key, sep, text = override.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(
+            f"Config override '{override}' must have the form key.sub=value, e.g. gang.tp_size=2."
+        )
+    if any(not part for part in key.split(".")):
+        raise ConfigError(
+            f"Config override '{override}' has an empty part in its key '{key}'. "
+            "Separate the parts with single dots, e.g. gang.tp_size=2."
+        )
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as ex:
+        raise ConfigError(
+            f"Config override '{override}' has a value that is not valid YAML: "
+            f"{_one_line(str(ex))}. Quote the value if it is meant as a string."
+        ) from None
+    return key, value
+
+
+def config_to_dict(config: object) -> dict[str, object]:
+    """The config as plain YAML-able data: Paths become strings and tuples become lists."""
+    if not _is_dataclass_instance(config):
+        raise TypeError(
+            f"config must be a dataclass instance, but is {config!r} of type "
+            f"{type(config).__name__} instead."
+        )
+    data = _to_plain(config, "")
+    assert isinstance(data, dict)
+    return data
+
+
+def dump_config(config: object) -> str:
+    """The config as YAML text, in field order; :func:`load_config` reads it back unchanged."""
+    return yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=False)
+
+
+# --------------------------------------------------------------------------- merging
+
+
+def _default_data(config_class: type[object]) -> dict[str, object]:
+    if not (isinstance(config_class, type) and dataclasses.is_dataclass(config_class)):
+        raise TypeError(
+            f"config_class must be a dataclass type, but is {config_class!r} instead. "
+            "Decorate the config class with @dataclass."
+        )
+    # The defaults go through the same merge as files and overrides, so a section whose
+    # default_factory sets non-default values keeps them when only one of its keys is overridden.
+    data: dict[str, object] = {}
+    for field in dataclasses.fields(config_class):
+        if not field.init:
+            continue
+        if field.default is not dataclasses.MISSING:
+            data[field.name] = _to_plain(field.default, field.name)
+        elif field.default_factory is not dataclasses.MISSING:
+            data[field.name] = _to_plain(field.default_factory(), field.name)
+    return data
+
+
+def _merge(base: Mapping[str, object], update: Mapping[str, object]) -> dict[str, object]:
+    merged = dict(base)
+    for key, value in update.items():
+        current = merged.get(key)
+        if isinstance(current, Mapping) and isinstance(value, Mapping):
+            merged[key] = _merge(current, value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _nest(parts: Sequence[str], value: object) -> dict[str, object]:
+    if len(parts) == 1:
+        return {parts[0]: value}
+    return {parts[0]: _nest(parts[1:], value)}
+
+
+def _record_origins(
+    data: Mapping[Any, object], prefix: str, origin: str, origins: dict[str, str]
+) -> None:
+    for key, value in data.items():
+        path = _join(prefix, str(key))
+        origins[path] = origin
+        if isinstance(value, Mapping):
+            _record_origins(value, path, origin, origins)
+
+
+def _key_prefixes(key: str) -> Iterator[str]:
+    parts = re.split(r"(?=[.\[])", key)
+    for end in range(len(parts), 0, -1):
+        yield "".join(parts[:end])
+
+
+def _find_origin(key: str | None, origins: Mapping[str, str]) -> str | None:
+    if key is None:
+        return None
+    for prefix in _key_prefixes(key):
+        if prefix in origins:
+            return origins[prefix]
+    # `--config foo.bar=1` with an unknown `foo` fails at `foo`, above what the override named.
+    return next((o for k, o in origins.items() if k.startswith((f"{key}.", f"{key}["))), None)
+
+
+def _build(
+    config_class: type[ConfigT], data: Mapping[str, object], origins: Mapping[str, str]
+) -> ConfigT:
+    try:
+        config = _structure(config_class, data, "")
+    except ConfigError as ex:
+        origin = _find_origin(ex.key, origins)
+        if origin is None:
+            raise
+        # With several files and overrides the bare key does not say where to look.
+        raise ConfigError(f"{ex} (from {origin})", key=ex.key) from None
+    assert isinstance(config, config_class)
+    _validate(config, "")
+    return config
+
+
+# ------------------------------------------------------------------------- structuring
+
+
+def _structure(tp: Any, value: object, key: str) -> object:
+    """``value`` as an instance of the annotation ``tp``; ``key`` names it in errors."""
+    origin = get_origin(tp)
+    args = get_args(tp)
+
+    if tp is Any:
+        return value
+    if tp is _NONE_TYPE or tp is None:
+        if value is None:
+            return None
+        raise _wrong_type(key, tp, value)
+    if origin is Union or origin is types.UnionType:
+        return _structure_union(tp, args, value, key)
+    if origin is Literal:
+        for allowed in args:
+            if value == allowed and type(value) is type(allowed):
+                return allowed
+        raise _wrong_type(key, tp, value)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return _structure_dataclass(tp, value, key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _wrong_type(key, tp, value)
+    if tp is int:
+        # bool is an int subclass, but `steps: true` is surely a mistake.
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _wrong_type(key, tp, value)
+    if tp is float:
+        return _structure_float(value, key)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _wrong_type(key, tp, value, hint=" Quote the value to pass it as a string.")
+    if tp is Path or tp is PurePath:
+        if isinstance(value, str | os.PathLike):
+            return Path(value)
+        raise _wrong_type(key, tp, value)
+    if tp is list or origin is list:
+        item_tp = args[0] if args else Any
+        items = _expect_sequence(tp, value, key)
+        return [_structure(item_tp, item, f"{key}[{i}]") for i, item in enumerate(items)]
+    if tp is tuple or origin is tuple:
+        return _structure_tuple(tp, args, value, key)
+    if tp is dict or origin is dict:
+        return _structure_dict(tp, args, value, key)
+    raise TypeError(
+        f"Config key '{key}' is annotated as {_type_name(tp)}, which configs do not support. "
+        "Use bool, int, float, str, Path, Literal, X | None, list, tuple, dict[str, X] or a "
+        "nested dataclass."
+    )
+
+
+def _structure_union(tp: Any, args: tuple[Any, ...], value: object, key: str) -> object:
+    if value is None and _NONE_TYPE in args:
+        return None
+    arms = [arm for arm in args if arm is not _NONE_TYPE]
+    if len(arms) == 1:
+        try:
+            return _structure(arms[0], value, key)
+        except ConfigError as ex:
+            # An error deeper inside (a section's unknown key, a list item) is the precise one.
+            if ex.key != key:
+                raise
+            raise _wrong_type(key, tp, value) from None
+    for arm in arms:
+        try:
+            return _structure(arm, value, key)
+        except ConfigError:
+            continue
+    raise _wrong_type(key, tp, value)
+
+
+def _structure_float(value: object, key: str) -> float:
+    if isinstance(value, bool):
+        raise _wrong_type(key, float, value)
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        # YAML 1.1 reads `1e-3` (no dot) as a string, which is how people write learning rates.
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise _wrong_type(key, float, value)
+
+
+def _structure_dataclass(cls: type[DataclassInstance], value: object, key: str) -> object:
+    if not isinstance(value, Mapping):
+        raise _wrong_type(key, cls, value)
+    fields = {field.name: field for field in dataclasses.fields(cls) if field.init}
+    hints = _type_hints(cls)
+    kwargs: dict[str, object] = {}
+    for name, item in value.items():
+        if not isinstance(name, str) or name not in fields:
+            raise _unknown_key(key, str(name), list(fields))
+        kwargs[name] = _structure(hints[name], item, _join(key, name))
+    for name, field in fields.items():
+        has_default = (
+            field.default is not dataclasses.MISSING
+            or field.default_factory is not dataclasses.MISSING
+        )
+        if name not in kwargs and not has_default:
+            full_key = _join(key, name)
+            raise ConfigError(
+                f"Config key '{full_key}' has no default and was not given. "
+                f"Set it in a config file or with --config {full_key}=VALUE.",
+                key=full_key,
+            )
+    try:
+        return cls(**kwargs)
+    except ValueError as ex:
+        # A __post_init__ check: report it like a validate() failure.
+        raise ConfigError(f"{_section_name(key)} is invalid: {ex}", key=key) from None
+
+
+def _structure_tuple(tp: Any, args: tuple[Any, ...], value: object, key: str) -> tuple[object, ...]:
+    items = _expect_sequence(tp, value, key)
+    if not args or (len(args) == 2 and args[1] is Ellipsis):
+        item_tp = args[0] if args else Any
+        return tuple(_structure(item_tp, item, f"{key}[{i}]") for i, item in enumerate(items))
+    if len(items) != len(args):
+        raise ConfigError(
+            f"Config key '{key}' expects {_type_name(tp)} ({len(args)} items), but got "
+            f"{_show(value)} with {len(items)} items.",
+            key=key,
+        )
+    return tuple(
+        _structure(item_tp, item, f"{key}[{i}]")
+        for i, (item_tp, item) in enumerate(zip(args, items, strict=True))
+    )
+
+
+def _structure_dict(tp: Any, args: tuple[Any, ...], value: object, key: str) -> dict[str, object]:
+    key_tp, item_tp = args if args else (str, Any)
+    if key_tp is not str:
+        raise TypeError(
+            f"Config key '{key}' is annotated as {_type_name(tp)}, but config mappings need str "
+            "keys. Annotate it as dict[str, X]."
+        )
+    if not isinstance(value, Mapping):
+        raise _wrong_type(key, tp, value)
+    result: dict[str, object] = {}
+    for name, item in value.items():
+        if not isinstance(name, str):
+            raise ConfigError(
+                f"Config key '{key}' expects {_type_name(tp)}, but got the key {_show(name)}. "
+                "Quote the key to make it a string.",
+                key=key,
+            )
+        result[name] = _structure(item_tp, item, _join(key, name))
+    return result
+
+
+def _expect_sequence(tp: Any, value: object, key: str) -> Sequence[object]:
+    # A str is a Sequence too, but `layers=abc` is never meant as ['a', 'b', 'c'].
+    if isinstance(value, list | tuple):
+        return value
+    raise _wrong_type(key, tp, value, hint=" Write it as a YAML list, e.g. [1, 2].")
+
+
+def _type_hints(cls: type[object]) -> dict[str, Any]:
+    try:
+        return get_type_hints(cls)
+    except Exception as ex:
+        raise TypeError(
+            f"The annotations of config class {cls.__qualname__} cannot be resolved: {ex}. "
+            "Define the class at module level, with every name its annotations use importable."
+        ) from ex
+
+
+# ------------------------------------------------------------------------- validation
+
+
+def _validate(value: object, key: str) -> None:
+    """Call ``validate()`` on every section, innermost first, so a parent sees valid sections."""
+    if _is_dataclass_instance(value):
+        for field in dataclasses.fields(value):
+            _validate(getattr(value, field.name), _join(key, field.name))
+        validate = getattr(value, "validate", None)
+        if callable(validate):
+            try:
+                validate()
+            except ValueError as ex:
+                raise ConfigError(f"{_section_name(key)} is invalid: {ex}", key=key) from None
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _validate(item, f"{key}[{i}]")
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            _validate(item, _join(key, str(name)))
+
+
+# ---------------------------------------------------------------------- plain data
+
+
+def _to_plain(value: object, key: str) -> object:
+    if _is_dataclass_instance(value):
+        return {
+            field.name: _to_plain(getattr(value, field.name), _join(key, field.name))
+            for field in dataclasses.fields(value)
+            if field.init
+        }
+    if isinstance(value, PurePath):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {name: _to_plain(item, _join(key, str(name))) for name, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_to_plain(item, f"{key}[{i}]") for i, item in enumerate(value)]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise TypeError(
+        f"Config key '{key}' holds {_show(value)}, which cannot be written as YAML. "
+        "Config values must be bool, int, float, str, Path, None, lists, tuples, dicts or "
+        "dataclasses."
+    )
+
+
+# -------------------------------------------------------------------------- messages
+
+
+def _wrong_type(key: str, tp: Any, value: object, *, hint: str = "") -> ConfigError:
+    return ConfigError(
+        f"Config key '{key}' expects {_describe(tp)}, but got {_show(value)}.{hint}", key=key
+    )
+
+
+def _unknown_key(section: str, name: str, valid: list[str]) -> ConfigError:
+    full_key = _join(section, name)
+    where = f"under '{section}'" if section else "at the top level"
+    message = f"Unknown config key '{full_key}'. Valid keys {where}: {', '.join(valid)}."
+    match = difflib.get_close_matches(name, valid, n=1)
+    if match:
+        message += f" Did you mean '{_join(section, match[0])}'?"
+    return ConfigError(message, key=full_key)
+
+
+def _describe(tp: Any) -> str:
+    """``tp`` as the phrase after 'expects'."""
+    origin = get_origin(tp)
+    if tp is _NONE_TYPE or tp is None:
+        return "null"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(arg) for arg in get_args(tp))
+    if origin is Union or origin is types.UnionType:
+        return " or ".join(_describe(arg) for arg in get_args(tp))
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return f"a mapping of {tp.__name__} keys"
+    return _type_name(tp)
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    args = get_args(tp)
+    if tp is _NONE_TYPE or tp is None:
+        return "None"
+    if tp is Ellipsis:
+        return "..."
+    if origin is Literal:
+        return f"Literal[{', '.join(repr(arg) for arg in args)}]"
+    if origin is Union or origin is types.UnionType:
+        return " | ".join(_type_name(arg) for arg in args)
+    if origin is not None and args:
+        return f"{_type_name(origin)}[{', '.join(_type_name(arg) for arg in args)}]"
+    if isinstance(tp, type):
+        return tp.__name__
+    return repr(tp)
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _section_name(key: str) -> str:
+    return f"Config section '{key}'" if key else "The config"
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _is_dataclass_instance(value: object) -> TypeGuard[DataclassInstance]:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)

@@ -1,0 +1,197 @@
+"""Where published metrics go: a log line, JSONL files, TensorBoard and Weights & Biases.
+
+Each recorder takes the values of one *run* (``train``, ``valid``, ``valid/<name>``, ``eval``) at
+one step. The Trainer builds them on rank 0 only: the values it publishes are already reduced
+over the data-parallel gang, so one writer is enough.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import numbers
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, final
+
+from typing_extensions import override
+
+from runtime.files import write_text_atomically
+
+
+class MetricRecorder(ABC):
+    """Records the values of a run at a step."""
+
+    @abstractmethod
+    def record_metrics(self, run: str, values: Mapping[str, Any], step_nr: int) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Flush and release files; the recorder is unusable afterwards."""
+
+
+@final
+class CompositeMetricRecorder(MetricRecorder):
+    """Hands the values to each of ``recorders`` in order."""
+
+    def __init__(self, recorders: Sequence[MetricRecorder]) -> None:
+        self._recorders = list(recorders)
+
+    @override
+    def record_metrics(self, run: str, values: Mapping[str, Any], step_nr: int) -> None:
+        for recorder in self._recorders:
+            recorder.record_metrics(run, values, step_nr)
+
+    @override
+    def close(self) -> None:
+        for recorder in self._recorders:
+            recorder.close()
+
+
+@final
+class LogMetricRecorder(MetricRecorder):
+    """One line per publish: ``train step 100: loss 2.31 | lr 0.003 | ...``."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._logger = logger
+
+    @override
+    def record_metrics(self, run: str, values: Mapping[str, Any], step_nr: int) -> None:
+        text = " | ".join(f"{name} {_format(value)}" for name, value in sorted(values.items()))
+        self._logger.info("%s step %d: %s", run, step_nr, text)
+
+    @override
+    def close(self) -> None:
+        pass
+
+
+@final
+class JsonlMetricRecorder(MetricRecorder):
+    """Appends ``{"step_nr": N, ...}`` to ``output_dir/<run>.jsonl``, one object per publish.
+
+    ``valid/<name>`` goes to ``valid/<name>.jsonl``. Each line is flushed as it is written, so a
+    killed run loses no published values; non-finite floats are written as ``null`` to keep the
+    files strict JSON.
+    """
+
+    def __init__(self, output_dir: Path) -> None:
+        self._output_dir = Path(output_dir)
+        self._files: dict[str, Any] = {}
+
+    @override
+    def record_metrics(self, run: str, values: Mapping[str, Any], step_nr: int) -> None:
+        file = self._files.get(run)
+        if file is None:
+            path = self._output_dir / f"{run}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            file = self._files[run] = path.open("a", encoding="utf-8")
+        record: dict[str, Any] = {"step_nr": step_nr}
+        record.update({name: _to_json(value) for name, value in values.items()})
+        file.write(json.dumps(record, allow_nan=False) + "\n")
+        file.flush()
+
+    @override
+    def close(self) -> None:
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
+
+
+@final
+class TensorBoardRecorder(MetricRecorder):
+    """Writes scalars to TensorBoard event files under ``output_dir/<run>``."""
+
+    def __init__(self, output_dir: Path) -> None:
+        self._output_dir = Path(output_dir)
+        self._writers: dict[str, Any] = {}
+
+    @override
+    def record_metrics(self, run: str, values: Mapping[str, Any], step_nr: int) -> None:
+        writer = self._writers.get(run)
+        if writer is None:
+            # Imported here: torch.utils.tensorboard pulls in tensorboard, slow to import.
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = self._writers[run] = SummaryWriter(str(self._output_dir / run))
+        for name, value in values.items():
+            if _is_number(value):
+                writer.add_scalar(name, float(value), step_nr)
+        writer.flush()
+
+    @override
+    def close(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
+        self._writers.clear()
+
+
+@final
+class WandbRecorder(MetricRecorder):
+    """Logs to a Weights & Biases run whose files are in ``output_dir/wandb``.
+
+    The run id is kept in ``output_dir/wandb/run_id``, so a resumed training continues the same
+    W&B run instead of starting a new one. ``WANDB_MODE=offline`` works as usual.
+    """
+
+    def __init__(
+        self,
+        *,
+        project: str,
+        output_dir: Path,
+        run_name: str | None = None,
+        config: Mapping[str, object] | None = None,
+    ) -> None:
+        import wandb
+
+        wandb_dir = Path(output_dir) / "wandb"
+        wandb_dir.mkdir(parents=True, exist_ok=True)
+        id_file = wandb_dir / "run_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+        self._run = wandb.init(
+            project=project,
+            name=run_name,
+            id=run_id,
+            resume="allow",
+            dir=str(output_dir),
+            config=dict(config) if config is not None else None,
+        )
+        write_text_atomically(id_file, run_id)
+
+    @property
+    def run_id(self) -> str:
+        return str(self._run.id)
+
+    @override
+    def record_metrics(self, run: str, values: Mapping[str, Any], step_nr: int) -> None:
+        scalars = {f"{run}/{name}": float(v) for name, v in values.items() if _is_number(v)}
+        self._run.log(scalars, step=step_nr)
+
+    @override
+    def close(self) -> None:
+        self._run.finish()
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real)
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, bool) or value is None or isinstance(value, str | int):
+        return value
+    if _is_number(value):
+        number = float(value)
+        return number if math.isfinite(number) else None
+    if hasattr(value, "tolist"):
+        return _to_json(value.tolist())
+    if isinstance(value, list | tuple):
+        return [_to_json(item) for item in value]
+    return str(value)
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

@@ -1,0 +1,172 @@
+"""The step loop in one process: normalization, errors, epochs, metrics out."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from checkpoint import CheckpointManager
+from gangs import Gangs
+from runtime import MapDataReader, Trainer, TrainerError
+from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit, collate
+
+
+def make_trainer(
+    tmp_path: Path,
+    *,
+    model: nn.Module | None = None,
+    unit_kwargs: dict[str, Any] | None = None,
+    lr: float = 0.1,
+    batch_size: int = 4,
+    num_accumulate: int = 1,
+    dataset_size: int = 32,
+    **kwargs: Any,
+) -> Trainer[ToyBatch]:
+    gangs = Gangs.single()
+    torch.manual_seed(0)
+    model = model or ToyModel()
+    reader = MapDataReader(
+        dataset=ToyDataset(dataset_size),
+        batch_size=batch_size,
+        collate=collate,
+        gang=gangs.dp,
+        num_accumulate=num_accumulate,
+        shuffle=False,
+    )
+    unit = ToyUnit(model, **({"mean_loss": False, "zero_targets": False} | (unit_kwargs or {})))
+    kwargs.setdefault("max_num_steps", 1)
+    return Trainer(
+        unit=unit,
+        data_reader=reader,
+        optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+        checkpoint_manager=CheckpointManager(tmp_path / "checkpoints", gangs),
+        gangs=gangs,
+        progress=False,
+        **kwargs,
+    )
+
+
+def manual_update(
+    model: nn.Module, batches: list[ToyBatch], *, mean_loss: bool, lr: float
+) -> dict[str, Tensor]:
+    """The expected SGD step, computed by hand."""
+    model.zero_grad()
+    if mean_loss:
+        for batch in batches:
+            loss = ((model(batch.x) - batch.y).pow(2) * batch.mask).sum() / batch.num_targets
+            (loss / len(batches)).backward()
+    else:
+        total = sum(b.num_targets for b in batches)
+        for batch in batches:
+            (((model(batch.x) - batch.y).pow(2) * batch.mask).sum() / total).backward()
+    with torch.no_grad():
+        return {n: p - lr * p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("mean_loss", [False, True], ids=["summed_loss", "num_targets_none"])
+def test_accumulated_step_is_the_normalized_mean(tmp_path: Path, mean_loss: bool) -> None:
+    torch.manual_seed(0)
+    reference = ToyModel()
+    dataset = ToyDataset(32)
+    batches = [collate([dataset[i] for i in range(j, j + 4)]) for j in (0, 4)]
+    expected = manual_update(reference, batches, mean_loss=mean_loss, lr=0.1)
+
+    trainer = make_trainer(tmp_path, num_accumulate=2, unit_kwargs={"mean_loss": mean_loss})
+    trainer.run()
+    model = trainer._unit.model
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.detach(), expected[name], msg=name)
+
+
+def test_zero_targets_is_a_clear_error(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, unit_kwargs={"zero_targets": True})
+    with pytest.raises(TrainerError, match="step 1 have no targets on any data-parallel rank"):
+        trainer.run()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_num_steps": -3}, "max_num_steps must be greater than zero, but is -3 instead."),
+        ({"max_num_data_epochs": 0}, "max_num_data_epochs must be greater than zero, but is 0"),
+        ({"publish_metrics_every_n_steps": 0}, "publish_metrics_every_n_steps must be greater"),
+        ({"max_gradient_norm": -1.0}, "max_gradient_norm must be greater than zero, but is -1.0"),
+        ({"dtype": torch.int32}, "dtype must be torch.float32, torch.bfloat16 or torch.float16"),
+        ({"keep_best_n_checkpoints": 2}, "rank by a validation score"),
+        ({"fp16_loss_scale": (1.0, 2.0)}, "fp16_loss_scale must be"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(
+    tmp_path: Path, kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(
+        ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")
+    ):
+        make_trainer(tmp_path, **kwargs)
+
+
+def test_epochs_end_reset_the_reader_and_carry_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 32 examples / batch 4 = 8 steps an epoch; 3 epochs = 24 steps, though 100 are allowed.
+    trainer = make_trainer(
+        tmp_path,
+        max_num_steps=100,
+        max_num_data_epochs=3,
+        metrics_dir=tmp_path / "metrics",
+        publish_metrics_every_n_steps=8,
+    )
+    with caplog.at_level(logging.INFO):
+        assert trainer.run() == 0
+    assert trainer.step_nr == 24
+    records = [
+        json.loads(line) for line in (tmp_path / "metrics" / "train.jsonl").read_text().splitlines()
+    ]
+    assert [r["step_nr"] for r in records] == [8, 16, 24]
+    assert [r["data_epoch"] for r in records] == [1, 2, 3]
+
+
+def test_published_metrics_describe_the_window(tmp_path: Path) -> None:
+    trainer = make_trainer(
+        tmp_path, max_num_steps=6, metrics_dir=tmp_path / "metrics", publish_metrics_every_n_steps=4
+    )
+    trainer.run()
+    records = [
+        json.loads(line) for line in (tmp_path / "metrics" / "train.jsonl").read_text().splitlines()
+    ]
+    assert [r["step_nr"] for r in records] == [4, 6]  # the end of training publishes the rest
+    first = records[0]
+    for key in (
+        "loss",
+        "grad_norm",
+        "lr",
+        "targets_per_second",
+        "batch_size",
+        "data_epoch",
+        "elapsed_time",
+        "data_wait_time",
+        "toy_loss",
+        "num_targets",
+    ):
+        assert key in first, key
+    assert first["batch_size"] == 4
+    assert first["lr"] == pytest.approx(0.1)
+    # The unit's own mean-per-target loss and the Trainer's agree.
+    assert first["toy_loss"] == pytest.approx(first["loss"], rel=1e-5)
+    assert records[1]["num_steps"] == 2
+
+
+def test_gradient_clipping_bounds_the_update(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    before = {n: p.detach().clone() for n, p in ToyModel().named_parameters()}
+    trainer = make_trainer(tmp_path, max_gradient_norm=1e-3, lr=1.0)
+    trainer.run()
+    after = dict(trainer._unit.model.named_parameters())
+    step = torch.cat([(after[n].detach() - before[n]).flatten() for n in before])
+    assert step.norm().item() == pytest.approx(1e-3, rel=1e-3)
