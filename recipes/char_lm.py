@@ -150,10 +150,7 @@ def load_corpus(config: DataSection) -> tuple[Tensor, Tensor]:
         data = file.read_bytes()[: budget[split]]
         chunks[split].append(data)
         budget[split] -= len(data)
-    train, valid = (
-        torch.frombuffer(bytearray(b"".join(chunks[s])), dtype=torch.uint8)
-        for s in ("train", "valid")
-    )
+    train, valid = (_bytes_tensor(b"".join(chunks[split])) for split in ("train", "valid"))
     for name, tensor in (("train", train), ("valid", valid)):
         if tensor.numel() < 4 * (config.seq_len + 1):
             raise ValueError(
@@ -161,6 +158,13 @@ def load_corpus(config: DataSection) -> tuple[Tensor, Tensor]:
                 f"{config.seq_len}. Point data.data_dir at more text."
             )
     return train, valid
+
+
+def _bytes_tensor(data: bytes) -> Tensor:
+    # frombuffer rejects an empty buffer; an empty split is reported by the size check instead.
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 class ByteWindows(torch.utils.data.Dataset[Tensor]):

@@ -83,14 +83,25 @@ def skip_gradient_sync(model: Module, skip: bool) -> Iterator[None]:
         yield
 
 
-def gradients(model: Module) -> list[Tensor]:
-    return [p.grad for p in model.parameters() if p.grad is not None]
+def gradient_groups(model: Module) -> list[list[Tensor]]:
+    """The gradients of ``model``, grouped so that each group lives on one device mesh.
+
+    DTensor ops need operands on one mesh: with FSDP2 x TP, TP-sharded parameters live on the
+    2-D mesh and the others on the DP mesh, and with TP alone, plain tensors sit beside DTensors.
+    """
+    groups: dict[object, list[Tensor]] = {}
+    for param in model.parameters():
+        if param.grad is not None:
+            grad = param.grad
+            groups.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(
+                grad
+            )
+    return list(groups.values())
 
 
 def scale_gradients(model: Module, scale: float) -> None:
-    grads = gradients(model)
-    if grads:
-        torch._foreach_mul_(grads, scale)
+    for group in gradient_groups(model):
+        torch._foreach_mul_(group, scale)
 
 
 def clip_gradient_norm(model: Module, max_norm: float | None) -> Tensor:
@@ -99,16 +110,11 @@ def clip_gradient_norm(model: Module, max_norm: float | None) -> Tensor:
     Works for plain, DDP, FSDP2 and TP parameters alike: sharded (DTensor) gradients are reduced
     to their full norm, replicated ones count once. The norm stays on the device (no host sync).
     """
-    grads = gradients(model)
-    if not grads:
+    groups = gradient_groups(model)
+    if not groups:
         return torch.zeros(())
-    # DTensor ops need operands on one mesh: with FSDP2 x TP, TP-sharded parameters live on the
-    # 2-D mesh and the others on the DP mesh, so each mesh (and the plain tensors) is a group.
-    groups: dict[object, list[Tensor]] = {}
-    for grad in grads:
-        groups.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
     squares = []
-    for group in groups.values():
+    for group in groups:
         norm = torch.nn.utils.get_total_norm(group)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
@@ -116,6 +122,6 @@ def clip_gradient_norm(model: Module, max_norm: float | None) -> Tensor:
     total_norm = torch.stack(squares).sum().sqrt()
     if max_norm is not None:
         clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        for group in groups.values():
+        for group in groups:
             torch._foreach_mul_(group, clip_coef.to(group[0].dtype))
     return total_norm

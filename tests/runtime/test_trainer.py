@@ -15,12 +15,14 @@ from checkpoint import CheckpointManager
 from gangs import Gangs
 from runtime import MapDataReader, Trainer, TrainerError
 from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit, collate
+from units import TrainUnit
 
 
 def make_trainer(
     tmp_path: Path,
     *,
     model: nn.Module | None = None,
+    unit: TrainUnit[ToyBatch] | None = None,
     unit_kwargs: dict[str, Any] | None = None,
     lr: float = 0.1,
     batch_size: int = 4,
@@ -28,9 +30,10 @@ def make_trainer(
     dataset_size: int = 32,
     **kwargs: Any,
 ) -> Trainer[ToyBatch]:
+    """A one-process Trainer on the toy data; ``unit`` (on its own model) replaces the ToyUnit."""
     gangs = Gangs.single()
     torch.manual_seed(0)
-    model = model or ToyModel()
+    model = unit.model if unit is not None else model or ToyModel()
     reader = MapDataReader(
         dataset=ToyDataset(dataset_size),
         batch_size=batch_size,
@@ -39,7 +42,9 @@ def make_trainer(
         num_accumulate=num_accumulate,
         shuffle=False,
     )
-    unit = ToyUnit(model, **({"mean_loss": False, "zero_targets": False} | (unit_kwargs or {})))
+    if unit is None:
+        options = {"mean_loss": False, "zero_targets": False} | (unit_kwargs or {})
+        unit = ToyUnit(model, **options)
     kwargs.setdefault("max_num_steps", 1)
     return Trainer(
         unit=unit,
@@ -170,3 +175,51 @@ def test_gradient_clipping_bounds_the_update(tmp_path: Path) -> None:
     after = dict(trainer._unit.model.named_parameters())
     step = torch.cat([(after[n].detach() - before[n]).flatten() for n in before])
     assert step.norm().item() == pytest.approx(1e-3, rel=1e-3)
+
+
+class NanInBackward(ToyUnit):
+    """sqrt at 0 has an infinite gradient, so backward produces NaN."""
+
+    def __call__(self, batch: ToyBatch) -> tuple[Tensor, int | None]:
+        loss, num_targets = super().__call__(batch)
+        return loss + torch.sqrt(loss * 0.0), num_targets
+
+
+def test_anomaly_detection_names_the_backward_that_made_nan(tmp_path: Path) -> None:
+    unit = NanInBackward(ToyModel(), mean_loss=False, zero_targets=False)
+    make_trainer(tmp_path / "off", unit=unit).run()  # without it, NaN goes by unnoticed
+    assert not all(torch.isfinite(p).all() for p in unit.model.parameters())
+
+    unit = NanInBackward(ToyModel(), mean_loss=False, zero_targets=False)
+    trainer = make_trainer(tmp_path / "on", unit=unit, anomaly_detection=True)
+    with pytest.raises(RuntimeError, match=r"Function '\w+Backward0' returned nan values"):
+        trainer.run()
+
+
+class DtypeProbe(ToyUnit):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model, mean_loss=False, zero_targets=False)
+        self.output_dtypes: list[torch.dtype] = []
+
+    def __call__(self, batch: ToyBatch) -> tuple[Tensor, int | None]:
+        self.output_dtypes.append(self.model(batch.x).dtype)
+        return super().__call__(batch)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "amp", "expected"),
+    [
+        (torch.bfloat16, True, torch.bfloat16),
+        (torch.bfloat16, False, torch.float32),
+        (torch.float32, True, torch.float32),
+    ],
+)
+def test_amp_autocasts_the_forward_to_dtype(
+    tmp_path: Path, dtype: torch.dtype, amp: bool, expected: torch.dtype
+) -> None:
+    unit = DtypeProbe(ToyModel())
+    trainer = make_trainer(tmp_path, unit=unit, dtype=dtype, amp=amp, max_num_steps=2)
+    assert trainer.run() == 0
+    assert unit.output_dtypes == [expected, expected]
+    # The master weights stay in float32; autocast only changes the compute.
+    assert {p.dtype for p in unit.model.parameters()} == {torch.float32}

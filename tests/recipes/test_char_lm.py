@@ -1,0 +1,136 @@
+"""The char-LM recipe, run the way the README runs it, on a small slice of the stdlib."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from recipes.char_lm import (
+    ByteWindows,
+    CharLMConfig,
+    DataSection,
+    collate_windows,
+    load_corpus,
+    warmup_cosine,
+)
+from tests.conftest import RunTorch, assert_ok
+
+pytestmark = pytest.mark.distributed
+
+# Small enough to train in seconds, large enough to learn something about Python source.
+TINY = [
+    "data.max_train_bytes=200000",
+    "data.max_valid_bytes=20000",
+    "data.seq_len=32",
+    "data.batch_size=8",
+    "model.dim=32",
+    "model.num_heads=4",
+    "model.ffn_dim=64",
+    "model.num_layers=1",
+    "trainer.publish_metrics_every_n_steps=5",
+    "trainer.validate_every_n_steps=20",
+    "trainer.checkpoint_every_n_steps=20",
+    "optimizer.warmup_steps=5",
+]
+
+
+def read_jsonl(path: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_single_process_run_learns_and_writes_every_output(
+    run_torchrun: RunTorch, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    result = run_torchrun(
+        1, "-m", "recipes.char_lm", str(out), "--config", *TINY, "trainer.max_num_steps=40"
+    )
+    assert_ok(result)
+
+    train = read_jsonl(out / "metrics" / "train.jsonl")
+    assert [r["step_nr"] for r in train] == list(range(5, 45, 5))
+    # Uniform guessing over 256 bytes costs ln(256) = 5.55 nats; 40 steps learn the common bytes.
+    assert train[-1]["loss"] < train[0]["loss"] - 1.0
+    assert train[-1]["loss"] < 3.6
+
+    valid = read_jsonl(out / "metrics" / "valid.jsonl")
+    assert [r["step_nr"] for r in valid] == [20, 40]
+    for record in valid:
+        assert record["perplexity"] == pytest.approx(torch.tensor(record["nll_loss"]).exp().item())
+
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert config["trainer"]["max_num_steps"] == 40
+    assert (out / "logs" / "rank_0.log").is_file()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_20", "step_40"]
+    assert list((out / "tb" / "train").glob("events.out.tfevents.*"))
+
+
+def test_dp_x_tp_on_four_processes_with_fsdp2(run_torchrun: RunTorch, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = run_torchrun(
+        4,
+        "-m",
+        "recipes.char_lm",
+        str(out),
+        "--config",
+        *TINY,
+        "gang.tp_size=2",
+        "trainer.max_num_steps=20",
+        timeout=300,
+    )
+    assert_ok(result)
+    train = read_jsonl(out / "metrics" / "train.jsonl")
+    assert train[-1]["step_nr"] == 20
+    assert train[-1]["loss"] < train[0]["loss"]
+    # 2 DP ranks x 8 sequences x 32 targets per step.
+    assert train[-1]["num_targets"] == 5 * 2 * 8 * 32
+    log = (out / "logs" / "rank_0.log").read_text()
+    manifest = json.loads((out / "checkpoints" / "step_20" / "manifest.json").read_text())
+    assert (manifest["dp_size"], manifest["tp_size"]) == (2, 2), log[-2000:]
+    assert sorted((out / "logs").iterdir()) == [out / "logs" / f"rank_{r}.log" for r in range(4)]
+
+
+def test_corpus_split_is_deterministic_and_disjoint(tmp_path: Path) -> None:
+    for i in range(40):
+        (tmp_path / f"file_{i}.py").write_text(f"# file {i}\n" + "x = 1\n" * 50)
+    section = DataSection(data_dir=tmp_path, seq_len=8, valid_every_nth_file=4)
+    train, valid = load_corpus(section)
+    again_train, again_valid = load_corpus(section)
+    assert torch.equal(train, again_train) and torch.equal(valid, again_valid)
+    assert train.numel() + valid.numel() == sum(p.stat().st_size for p in tmp_path.iterdir())
+    assert 0 < valid.numel() < train.numel()
+
+
+def test_too_little_text_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "tiny.txt").write_text("abc")
+    with pytest.raises(ValueError, match=r"holds too little train text \(3 bytes\)"):
+        load_corpus(DataSection(data_dir=tmp_path, valid_every_nth_file=1_000_000))
+
+
+def test_windows_pair_each_input_with_the_next_byte() -> None:
+    data = torch.arange(20, dtype=torch.uint8)
+    windows = ByteWindows(data, seq_len=4)
+    assert len(windows) == 3
+    batch = collate_windows([windows[0], windows[1]])
+    assert batch.inputs.tolist() == [[0, 1, 2, 3], [5, 6, 7, 8]]
+    assert batch.targets.tolist() == [[1, 2, 3, 4], [6, 7, 8, 9]]
+    assert batch.num_targets == 8
+
+
+def test_schedule_warms_up_then_decays_to_a_tenth() -> None:
+    factor = warmup_cosine(warmup_steps=4, total_steps=104)
+    assert [factor(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert factor(54) == pytest.approx(0.55)
+    assert factor(104) == pytest.approx(0.1)
+    assert factor(500) == pytest.approx(0.1)
+
+
+def test_heads_must_split_over_tp() -> None:
+    config = CharLMConfig()
+    config.gang.tp_size = 3
+    with pytest.raises(ValueError, match=r"model\.num_heads \(4\) must be a multiple of gang"):
+        config.validate()
