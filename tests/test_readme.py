@@ -1,0 +1,62 @@
+"""The README's tutorial recipe runs as written, on one process and under torchrun."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT, RunTorch, assert_ok, child_env
+
+pytestmark = pytest.mark.distributed
+
+
+def tutorial_code() -> str:
+    readme = (REPO_ROOT / "README.md").read_text()
+    tutorial = readme.split("## Tutorial", 1)[1]
+    match = re.search(r"```python\n(.*?)```", tutorial, re.DOTALL)
+    assert match is not None, "the README tutorial has no python block"
+    return match.group(1)
+
+
+def run_python(script: Path, out: Path, *, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(script), str(out), "--config", "max_num_steps=20"],
+        env=child_env(),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_tutorial_recipe_trains_resumes_and_takes_overrides(
+    tmp_path: Path, run_torchrun: RunTorch
+) -> None:
+    script = tmp_path / "my_recipe.py"
+    script.write_text(tutorial_code())
+
+    out = tmp_path / "runs" / "mine"
+    single = run_python(script, out, cwd=tmp_path)
+    assert_ok(single)
+    records = [json.loads(line) for line in (out / "metrics" / "train.jsonl").open()]
+    assert [r["step_nr"] for r in records] == [10, 20]
+    assert "mse" in records[0]
+
+    # The same command again finds the finished run and does not train further.
+    again = run_python(script, out, cwd=tmp_path)
+    assert_ok(again)
+    assert len((out / "metrics" / "train.jsonl").read_text().splitlines()) == 2
+
+    dp_out = tmp_path / "runs" / "dp"
+    result = run_torchrun(
+        2, str(script), str(dp_out), "--config", "max_num_steps=20", cwd=REPO_ROOT
+    )
+    assert_ok(result)
+    assert (dp_out / "checkpoints" / "step_20" / "manifest.json").is_file()
+    assert sorted(p.name for p in (dp_out / "logs").iterdir()) == ["rank_0.log", "rank_1.log"]
