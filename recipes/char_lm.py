@@ -29,6 +29,7 @@ from runtime import (
     MapDataReader,
     PatienceEarlyStopper,
     SyncMode,
+    TorchProfiler,
     Trainer,
     apply_data_parallel,
     apply_tensor_parallel,
@@ -90,9 +91,14 @@ class TrainerSection:
     keep_best_n_checkpoints: int | None = 1
     early_stop_patience: int | None = None
     max_gradient_norm: float | None = 1.0
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """With ``amp``, the forward runs in this dtype; float16 also turns on loss scaling."""
     amp: bool = False
     seed: int = 2
+    profile: bool = False
+    """Trace ``profile_record_steps`` steps after ``profile_skip_steps`` to OUTPUT_DIR/profile."""
+    profile_skip_steps: int = 10
+    profile_record_steps: int = 3
 
 
 @dataclass
@@ -405,6 +411,13 @@ def recipe(config: CharLMConfig, output_dir: Path) -> Trainer[LMBatch]:
         wandb_dir=output_dir,
         max_gradient_norm=t.max_gradient_norm,
         amp=t.amp,
+        profiler=(
+            TorchProfiler(
+                t.profile_skip_steps, t.profile_record_steps, output_dir / "profile", gangs.root
+            )
+            if t.profile
+            else None
+        ),
         seed=t.seed,
     )
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from recipes.char_lm import (
     load_corpus,
     warmup_cosine,
 )
-from tests.conftest import RunTorch, assert_ok
+from tests.conftest import REPO_ROOT, RunTorch, assert_ok, child_env
 
 pytestmark = pytest.mark.distributed
 
@@ -134,3 +136,26 @@ def test_heads_must_split_over_tp() -> None:
     config.gang.tp_size = 3
     with pytest.raises(ValueError, match=r"model\.num_heads \(4\) must be a multiple of gang"):
         config.validate()
+
+
+def test_tp_size_that_does_not_divide_the_world_exits_2_with_one_line(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recipes.char_lm",
+            str(tmp_path / "run"),
+            "--config",
+            "gang.tp_size=2",
+        ],
+        env=child_env(),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: tp_size must divide the number of processes (1), but is 2 instead."
+    ]
