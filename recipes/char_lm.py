@@ -90,6 +90,9 @@ class TrainerSection:
     keep_last_n_checkpoints: int | None = 2
     keep_best_n_checkpoints: int | None = 1
     early_stop_patience: int | None = None
+    """Stop after this many validations in a row without a lower validation loss."""
+    early_stop_min_delta: float = 0.0
+    """How much lower the validation loss must be to count as an improvement."""
     max_gradient_norm: float | None = 1.0
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """With ``amp``, the forward runs in this dtype; float16 also turns on loss scaling."""
@@ -381,7 +384,9 @@ def recipe(config: CharLMConfig, output_dir: Path) -> Trainer[LMBatch]:
 
     t = config.trainer
     early_stopper = (
-        PatienceEarlyStopper(t.early_stop_patience, lower_better=True)
+        PatienceEarlyStopper(
+            t.early_stop_patience, min_delta=t.early_stop_min_delta, lower_better=True
+        )
         if t.early_stop_patience is not None
         else None
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from checkpoint.manager import (
     CheckpointError,
+    CheckpointLayoutError,
     CheckpointManager,
     CheckpointNotFoundError,
     LoadedCheckpoint,
@@ -19,6 +20,7 @@ from checkpoint.retention import (
 __all__ = [
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointLayoutError",
     "CheckpointManager",
     "CheckpointNotFoundError",
     "LoadedCheckpoint",

@@ -11,6 +11,15 @@ A checkpoint of step N lives in ``step_N/``::
 Every rank writes into ``step_N.tmp/``; once all ranks have finished, rank 0 writes the manifest
 and renames the directory to ``step_N`` in one atomic step. A directory without a manifest, or
 with a ``.tmp`` suffix, is never loaded and is removed when the next manager starts.
+
+With ``async_checkpoint=True`` the model and optimizer are staged (copied to CPU memory) while the
+caller waits, then written by background threads over a process group of their own; the commit
+happens in :meth:`CheckpointManager.finish_pending_save`, once every rank's write is durable. Until
+then the checkpoint is only a ``.tmp`` directory, so a crash loses it but never exposes it.
+
+A committed checkpoint that fails verification when the run resumes is skipped in favour of the
+one before it and renamed to ``step_N.damaged`` (kept for inspection, never loaded), so that the
+resumed run can write ``step_N`` again.
 """
 
 from __future__ import annotations
@@ -25,11 +34,14 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar, final
 
 import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -37,6 +49,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -61,11 +75,27 @@ class CheckpointNotFoundError(CheckpointError):
     """No committed checkpoint matches the request."""
 
 
+class CheckpointLayoutError(CheckpointError):
+    """An intact checkpoint was saved by another world layout (world, DP or TP size)."""
+
+
 @dataclass(frozen=True)
 class LoadedCheckpoint:
     step_nr: int
     trainer_state: dict[str, Any]
     manifest: dict[str, Any]
+
+
+@final
+@dataclass
+class _PendingSave:
+    """An asynchronous save whose files are still being written; committed by its manager."""
+
+    step_nr: int
+    tmp_dir: Path
+    final_dir: Path
+    score: float | None
+    uploads: list[Future[Any]] = field(default_factory=list)
 
 
 @final
@@ -76,10 +106,17 @@ class CheckpointManager:
         self._dir = Path(checkpoint_dir)
         self._gangs = gangs
         self._root = gangs.root
+        self._pending: _PendingSave | None = None
+        self._async_groups: tuple[ProcessGroup, ProcessGroup] | None = None
 
     @property
     def checkpoint_dir(self) -> Path:
         return self._dir
+
+    @property
+    def pending_step_nr(self) -> int | None:
+        """The step of an asynchronous save not committed yet, if there is one."""
+        return None if self._pending is None else self._pending.step_nr
 
     # ------------------------------------------------------------------ saving
 
@@ -91,8 +128,15 @@ class CheckpointManager:
         optimizer: Optimizer,
         trainer_state: Mapping[str, Any],
         score: float | None = None,
+        async_checkpoint: bool = False,
     ) -> None:
-        """Write a full checkpoint of ``step_nr`` and commit it once every rank has finished."""
+        """Write a full checkpoint of ``step_nr`` and commit it once every rank has finished.
+
+        With ``async_checkpoint`` this returns once the model and optimizer are staged in CPU
+        memory; they are written in the background and committed by :meth:`finish_pending_save`
+        (which the next save calls first, if the caller has not).
+        """
+        self.finish_pending_save()
         final_dir = self._step_dir(step_nr)
         tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
         if self._root.rank == 0:
@@ -103,13 +147,57 @@ class CheckpointManager:
         self._root.barrier()
 
         model_state, optim_state = get_state_dict(model, optimizer)
-        self._collective("save the model", lambda: self._dcp_save(model_state, tmp_dir / "model"))
-        self._collective(
-            "save the optimizer", lambda: self._dcp_save(optim_state, tmp_dir / "optimizer")
-        )
+        pending = _PendingSave(step_nr, tmp_dir, final_dir, score)
+        if async_checkpoint:
+            groups = self._get_async_groups()
+            self._collective(
+                "stage the model and optimizer",
+                lambda: pending.uploads.extend(
+                    [
+                        self._dcp_async_save(model_state, tmp_dir / "model", groups[0]),
+                        self._dcp_async_save(optim_state, tmp_dir / "optimizer", groups[1]),
+                    ]
+                ),
+            )
+        else:
+            self._collective(
+                "save the model", lambda: self._dcp_save(model_state, tmp_dir / "model")
+            )
+            self._collective(
+                "save the optimizer", lambda: self._dcp_save(optim_state, tmp_dir / "optimizer")
+            )
         self._collective(
             "save the trainer state",
             lambda: _save_durably(dict(trainer_state), tmp_dir / "trainer" / self._rank_file()),
+        )
+        if async_checkpoint:
+            self._pending = pending
+            log.info("Checkpoint of step %d staged; writing it in the background.", step_nr)
+        else:
+            self._commit(pending)
+
+    def finish_pending_save(self) -> int | None:
+        """Wait for the asynchronous save in flight, if any, and commit it; return its step.
+
+        Every rank must call it. If the write failed on any rank, the checkpoint stays an
+        invisible ``.tmp`` directory and this raises :class:`CheckpointError` on every rank.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        self._collective(
+            f"write the checkpoint of step {pending.step_nr}",
+            lambda: [upload.result() for upload in pending.uploads],
+        )
+        self._commit(pending)
+        return pending.step_nr
+
+    def _commit(self, pending: _PendingSave) -> None:
+        step_nr, tmp_dir, final_dir, score = (
+            pending.step_nr,
+            pending.tmp_dir,
+            pending.final_dir,
+            pending.score,
         )
 
         def commit() -> None:
@@ -145,7 +233,11 @@ class CheckpointManager:
             match = _STEP_DIR.match(path.name)
             if match is None or not (path / MANIFEST_NAME).is_file():
                 continue
-            manifest = _read_manifest(path)
+            try:
+                manifest = _read_manifest(path)
+            except CheckpointError as ex:
+                log.warning("Ignoring %s: %s", path, ex)
+                continue
             infos.append(
                 CheckpointInfo(
                     step_nr=int(match.group(1)),
@@ -169,19 +261,77 @@ class CheckpointManager:
 
         A damaged checkpoint is skipped with a warning in favour of the one before it. Returns
         ``None`` when there is no checkpoint to resume from.
+
+        A different world layout is not damage: :class:`CheckpointLayoutError` propagates. Skipped
+        checkpoints are renamed to ``step_N.damaged`` once an older one has loaded, so the resumed
+        run can save those steps again.
         """
-        candidates = [i.step_nr for i in self.list_checkpoints() if i.kind == "full"]
+        candidates = self._resume_candidates()
+        damaged: list[int] = []
         for step_nr in reversed(candidates):
             try:
-                return self.load_checkpoint(step_nr, model=model, optimizer=optimizer)
+                loaded = self.load_checkpoint(step_nr, model=model, optimizer=optimizer)
+            except CheckpointLayoutError:
+                raise
             except CheckpointError as ex:
-                log.warning("Skipping the checkpoint of step %d: %s", step_nr, ex)
+                log.warning(
+                    "Skipping the checkpoint of step %d, which is damaged, and falling back to "
+                    "the one before it: %s",
+                    step_nr,
+                    ex,
+                )
+                damaged.append(step_nr)
+                continue
+            if damaged:
+                self._move_aside(damaged)
+                log.warning(
+                    "Resumed from the checkpoint of step %d instead of the damaged one of step %d.",
+                    step_nr,
+                    damaged[0],
+                )
+            return loaded
         if candidates:
             raise CheckpointError(
                 f"None of the checkpoints in {self._dir} (steps {candidates}) is intact. "
                 "Move the directory away to start from scratch."
             )
         return None
+
+    def _resume_candidates(self) -> list[int]:
+        """Committed steps that may hold a full checkpoint: unreadable manifests count, as damaged."""
+        steps: list[int] = []
+        if not self._dir.is_dir():
+            return steps
+        for path in self._dir.iterdir():
+            match = _STEP_DIR.match(path.name)
+            if match is None or not (path / MANIFEST_NAME).is_file():
+                continue
+            try:
+                kind = _read_manifest(path).get("kind", "full")
+            except CheckpointError:
+                kind = "full"  # verification will call it damaged, with the reason
+            if kind == "full":
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def _move_aside(self, step_nrs: list[int]) -> None:
+        if self._root.rank == 0:
+            for step_nr in step_nrs:
+                path = self._step_dir(step_nr)
+                target = path.with_name(path.name + ".damaged")
+                suffix = 1
+                while target.exists():
+                    suffix += 1
+                    target = path.with_name(f"{path.name}.damaged{suffix}")
+                os.replace(path, target)
+                log.warning(
+                    "Moved the damaged checkpoint of step %d to %s; delete it once you no longer "
+                    "need it for inspection.",
+                    step_nr,
+                    target,
+                )
+            _fsync_dir(self._dir)
+        self._root.barrier()
 
     def load_checkpoint(
         self, step_nr: int, *, model: Module, optimizer: Optimizer
@@ -297,13 +447,15 @@ class CheckpointManager:
         return dict(payload)
 
     def _check_layout(self, manifest: Mapping[str, Any]) -> None:
-        saved, now = manifest["world_size"], self._root.size
+        saved = (manifest["world_size"], manifest["dp_size"], manifest["tp_size"])
+        now = (self._root.size, self._gangs.dp.size, self._gangs.tp.size)
         if saved != now:
-            raise CheckpointError(
-                f"The checkpoint of step {manifest['step_nr']} was saved by {saved} processes, "
-                f"but this run has {now}. Its data position and per-rank state cannot be resharded: "
-                f"resume with {saved} processes, or load only its model "
-                "(CheckpointManager.load_model) to start a new run from it."
+            raise CheckpointLayoutError(
+                f"The checkpoint of step {manifest['step_nr']} in {self._dir} was saved by "
+                f"{_describe_layout(*saved)}, but this run has {_describe_layout(*now)}. Its data "
+                f"position and per-rank state cannot be resharded: resume with {saved[0]} "
+                f"processes and tp_size {saved[2]}, or start a new run in another output directory "
+                "and load only this checkpoint's model (CheckpointManager.load_model)."
             )
 
     def _collective(self, what: str, action: Callable[[], T]) -> T:
@@ -330,6 +482,39 @@ class CheckpointManager:
                 dcp_save(state, checkpoint_id=path, no_dist=True)
         else:
             dcp_save(state, checkpoint_id=path, process_group=self._root.as_process_group())
+
+    def _dcp_async_save(
+        self, state: dict[str, Any], path: Path, group: ProcessGroup | None
+    ) -> Future[Any]:
+        if group is None:
+            # The warning comes from the writer thread, outside any catch_warnings block here.
+            warnings.filterwarnings(
+                "ignore", message="torch.distributed is disabled", category=UserWarning
+            )
+            result = dcp_async_save(state, checkpoint_id=path, no_dist=True)
+        else:
+            result = dcp_async_save(state, checkpoint_id=path, process_group=group)
+        if isinstance(result, AsyncSaveResponse):
+            result.staging_completion.result()
+            return result.upload_completion
+        return result
+
+    def _get_async_groups(self) -> tuple[ProcessGroup | None, ProcessGroup | None]:
+        """Two gloo groups of the root gang's ranks, one per background write.
+
+        The writes run collectives on threads of their own, so they must not share a process
+        group with the training loop (or with each other): collectives on one group must be
+        issued in the same order on every rank.
+        """
+        if self._root.size == 1:
+            return None, None
+        if self._async_groups is None:
+            ranks = dist.get_process_group_ranks(self._root.as_process_group())
+            self._async_groups = (
+                dist.new_group(ranks, backend="gloo"),
+                dist.new_group(ranks, backend="gloo"),
+            )
+        return self._async_groups
 
     def _dcp_load(self, state: dict[str, Any], path: Path) -> None:
         if self._root.size == 1:
@@ -374,6 +559,11 @@ def _single_process_dcp() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def _describe_layout(world_size: int, dp_size: int, tp_size: int) -> str:
+    processes = "1 process" if world_size == 1 else f"{world_size} processes"
+    return f"{processes} (dp_size {dp_size} x tp_size {tp_size})"
 
 
 def _describe_files(root: Path) -> dict[str, dict[str, Any]]:

@@ -1,7 +1,8 @@
 """The recipe command line: ``python -m recipes.x OUTPUT_DIR [--config-file F]... [--config k=v]...``.
 
 A recipe module ends with ``if __name__ == "__main__": main(recipe, ConfigClass)``; the same module
-also runs under ``torchrun``, one process per rank.
+also runs under ``torchrun``, one process per rank. ``--evaluate {last,best,STEP}`` evaluates a
+saved checkpoint of OUTPUT_DIR instead of training (see :func:`main`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from typing import NoReturn, Protocol, TypeVar, final
 
 import torch.distributed as dist
 
+from checkpoint import CheckpointError
+from gangs import GangError
 from runtime.config import ConfigError, dump_config, load_config
+from runtime.evaluator import CheckpointChoice
 from runtime.files import write_text_atomically
 
 ConfigT = TypeVar("ConfigT")
@@ -40,9 +44,16 @@ def main(
 ) -> NoReturn:
     """Parse the command line, build the config, set up the output directory, run the recipe.
 
-    A bad command line or config, and a ``ValueError`` raised while the recipe builds its
-    trainer, print one ``error: ...`` line to stderr and exit with status 2. Errors from
+    A bad command line or config, and a ``ValueError`` or ``GangError`` raised while the recipe
+    builds its trainer, print one ``error: ...`` line to stderr and exit with status 2. Errors from
     ``run()`` itself propagate with their traceback.
+
+    With ``--evaluate WHICH`` (``last``, ``best`` or a step number) the recipe's trainer is built
+    the same way, but instead of ``run()`` its ``evaluate_checkpoint(WHICH)`` loads that
+    checkpoint's model from OUTPUT_DIR and runs the valid units on it; the values are published
+    as the ``eval`` run (``metrics/eval.jsonl``, ``eval/<name>.jsonl``, ``tb/eval``) with the
+    metric names of ``valid``, at the checkpoint's step. A missing checkpoint exits with status 2,
+    and ``config.yaml`` is left as the training wrote it.
     """
     args = _make_parser().parse_args(argv)
     try:
@@ -65,7 +76,7 @@ def main(
     try:
         config_text = dump_config(config)
         log.info("Effective config:\n%s", config_text.rstrip(), extra=_FILE_ONLY)
-        if rank == 0:
+        if rank == 0 and args.evaluate is None:
             write_text_atomically(output_dir / "config.yaml", config_text)
             log.info(
                 "Wrote the effective config to %s", output_dir / "config.yaml", extra=_FILE_ONLY
@@ -73,11 +84,16 @@ def main(
 
         try:
             runnable = recipe(config, output_dir)
-        except ValueError as ex:
-            # Bad values the config types cannot express (e.g. a negative step count) surface here;
-            # the traceback goes to the rank log in case the ValueError is a bug, not a bad value.
+        except (ValueError, GangError) as ex:
+            # Bad values the config types cannot express (e.g. a negative step count, a tp_size
+            # that does not divide the world) surface here; the traceback goes to the rank log in
+            # case the error is a bug, not a bad value.
             log.exception("The recipe rejected the config: %s", ex, extra=_FILE_ONLY)
             _fail(str(ex))
+
+        if args.evaluate is not None:
+            _evaluate(runnable, args.evaluate)
+            sys.exit(0)
 
         try:
             code = runnable.run()
@@ -91,6 +107,21 @@ def main(
         # A process that exits with its process group alive aborts instead of exiting cleanly.
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _evaluate(runnable: Runnable, which: CheckpointChoice) -> None:
+    evaluate = getattr(runnable, "evaluate_checkpoint", None)
+    if evaluate is None:
+        _fail(
+            "--evaluate needs a recipe that returns a Trainer (something with "
+            f"evaluate_checkpoint()), but the recipe returned {type(runnable).__name__}."
+        )
+    try:
+        evaluate(which)
+    except (CheckpointError, ValueError) as ex:
+        log.exception("The evaluation failed: %s", ex, extra=_FILE_ONLY)
+        _fail(str(ex))
+    log.info("The evaluation of checkpoint '%s' finished.", which)
 
 
 def setup_logging(output_dir: Path, rank: int) -> None:
@@ -165,11 +196,34 @@ def _make_parser() -> argparse.ArgumentParser:
         "repeat the flag or give several after it",
     )
     parser.add_argument(
+        "--evaluate",
+        metavar="{last,best,STEP}",
+        type=_parse_evaluate,
+        default=None,
+        help="instead of training, evaluate the last, the best (by validation score) or the "
+        "given step's checkpoint of OUTPUT_DIR with the recipe's valid units; the values go to "
+        "metrics/eval.jsonl",
+    )
+    parser.add_argument(
         "--dump-config",
         action="store_true",
         help="print the effective config as YAML and exit without running",
     )
     return parser
+
+
+def _parse_evaluate(text: str) -> CheckpointChoice:
+    if text in ("last", "best"):
+        return "last" if text == "last" else "best"
+    try:
+        step_nr = int(text)
+    except ValueError:
+        step_nr = -1
+    if step_nr < 0:
+        raise argparse.ArgumentTypeError(
+            f"expected 'last', 'best' or a step number, but got '{text}'"
+        )
+    return step_nr
 
 
 def _read_rank() -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Protocol, final, runtime_checkable
 
 log = logging.getLogger(__name__)
@@ -23,7 +24,14 @@ class Stateful(Protocol):
 
 @final
 class PatienceEarlyStopper:
-    """Stops after ``patience`` validations in a row without an improvement over ``min_delta``."""
+    """Stops after ``patience`` validations in a row without an improvement over ``min_delta``.
+
+    The first finite score is the reference; a later score improves on the best so far only by
+    more than ``min_delta`` (downwards when ``lower_better``, upwards otherwise); a NaN or
+    infinite score never does. Its state (the best score and the count of validations without
+    an improvement) is checkpointed by the Trainer, so a resumed run stops where an
+    uninterrupted one would.
+    """
 
     def __init__(self, patience: int, min_delta: float = 0.0, lower_better: bool = True) -> None:
         if patience <= 0:
@@ -36,20 +44,23 @@ class PatienceEarlyStopper:
         self._best: float | None = None
         self._num_bad = 0
 
+    @property
+    def lower_better(self) -> bool:
+        return self._lower_better
+
     def __call__(self, step_nr: int, score: float) -> bool:
-        improvement = (
-            None
-            if self._best is None
-            else (self._best - score if self._lower_better else score - self._best)
-        )
-        if improvement is None or improvement > self._min_delta:
+        # A non-finite score (a diverged model) is never an improvement, nor the reference.
+        if math.isfinite(score) and (
+            self._best is None
+            or (self._best - score if self._lower_better else score - self._best) > self._min_delta
+        ):
             self._best = score
             self._num_bad = 0
             return False
         self._num_bad += 1
         log.info(
-            "No improvement over the best score %g at step %d (%d of %d).",
-            self._best,
+            "No improvement over the best score %s at step %d (%d of %d).",
+            "(none yet)" if self._best is None else f"{self._best:g}",
             step_nr,
             self._num_bad,
             self._patience,

@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, final
+from typing import Any, Literal, final
 
 import torch
 from torch.nn import Module
 
+from checkpoint import CheckpointManager, CheckpointNotFoundError, best_checkpoint
 from gangs import Gangs
 from runtime.data import DataReader
 from runtime.recorders import MetricRecorder
@@ -19,10 +20,24 @@ log = logging.getLogger(__name__)
 
 AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]
 
+CheckpointChoice = Literal["last", "best"] | int
+"""Which checkpoint to evaluate: the newest, the best by its stored score, or a step number."""
+
 
 def run_name(unit: EvalUnit[Any], prefix: str) -> str:
     """``valid`` for an unnamed unit, ``valid/<display_name>`` otherwise."""
     return prefix if unit.display_name is None else f"{prefix}/{unit.display_name}"
+
+
+def check_run_names(units: Sequence[EvalUnit[Any]]) -> None:
+    """Each unit publishes under its own run, so no two units may share a ``display_name``."""
+    names = [unit.display_name for unit in units]
+    duplicates = sorted({repr(name) for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(
+            "Each eval unit publishes its values under its display_name, so the names must "
+            f"differ, but more than one unit has the display_name {' and '.join(duplicates)}."
+        )
 
 
 def evaluate_units(
@@ -65,7 +80,11 @@ def evaluate_units(
 
 
 def combine_scores(results: Mapping[str, Mapping[str, Any]], score_metric_name: str) -> float:
-    """The mean of the units' ``score_metric_name``: each unit is an equal view of quality."""
+    """The mean of the units' ``score_metric_name``: each unit is an equal view of quality.
+
+    Every unit must record ``score_metric_name``; the orientation (``lower_better``) is the
+    caller's, applied to the combined score.
+    """
     scores = []
     for name, values in results.items():
         if score_metric_name not in values:
@@ -77,9 +96,46 @@ def combine_scores(results: Mapping[str, Mapping[str, Any]], score_metric_name: 
     return sum(scores) / len(scores)
 
 
+def select_checkpoint(
+    checkpoint_manager: CheckpointManager, which: CheckpointChoice, *, lower_better: bool
+) -> int:
+    """The step of the committed checkpoint ``which`` names; CheckpointNotFoundError if none.
+
+    ``"best"`` ranks by the score stored with each checkpoint (ties go to the newer one).
+    """
+    if not (which in ("last", "best") or (isinstance(which, int) and which >= 0)):
+        raise ValueError(
+            f"which must be 'last', 'best' or a step number, but is {which!r} instead."
+        )
+    checkpoint_dir = checkpoint_manager.checkpoint_dir
+    infos = checkpoint_manager.list_checkpoints()
+    if not infos:
+        raise CheckpointNotFoundError(f"There are no committed checkpoints in {checkpoint_dir}.")
+    if which == "last":
+        return infos[-1].step_nr
+    if which == "best":
+        best = best_checkpoint(infos, lower_better=lower_better)
+        if best is None:
+            raise CheckpointNotFoundError(
+                f"No checkpoint in {checkpoint_dir} has a validation score, so none is the best."
+            )
+        return best.step_nr
+    assert isinstance(which, int)
+    if which not in {info.step_nr for info in infos}:
+        raise CheckpointNotFoundError(
+            f"There is no committed checkpoint of step {which} in {checkpoint_dir}; "
+            f"the steps there are {', '.join(str(i.step_nr) for i in infos)}."
+        )
+    return which
+
+
 @final
 class Evaluator:
-    """Evaluates ``model`` with eval units over their readers, outside of training."""
+    """Evaluates ``model`` with eval units over their readers, outside of training.
+
+    Values are published as ``<run_prefix>`` (``eval`` by default) for an unnamed unit and
+    ``<run_prefix>/<display_name>`` otherwise, with the metric names the units record.
+    """
 
     def __init__(
         self,
@@ -90,6 +146,7 @@ class Evaluator:
         gangs: Gangs,
         recorder: MetricRecorder,
         run_prefix: str = "eval",
+        autocast: AutocastFactory = contextlib.nullcontext,
     ) -> None:
         if not units:
             raise ValueError("units must hold at least one EvalUnit.")
@@ -98,12 +155,14 @@ class Evaluator:
                 f"units and data_readers must have the same length, but have {len(units)} and "
                 f"{len(data_readers)} elements instead."
             )
+        check_run_names(units)
         self._model = model
         self._units = list(units)
         self._data_readers = list(data_readers)
         self._gangs = gangs
         self._recorder = recorder
         self._run_prefix = run_prefix
+        self._autocast = autocast
 
     def run(self, step_nr: int) -> dict[str, dict[str, Any]]:
         """Evaluate and publish under ``step_nr``; return the values by run name."""
@@ -115,4 +174,19 @@ class Evaluator:
             step_nr=step_nr,
             recorder=self._recorder,
             run_prefix=self._run_prefix,
+            autocast=self._autocast,
         )
+
+    def evaluate_checkpoint(
+        self,
+        checkpoint_manager: CheckpointManager,
+        which: CheckpointChoice = "last",
+        *,
+        lower_better: bool = True,
+    ) -> dict[str, dict[str, Any]]:
+        """Load the model of checkpoint ``which`` into ``model``, evaluate it at its step."""
+        step_nr = select_checkpoint(checkpoint_manager, which, lower_better=lower_better)
+        checkpoint_manager.load_model(step_nr, model=self._model)
+        what = "" if isinstance(which, int) else f" (the {which})"
+        log.info("Evaluating the model of the checkpoint of step %d%s.", step_nr, what)
+        return self.run(step_nr)

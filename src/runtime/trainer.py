@@ -11,24 +11,25 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar, final
+from typing import Any, Generic, TypeVar, final
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from checkpoint import (
-    CheckpointManager,
-    CheckpointNotFoundError,
-    RetentionPolicy,
-    best_checkpoint,
-)
+from checkpoint import CheckpointManager, RetentionPolicy
 from gangs import FakeGang, Gang, Gangs, ReduceOperation
 from runtime.callbacks import TrainerCallback
 from runtime.data import DataReader
 from runtime.early_stop import Stateful
-from runtime.evaluator import combine_scores, evaluate_units
+from runtime.evaluator import (
+    CheckpointChoice,
+    Evaluator,
+    check_run_names,
+    combine_scores,
+    evaluate_units,
+)
 from runtime.loss_scale import LossScaler
 from runtime.parallel import clip_gradient_norm, scale_gradients, skip_gradient_sync
 from runtime.profiler import TorchProfiler
@@ -97,6 +98,7 @@ class Trainer(Generic[BatchT]):
         keep_best_n_checkpoints: int | None = None,
         keep_last_n_models: int | None = None,
         keep_best_n_models: int | None = None,
+        async_checkpoint: bool = False,
         score_metric_name: str | None = None,
         lower_better: bool = False,
         early_stopper: EarlyStopperFn | None = None,
@@ -165,6 +167,7 @@ class Trainer(Generic[BatchT]):
                 f"valid_units and valid_data_readers must have the same length, but have "
                 f"{len(valid_units)} and {len(valid_data_readers)} elements instead."
             )
+        check_run_names(valid_units)
         if valid_units and validate_every_n_steps is None and validate_every_n_data_epochs is None:
             raise ValueError(
                 "valid_units are given, so validate_every_n_steps or validate_every_n_data_epochs "
@@ -184,6 +187,12 @@ class Trainer(Generic[BatchT]):
             raise ValueError(
                 "keep_best_n_checkpoints, keep_best_n_models and early_stopper rank by a "
                 "validation score, so valid_units and score_metric_name must be set too."
+            )
+        stopper_lower_better = getattr(early_stopper, "lower_better", None)
+        if isinstance(stopper_lower_better, bool) and stopper_lower_better != lower_better:
+            raise ValueError(
+                f"early_stopper ranks scores with lower_better={stopper_lower_better}, but the "
+                f"Trainer has lower_better={lower_better}. Give both the same orientation."
             )
         if self._retention.uses_score:
             _check_every_checkpoint_is_scored(
@@ -224,6 +233,7 @@ class Trainer(Generic[BatchT]):
         self._anomaly_detection = anomaly_detection
         self._profiler = profiler
         self._seed = seed
+        self._async_checkpoint = async_checkpoint
         self._loss_scaler = LossScaler(
             init_scale=fp16_loss_scale[0],
             min_scale=fp16_loss_scale[1],
@@ -282,8 +292,10 @@ class Trainer(Generic[BatchT]):
             for callback in self._callbacks:
                 callback.on_train_begin(step_nr=self._step_nr)
             if self._validate_at_start and self._step_nr == 0 and self._valid_units:
-                self._validate()
+                self._validate(baseline=True)
             self._train()
+            # An asynchronous save of the last step commits here; after a crash it never does.
+            self._finish_pending_checkpoint()
             if self._finished:
                 for callback in self._callbacks:
                     callback.on_train_end(step_nr=self._step_nr)
@@ -353,6 +365,12 @@ class Trainer(Generic[BatchT]):
         if self._last_checkpoint_step != self._step_nr:
             self._save_checkpoint()
         log.info("Training finished at step %d.", self._step_nr)
+        if self._best_score is not None:
+            log.info(
+                "The best validation score was %g, at step %s.",
+                self._best_score,
+                self._best_step_nr,
+            )
 
     def _should(self, every_n_steps: int | None, after_n_steps: int = 0) -> bool:
         return (
@@ -374,42 +392,29 @@ class Trainer(Generic[BatchT]):
             self._save_checkpoint()
         return stop
 
-    def evaluate_checkpoint(
-        self, which: Literal["last", "best"] | int = "last"
-    ) -> dict[str, dict[str, Any]]:
+    def evaluate_checkpoint(self, which: CheckpointChoice = "last") -> dict[str, dict[str, Any]]:
         """Load the model of a checkpoint and run the valid units on it, published as ``eval``.
 
-        ``which`` is ``"last"``, ``"best"`` (by score, oriented by ``lower_better``) or a step.
-        Returns the values by run name (``eval``, ``eval/<display_name>``).
+        ``which`` is ``"last"``, ``"best"`` (by the score stored with each checkpoint, oriented
+        by ``lower_better``) or a step number. The values are recorded at the checkpoint's step
+        under the run ``eval`` (``eval/<display_name>`` for named units), with the same metric
+        names as ``valid``, and returned by run name. The recorders are closed afterwards: a
+        trainer used for this is not meant to ``run()`` too.
         """
         if not self._valid_units:
             raise ValueError("Evaluating a checkpoint needs valid_units and valid_data_readers.")
-        infos = self._checkpoint_manager.list_checkpoints()
-        if not infos:
-            raise CheckpointNotFoundError(
-                f"There are no committed checkpoints in {self._checkpoint_manager.checkpoint_dir}."
-            )
-        if which == "last":
-            step_nr = infos[-1].step_nr
-        elif which == "best":
-            best = best_checkpoint(infos, lower_better=self._lower_better)
-            if best is None:
-                raise CheckpointNotFoundError("No checkpoint has a score, so none is the best.")
-            step_nr = best.step_nr
-        else:
-            step_nr = which
-        self._checkpoint_manager.load_model(step_nr, model=self._model)
-        log.info("Evaluating the model of step %d.", step_nr)
+        evaluator = Evaluator(
+            model=self._model,
+            units=self._valid_units,
+            data_readers=self._valid_data_readers,
+            gangs=self._gangs,
+            recorder=self._recorder,
+            run_prefix="eval",
+            autocast=self._autocast,
+        )
         try:
-            return evaluate_units(
-                model=self._model,
-                units=self._valid_units,
-                data_readers=self._valid_data_readers,
-                gangs=self._gangs,
-                step_nr=step_nr,
-                recorder=self._recorder,
-                run_prefix="eval",
-                autocast=self._autocast,
+            return evaluator.evaluate_checkpoint(
+                self._checkpoint_manager, which, lower_better=self._lower_better
             )
         finally:
             self._recorder.close()
@@ -435,12 +440,14 @@ class Trainer(Generic[BatchT]):
                 return batches
 
             log.info("Data epoch %d ended at step %d.", self._data_epoch_nr, self._step_nr)
-            if self._step_nr > 0 and self._on_data_epoch_end():
-                return None
             if (
                 self._max_num_data_epochs is not None
                 and self._data_epoch_nr >= self._max_num_data_epochs
             ):
+                # The end of training validates and checkpoints this step; a checkpoint saved
+                # here would say the run is unfinished and miss the last train metrics.
+                return None
+            if self._step_nr > 0 and self._on_data_epoch_end():
                 return None
             empty_epochs += 1
             if empty_epochs > 1:
@@ -587,8 +594,13 @@ class Trainer(Generic[BatchT]):
 
     # ------------------------------------------------------------ validation
 
-    def _validate(self) -> bool:
-        """Run every valid unit to the end of its data; return whether to stop early."""
+    def _validate(self, *, baseline: bool = False) -> bool:
+        """Run every valid unit to the end of its data; return whether to stop early.
+
+        A ``baseline`` validation (``validate_at_start``, before the first step) publishes its
+        values, but its score neither competes for the best nor goes to the early stopper: no
+        checkpoint holds the untrained model.
+        """
         self._last_validated_step = self._step_nr
         results = evaluate_units(
             model=self._model,
@@ -604,31 +616,58 @@ class Trainer(Generic[BatchT]):
                 callback.on_metrics_published(run=run, step_nr=self._step_nr, values=values)
 
         score = None
-        if self._score_metric_name is not None:
+        if self._score_metric_name is not None and baseline:
             score = combine_scores(results, self._score_metric_name)
-            self._last_score = score
-            if self._best_score is None or (
-                score < self._best_score if self._lower_better else score > self._best_score
+            log.info("Validation score before training: %g (a baseline, not ranked).", score)
+        elif self._score_metric_name is not None:
+            score = combine_scores(results, self._score_metric_name)
+            # A non-finite score (a diverged model) is never the best, and its checkpoint is
+            # stored unscored, so keep-best and --evaluate best never pick it.
+            finite = math.isfinite(score)
+            self._last_score = score if finite else None
+            if finite and (
+                self._best_score is None
+                or (score < self._best_score if self._lower_better else score > self._best_score)
             ):
                 self._best_score, self._best_step_nr = score, self._step_nr
-            log.info(
-                "Validation score at step %d: %g (best: %g at step %s).",
-                self._step_nr,
-                score,
-                self._best_score,
-                self._best_step_nr,
-            )
+            if not finite:
+                log.warning(
+                    "The validation score at step %d is %g: it never counts as the best.",
+                    self._step_nr,
+                    score,
+                )
+            if self._best_score is not None:
+                log.info(
+                    "Validation score at step %d: %g (best: %g at step %s).",
+                    self._step_nr,
+                    score,
+                    self._best_score,
+                    self._best_step_nr,
+                )
         for callback in self._callbacks:
             callback.on_validation_end(step_nr=self._step_nr, score=score, results=results)
-        return score is not None and self._ask_early_stopper(score)
+        return score is not None and not baseline and self._ask_early_stopper(score)
 
     def _ask_early_stopper(self, score: float) -> bool:
         if self._early_stopper is None:
             return False
-        decision = [False]
+        # Rank 0 decides, the others follow. A stopper that raises fails every rank with a clear
+        # error, instead of leaving the others waiting in the broadcast for a rank that is gone.
+        decision: list[bool | str] = [False]
+        error: Exception | None = None
         if self._gangs.root.rank == 0:
-            decision[0] = bool(self._early_stopper(self._step_nr, score))
+            try:
+                decision[0] = bool(self._early_stopper(self._step_nr, score))
+            except Exception as ex:
+                error = ex
+                decision[0] = f"{type(ex).__name__}: {ex}"
         self._gangs.root.broadcast_objects(decision)
+        if error is not None:
+            raise error
+        if isinstance(decision[0], str):
+            raise TrainerError(
+                f"The early stopper failed on rank 0 at step {self._step_nr}: {decision[0]}"
+            )
         if decision[0]:
             log.info("The early stopper stopped the training at step %d.", self._step_nr)
             for callback in self._callbacks:
@@ -638,6 +677,9 @@ class Trainer(Generic[BatchT]):
     # ----------------------------------------------------------- checkpoints
 
     def _save_checkpoint(self) -> None:
+        # Retention and the callbacks see only committed checkpoints, so the previous
+        # asynchronous save commits first.
+        self._finish_pending_checkpoint()
         score = self._last_score if self._last_validated_step == self._step_nr else None
         self._checkpoint_manager.save_checkpoint(
             self._step_nr,
@@ -645,13 +687,23 @@ class Trainer(Generic[BatchT]):
             optimizer=self._optimizer,
             trainer_state=self._state_dict(),
             score=score,
+            async_checkpoint=self._async_checkpoint,
         )
         self._last_checkpoint_step = self._step_nr
+        if not self._async_checkpoint:
+            self._after_checkpoint_commit(self._step_nr)
+
+    def _finish_pending_checkpoint(self) -> None:
+        step_nr = self._checkpoint_manager.finish_pending_save()
+        if step_nr is not None:
+            self._after_checkpoint_commit(step_nr)
+
+    def _after_checkpoint_commit(self, step_nr: int) -> None:
         self._checkpoint_manager.apply_retention(self._retention)
         for callback in self._callbacks:
             callback.on_checkpoint_saved(
-                step_nr=self._step_nr,
-                checkpoint_dir=self._checkpoint_manager.checkpoint_dir / f"step_{self._step_nr}",
+                step_nr=step_nr,
+                checkpoint_dir=self._checkpoint_manager.checkpoint_dir / f"step_{step_nr}",
             )
 
     def _maybe_resume(self) -> None:

@@ -1,0 +1,205 @@
+"""The toy run of ``train_toy.py`` as a recipe, with hooks to interrupt it, for the resume tests.
+
+Usage: ``torchrun ... tests/workers/resume_toy.py OUTPUT_DIR [--config key=value]...``. It goes
+through ``runtime.main`` like a real recipe, so ``OUTPUT_DIR/logs/rank_N.log`` and the exit status
+are what users get. A run that finishes writes the full parameters to ``OUTPUT_DIR/params.pt``.
+
+With ``reference_first=true`` the process first trains the same run without faults, from scratch
+and to the end, in ``OUTPUT_DIR/reference`` (one launch instead of two on a small machine).
+
+Faults, each on rank ``fault_rank`` (``-1``: the last rank) only:
+
+- ``sigterm_at_step``: the rank sends SIGTERM to itself after that step;
+- ``wait_for_sigterm_at_step``: after that step every rank writes ``OUTPUT_DIR/ready/rank_R`` and
+  waits until a SIGTERM from outside (to ``torchrun``) arrives;
+- ``sigkill_at_step``: the rank SIGKILLs itself after that step;
+- ``sigkill_in_save``: ``"after_model"`` (the model of step ``sigkill_save_step`` is written, the
+  rest of the save not) or ``"after_manifest"`` (the manifest is written, the rename not);
+- ``raise_at_step``: the rank raises after that step, on the first torchrun attempt only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, final
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import checkpoint.manager as manager_module
+from checkpoint import CheckpointManager
+from gangs import Gangs, setup_gangs
+from runtime import (
+    MapDataReader,
+    Trainer,
+    TrainerCallback,
+    apply_data_parallel,
+    apply_tensor_parallel,
+    main,
+)
+from tests.workers.train_toy import ToyDataset, ToyModel, ToyUnit, collate
+
+
+@dataclass
+class ResumeToyConfig:
+    batch_size: int = 8
+    dataset_size: int = 40
+    max_num_steps: int = 10
+    tp_size: int = 1
+    kind: Literal["ddp", "fsdp"] = "ddp"
+    checkpoint_every: int | None = 2
+    publish_every: int = 2
+    async_checkpoint: bool = False
+    fault_rank: int = -1
+    sigterm_at_step: int | None = None
+    wait_for_sigterm_at_step: int | None = None
+    sigkill_at_step: int | None = None
+    sigkill_in_save: Literal["after_model", "after_manifest"] | None = None
+    sigkill_save_step: int | None = None
+    raise_at_step: int | None = None
+    reference_first: bool = False
+
+
+@final
+class _Faults(TrainerCallback):
+    def __init__(self, config: ResumeToyConfig, gangs: Gangs, output_dir: Path) -> None:
+        self._config = config
+        self._output_dir = output_dir
+        self._rank = gangs.root.rank
+        fault_rank = config.fault_rank if config.fault_rank >= 0 else gangs.root.size - 1
+        self._is_fault_rank = self._rank == fault_rank
+        self.trainer: Trainer[Any] | None = None
+
+    def on_step_end(self, *, step_nr: int) -> None:
+        config = self._config
+        if step_nr == config.wait_for_sigterm_at_step:
+            self._wait_for_sigterm()
+        if not self._is_fault_rank:
+            return
+        if step_nr == config.sigterm_at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if step_nr == config.sigkill_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step_nr == config.raise_at_step and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            raise RuntimeError(f"Injected failure at step {step_nr} on rank {self._rank}.")
+
+    def _wait_for_sigterm(self) -> None:
+        ready = self._output_dir / "ready"
+        ready.mkdir(exist_ok=True)
+        (ready / f"rank_{self._rank}").touch()
+        deadline = time.monotonic() + 60
+        assert self.trainer is not None
+        while not self.trainer._stop_requested:
+            if time.monotonic() > deadline:
+                raise RuntimeError("No SIGTERM arrived within 60 seconds.")
+            time.sleep(0.01)
+
+    def install_save_faults(self, manager: CheckpointManager) -> None:
+        """SIGKILL this rank midway through the save of ``sigkill_save_step``."""
+        config = self._config
+        if config.sigkill_in_save is None or not self._is_fault_rank:
+            return
+        target = manager.checkpoint_dir / f"step_{config.sigkill_save_step}.tmp"
+        if config.sigkill_in_save == "after_model":
+            dcp_save = manager._dcp_save
+
+            def save_then_die(state: dict[str, Any], path: Path) -> None:
+                dcp_save(state, path)
+                if path == target / "model":
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            manager._dcp_save = save_then_die  # type: ignore[method-assign]
+        else:
+            write_json = manager_module._write_json_durably
+
+            def write_then_die(obj: Any, file: Path) -> None:
+                write_json(obj, file)
+                if file == target / manager_module.MANIFEST_NAME:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            manager_module._write_json_durably = write_then_die  # type: ignore[assignment]
+
+
+@final
+class _ToyRun:
+    def __init__(
+        self, config: ResumeToyConfig, gangs: Gangs, output_dir: Path, *, faults: bool
+    ) -> None:
+        self._gangs = gangs
+        self._output_dir = output_dir
+        self._trainer, self._model = _build(config, gangs, output_dir, faults=faults)
+        self._reference: _ToyRun | None = None
+        if config.reference_first and faults:
+            self._reference = _ToyRun(config, gangs, output_dir / "reference", faults=False)
+
+    def run(self) -> int:
+        if self._reference is not None and self._reference.run() != 0:
+            raise RuntimeError("The reference run did not finish.")
+        code = self._trainer.run()
+        if code == 0:
+            state = get_model_state_dict(
+                self._model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+            if self._gangs.root.rank == 0:
+                params = {k.removeprefix("module."): v for k, v in state.items()}
+                torch.save(params, self._output_dir / "params.pt")
+        return code
+
+
+def recipe(config: ResumeToyConfig, output_dir: Path) -> _ToyRun:
+    return _ToyRun(config, setup_gangs(tp_size=config.tp_size), output_dir, faults=True)
+
+
+def _build(
+    config: ResumeToyConfig, gangs: Gangs, output_dir: Path, *, faults: bool
+) -> tuple[Trainer[Any], nn.Module]:
+    torch.manual_seed(0)
+    model: nn.Module = ToyModel()
+    model = apply_tensor_parallel(
+        model, gangs, {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    )
+    model = apply_data_parallel(model, gangs, kind=config.kind)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    reader = MapDataReader(
+        dataset=ToyDataset(config.dataset_size),
+        batch_size=config.batch_size,
+        collate=collate,
+        gang=gangs.dp,
+        seed=3,
+    )
+    manager = CheckpointManager(output_dir / "checkpoints", gangs)
+    callbacks = []
+    if faults:
+        fault_injector = _Faults(config, gangs, output_dir)
+        fault_injector.install_save_faults(manager)
+        callbacks.append(fault_injector)
+    trainer = Trainer(
+        unit=ToyUnit(model, mean_loss=False, zero_targets=False),
+        data_reader=reader,
+        optimizer=optimizer,
+        checkpoint_manager=manager,
+        gangs=gangs,
+        lr_scheduler=lr_scheduler,
+        max_num_steps=config.max_num_steps,
+        max_gradient_norm=0.5,
+        publish_metrics_every_n_steps=config.publish_every,
+        metrics_dir=output_dir / "metrics",
+        checkpoint_every_n_steps=config.checkpoint_every,
+        async_checkpoint=config.async_checkpoint,
+        callbacks=callbacks,
+        progress=False,
+    )
+    if faults:
+        fault_injector.trainer = trainer
+    return trainer, model
+
+
+if __name__ == "__main__":
+    main(recipe, ResumeToyConfig)
