@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 MANIFEST_NAME: Final = "manifest.json"
 FORMAT_VERSION: Final = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_DAMAGED_DIR = re.compile(r"^step_\d+\.damaged\d*$")
 
 T = TypeVar("T")
 
@@ -540,6 +541,12 @@ class CheckpointManager:
                 log.warning("Removing %s, left by an interrupted save or delete.", path)
                 shutil.rmtree(path, ignore_errors=True)
         self._root.barrier()
+
+    def damaged_dirs(self) -> list[Path]:
+        """Checkpoints a resume found damaged and moved aside to ``step_N.damaged``."""
+        if not self._dir.is_dir():
+            return []
+        return sorted(path for path in self._dir.iterdir() if _DAMAGED_DIR.match(path.name))
 
     def incomplete_dirs(self) -> list[Path]:
         """Directories of saves that never committed (or deletes that never finished)."""

@@ -17,7 +17,7 @@ from typing import NoReturn, Protocol, TypeVar, final
 
 import torch.distributed as dist
 
-from checkpoint import CheckpointError
+from checkpoint import CheckpointError, CheckpointLayoutError
 from gangs import GangError
 from runtime.config import ConfigError, dump_config, load_config
 from runtime.evaluator import CheckpointChoice
@@ -97,6 +97,10 @@ def main(
 
         try:
             code = runnable.run()
+        except CheckpointLayoutError as ex:
+            # Relaunching a run with another world layout is a launch mistake, not a crash.
+            log.exception("The run cannot resume: %s", ex, extra=_FILE_ONLY)
+            _fail(str(ex))
         except Exception:
             # The traceback reaches stderr too, but for ranks above 0 only via torchrun's output.
             log.exception("The run failed.", extra=_FILE_ONLY)

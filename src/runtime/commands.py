@@ -28,6 +28,8 @@ def list_checkpoints(output_dir: Path) -> str:
         rows.append((str(info.step_nr), score, _human_size(info.size_bytes), info.kind, state))
     for path in manager.incomplete_dirs():
         rows.append((path.name, "-", "-", "-", "incomplete (never committed; ignored)"))
+    for path in manager.damaged_dirs():
+        rows.append((path.name, "-", "-", "-", "damaged (moved aside by a resume; never loaded)"))
     if len(rows) == 1:
         return f"No checkpoints in {manager.checkpoint_dir}."
     widths = [max(len(row[i]) for row in rows) for i in range(4)]

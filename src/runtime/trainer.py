@@ -247,6 +247,10 @@ class Trainer(Generic[BatchT]):
         self._stop_requested = False
         self._preempted = False
         self._finished = False
+        # Why a finished run finished: an early stop is final, but a run that used up its steps
+        # or data epochs trains on when launched again with a larger limit.
+        self._early_stopped = False
+        self._data_exhausted = False
         self._last_score: float | None = None
         self._best_score: float | None = None
         self._best_step_nr: int | None = None
@@ -446,6 +450,7 @@ class Trainer(Generic[BatchT]):
             ):
                 # The end of training validates and checkpoints this step; a checkpoint saved
                 # here would say the run is unfinished and miss the last train metrics.
+                self._data_exhausted = True
                 return None
             if self._step_nr > 0 and self._on_data_epoch_end():
                 return None
@@ -669,6 +674,7 @@ class Trainer(Generic[BatchT]):
                 f"The early stopper failed on rank 0 at step {self._step_nr}: {decision[0]}"
             )
         if decision[0]:
+            self._early_stopped = True
             log.info("The early stopper stopped the training at step %d.", self._step_nr)
             for callback in self._callbacks:
                 callback.on_early_stop(step_nr=self._step_nr, score=score)
@@ -715,12 +721,34 @@ class Trainer(Generic[BatchT]):
         self._load_state_dict(loaded.trainer_state)
         self._last_checkpoint_step = self._step_nr
         log.info("Resumed from the checkpoint of step %d.", self._step_nr)
+        if self._finished and not self._early_stopped and not self._limit_reached():
+            log.info(
+                "The run finished at step %d, but max_num_steps (%s) and max_num_data_epochs "
+                "(%s) now allow more: training on.",
+                self._step_nr,
+                self._max_num_steps,
+                self._max_num_data_epochs,
+            )
+            self._finished = False
+            self._data_exhausted = False
+
+    def _limit_reached(self) -> bool:
+        """Whether ``max_num_steps`` or ``max_num_data_epochs`` ends the training here."""
+        if self._max_num_steps is not None and self._step_nr >= self._max_num_steps:
+            return True
+        return (
+            self._data_exhausted
+            and self._max_num_data_epochs is not None
+            and self._data_epoch_nr >= self._max_num_data_epochs
+        )
 
     def _state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {
             "step_nr": self._step_nr,
             "data_epoch_nr": self._data_epoch_nr,
             "finished": self._finished,
+            "early_stopped": self._early_stopped,
+            "data_exhausted": self._data_exhausted,
             "data_reader": self._data_reader.state_dict(),
             "rng": _rng_state(),
             "loss_scaler": self._loss_scaler.state_dict(),
@@ -741,6 +769,8 @@ class Trainer(Generic[BatchT]):
         self._step_nr = int(state["step_nr"])
         self._data_epoch_nr = int(state["data_epoch_nr"])
         self._finished = bool(state["finished"])
+        self._early_stopped = bool(state["early_stopped"])
+        self._data_exhausted = bool(state["data_exhausted"])
         self._data_reader.load_state_dict(state["data_reader"])
         _set_rng_state(state["rng"])
         self._loss_scaler.load_state_dict(state["loss_scaler"])

@@ -157,6 +157,7 @@ def test_cli_lists_checkpoints_with_their_state(tmp_path: Path) -> None:
     save(manager, 10, score=2.5)
     save(manager, 20)
     (manager.checkpoint_dir / "step_30.tmp").mkdir()
+    (manager.checkpoint_dir / "step_5.damaged").mkdir()
     (manager.checkpoint_dir / "step_20" / "trainer" / "rank_0.pt").write_bytes(b"x")
     result = run_cli("checkpoints", str(tmp_path))
     assert result.returncode == 0, result.stderr
@@ -165,6 +166,7 @@ def test_cli_lists_checkpoints_with_their_state(tmp_path: Path) -> None:
     assert lines[1].split()[:2] == ["10", "2.5"] and lines[1].rstrip().endswith("ok")
     assert lines[2].startswith("20") and "damaged" in lines[2] and "rank_0.pt" in lines[2]
     assert lines[3].startswith("step_30.tmp") and "incomplete" in lines[3]
+    assert lines[4].startswith("step_5.damaged") and "moved aside by a resume" in lines[4]
 
 
 def test_cli_exports_a_plain_state_dict(tmp_path: Path) -> None:

@@ -375,12 +375,15 @@ def test_resume_with_another_world_size_fails_clearly(resumed_run: Any, tmp_path
     shutil.copytree(source / "checkpoints", tmp_path / "checkpoints")
 
     result = launch_single_process(tmp_path)
-    assert result.returncode != 0, output(result)
+    assert result.returncode == 2, output(result)
     message = (
         "The checkpoint of step 10 in {} was saved by 2 processes (dp_size 2 x tp_size 1), but "
         "this run has 1 process (dp_size 1 x tp_size 1)."
     ).format(tmp_path / "checkpoints")
-    assert message in result.stderr
+    # A launch mistake, not a crash: one error line, no traceback.
+    (error_line,) = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert error_line.startswith("error: ") and message in error_line
+    assert "Traceback" not in result.stderr
     assert "resume with 2 processes and tp_size 1" in result.stderr
     assert message in rank_log(tmp_path, 0)
     # Not mistaken for damage: every checkpoint is still there, untouched.

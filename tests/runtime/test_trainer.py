@@ -185,6 +185,8 @@ class NanInBackward(ToyUnit):
         return loss + torch.sqrt(loss * 0.0), num_targets
 
 
+@pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled")
+@pytest.mark.filterwarnings("ignore:Error detected in MulBackward0")
 def test_anomaly_detection_names_the_backward_that_made_nan(tmp_path: Path) -> None:
     unit = NanInBackward(ToyModel(), mean_loss=False, zero_targets=False)
     make_trainer(tmp_path / "off", unit=unit).run()  # without it, NaN goes by unnoticed
@@ -223,3 +225,39 @@ def test_amp_autocasts_the_forward_to_dtype(
     assert unit.output_dtypes == [expected, expected]
     # The master weights stay in float32; autocast only changes the compute.
     assert {p.dtype for p in unit.model.parameters()} == {torch.float32}
+
+
+def params_of(trainer: Trainer[ToyBatch]) -> list[Tensor]:
+    return [p.detach().clone() for p in trainer._unit.model.parameters()]
+
+
+def test_a_finished_run_trains_on_when_max_num_steps_grows(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    straight = make_trainer(tmp_path / "straight", max_num_steps=6)
+    straight.run()
+
+    assert make_trainer(tmp_path / "extended", max_num_steps=4).run() == 0
+    same_limit = make_trainer(tmp_path / "extended", max_num_steps=4)
+    with caplog.at_level(logging.INFO):
+        same_limit.run()
+    assert same_limit.step_nr == 4
+    assert "The run finished at step 4 already; nothing to do." in caplog.messages
+
+    extended = make_trainer(tmp_path / "extended", max_num_steps=6)
+    with caplog.at_level(logging.INFO):
+        assert extended.run() == 0
+    assert extended.step_nr == 6
+    assert any("now allow more: training on" in m for m in caplog.messages)
+    for actual, expected in zip(params_of(extended), params_of(straight), strict=True):
+        assert torch.equal(actual, expected)
+
+
+def test_a_finished_run_trains_on_when_max_num_data_epochs_grows(tmp_path: Path) -> None:
+    # 32 examples / batch 4 = 8 steps an epoch.
+    first = make_trainer(tmp_path, max_num_steps=None, max_num_data_epochs=1)
+    first.run()
+    assert first.step_nr == 8
+    again = make_trainer(tmp_path, max_num_steps=None, max_num_data_epochs=2)
+    again.run()
+    assert again.step_nr == 16
