@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+
+from checkpoint import CheckpointManager
+from gangs import Gangs
+from runtime import MapDataReader, Trainer
+from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit, collate
+from units import TrainUnit
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,4 +98,76 @@ def assert_ok(result: subprocess.CompletedProcess[str]) -> None:
     assert result.returncode == 0, (
         f"exit {result.returncode}\n--- stdout ---\n{result.stdout[-6000:]}"
         f"\n--- stderr ---\n{result.stderr[-6000:]}"
+    )
+
+
+def run_python(
+    *args: str, cwd: Path = REPO_ROOT, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` as one process, in :func:`child_env`; asserts nothing."""
+    return subprocess.run(
+        [sys.executable, *args],
+        env=child_env(),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSONL metrics file, in order."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """The TensorBoard scalars under ``run_dir``: ``{tag: [(step, value), ...]}``."""
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    return {
+        tag: [(event.step, event.value) for event in events.Scalars(tag)]
+        for tag in events.Tags()["scalars"]
+    }
+
+
+def make_toy_trainer(
+    tmp_path: Path,
+    *,
+    model: nn.Module | None = None,
+    unit: TrainUnit[ToyBatch] | None = None,
+    unit_kwargs: dict[str, Any] | None = None,
+    lr: float = 0.1,
+    batch_size: int = 4,
+    num_accumulate: int = 1,
+    dataset_size: int = 32,
+    **kwargs: Any,
+) -> Trainer[ToyBatch]:
+    """A one-process Trainer on the toy data, unshuffled, with SGD; ``kwargs`` go to the Trainer.
+
+    ``unit`` (on its own model) replaces the default summed-loss ToyUnit.
+    """
+    gangs = Gangs.single()
+    torch.manual_seed(0)
+    model = unit.model if unit is not None else model or ToyModel()
+    reader = MapDataReader(
+        dataset=ToyDataset(dataset_size),
+        batch_size=batch_size,
+        collate=collate,
+        gang=gangs.dp,
+        num_accumulate=num_accumulate,
+        shuffle=False,
+    )
+    if unit is None:
+        options = {"mean_loss": False, "zero_targets": False} | (unit_kwargs or {})
+        unit = ToyUnit(model, **options)
+    kwargs.setdefault("max_num_steps", 1)
+    return Trainer(
+        unit=unit,
+        data_reader=reader,
+        optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+        checkpoint_manager=CheckpointManager(tmp_path / "checkpoints", gangs),
+        gangs=gangs,
+        progress=False,
+        **kwargs,
     )

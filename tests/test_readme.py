@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT, RunTorch, assert_ok, child_env
+from tests.conftest import REPO_ROOT, RunTorch, assert_ok, run_python
 
 pytestmark = pytest.mark.distributed
 
@@ -23,18 +21,6 @@ def tutorial_code() -> str:
     return match.group(1)
 
 
-def run_python(script: Path, out: Path, *, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(script), str(out), "--config", "max_num_steps=20"],
-        env=child_env(),
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def test_tutorial_recipe_trains_resumes_and_takes_overrides(
     tmp_path: Path, run_torchrun: RunTorch
 ) -> None:
@@ -42,14 +28,14 @@ def test_tutorial_recipe_trains_resumes_and_takes_overrides(
     script.write_text(tutorial_code())
 
     out = tmp_path / "runs" / "mine"
-    single = run_python(script, out, cwd=tmp_path)
+    single = run_python(str(script), str(out), "--config", "max_num_steps=20", cwd=tmp_path)
     assert_ok(single)
     records = [json.loads(line) for line in (out / "metrics" / "train.jsonl").open()]
     assert [r["step_nr"] for r in records] == [10, 20]
     assert "mse" in records[0]
 
     # The same command again finds the finished run and does not train further.
-    again = run_python(script, out, cwd=tmp_path)
+    again = run_python(str(script), str(out), "--config", "max_num_steps=20", cwd=tmp_path)
     assert_ok(again)
     assert len((out / "metrics" / "train.jsonl").read_text().splitlines()) == 2
 

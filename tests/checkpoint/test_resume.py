@@ -12,7 +12,6 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from torch import Tensor
 
 from checkpoint import CheckpointManager
 from gangs import Gangs
-from tests.conftest import REPO_ROOT, assert_ok, child_env, torchrun, torchrun_command
+from tests.conftest import REPO_ROOT, assert_ok, child_env, run_python, torchrun, torchrun_command
 
 pytestmark = pytest.mark.distributed
 
@@ -59,15 +58,7 @@ def launch(
 
 def launch_single_process(out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
     """``python worker.py OUT``: no torchrun, the way a single-process recipe runs."""
-    return subprocess.run(
-        [sys.executable, WORKER, str(out), "--config", *LAYOUTS["dp1"][1], *overrides],
-        env=child_env(),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    return run_python(WORKER, str(out), "--config", *LAYOUTS["dp1"][1], *overrides, timeout=300)
 
 
 def output(result: subprocess.CompletedProcess[str]) -> str:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ from recipes.char_lm import (
     load_corpus,
     warmup_cosine,
 )
-from tests.conftest import REPO_ROOT, RunTorch, assert_ok, child_env
+from tests.conftest import RunTorch, assert_ok, read_jsonl, run_python
 
 pytestmark = pytest.mark.distributed
 
@@ -38,10 +36,6 @@ TINY = [
     "trainer.checkpoint_every_n_steps=20",
     "optimizer.warmup_steps=5",
 ]
-
-
-def read_jsonl(path: Path) -> list[dict[str, float]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_single_process_run_learns_and_writes_every_output(
@@ -139,21 +133,8 @@ def test_heads_must_split_over_tp() -> None:
 
 
 def test_tp_size_that_does_not_divide_the_world_exits_2_with_one_line(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "recipes.char_lm",
-            str(tmp_path / "run"),
-            "--config",
-            "gang.tp_size=2",
-        ],
-        env=child_env(),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    result = run_python(
+        "-m", "recipes.char_lm", str(tmp_path / "run"), "--config", "gang.tp_size=2"
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [

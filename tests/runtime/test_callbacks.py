@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from runtime import PREEMPTED_EXIT_CODE, PatienceEarlyStopper, TrainerCallback
-from tests.runtime.test_validation import make_trainer, read_jsonl, scripted
+from tests.conftest import read_jsonl
+from tests.runtime.test_validation import make_trainer, scripted
 
 Call = tuple[Any, ...]
 

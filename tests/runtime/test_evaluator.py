@@ -14,8 +14,8 @@ from torch import nn
 from checkpoint import CheckpointManager, CheckpointNotFoundError
 from gangs import Gangs
 from runtime import Evaluator, MetricRecorder, combine_scores, evaluate_units, main
-from tests.conftest import RunTorch, assert_ok
-from tests.runtime.test_validation import make_trainer, read_jsonl, scripted
+from tests.conftest import RunTorch, assert_ok, read_jsonl
+from tests.runtime.test_validation import make_trainer, scripted
 from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel
 from tests.workers.valid_toy import ToyEvalUnit, ValidToyConfig, make_valid_reader, recipe
 

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from runtime import LossScaler, TrainerCallback
-from tests.runtime.test_trainer import make_trainer
+from tests.conftest import make_toy_trainer
 from tests.workers.train_toy import ToyBatch, ToyModel, ToyUnit
 
 
@@ -79,7 +79,7 @@ def test_trainer_skips_an_overflowing_step_and_forgets_its_metrics(tmp_path: Pat
     torch.manual_seed(0)
     model = ToyModel()
     snapshots = ParamSnapshots(model)
-    trainer = make_trainer(
+    trainer = make_toy_trainer(
         tmp_path,
         unit=OverflowAt(model, overflow_step=2),
         max_num_steps=3,

@@ -9,14 +9,14 @@ import pytest
 
 from gangs import FakeGang
 from runtime import TorchProfiler
-from tests.runtime.test_trainer import make_trainer
+from tests.conftest import make_toy_trainer
 
 
 def test_trainer_writes_a_trace_of_the_recorded_steps(tmp_path: Path) -> None:
     profiler = TorchProfiler(
         num_skip_steps=1, num_record_steps=2, profile_dir=tmp_path / "profile", gang=FakeGang()
     )
-    trainer = make_trainer(tmp_path, max_num_steps=6, profiler=profiler)
+    trainer = make_toy_trainer(tmp_path, max_num_steps=6, profiler=profiler)
     assert trainer.run() == 0
 
     (trace_file,) = (tmp_path / "profile" / "rank_0").glob("*.pt.trace.json*")

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from runtime import (
     CompositeMetricRecorder,
@@ -17,19 +15,7 @@ from runtime import (
     TensorBoardRecorder,
     WandbRecorder,
 )
-
-
-def read_jsonl(path: Path) -> list[dict[str, object]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    events = EventAccumulator(str(run_dir))
-    events.Reload()
-    return {
-        tag: [(event.step, event.value) for event in events.Scalars(tag)]
-        for tag in events.Tags()["scalars"]
-    }
+from tests.conftest import read_jsonl, read_scalars
 
 
 def test_jsonl_writes_one_object_per_publish_and_a_file_per_run(tmp_path: Path) -> None:

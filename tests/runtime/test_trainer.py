@@ -11,50 +11,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from checkpoint import CheckpointManager
-from gangs import Gangs
-from runtime import MapDataReader, Trainer, TrainerError
+from runtime import Trainer, TrainerError
+from tests.conftest import make_toy_trainer
 from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit, collate
-from units import TrainUnit
-
-
-def make_trainer(
-    tmp_path: Path,
-    *,
-    model: nn.Module | None = None,
-    unit: TrainUnit[ToyBatch] | None = None,
-    unit_kwargs: dict[str, Any] | None = None,
-    lr: float = 0.1,
-    batch_size: int = 4,
-    num_accumulate: int = 1,
-    dataset_size: int = 32,
-    **kwargs: Any,
-) -> Trainer[ToyBatch]:
-    """A one-process Trainer on the toy data; ``unit`` (on its own model) replaces the ToyUnit."""
-    gangs = Gangs.single()
-    torch.manual_seed(0)
-    model = unit.model if unit is not None else model or ToyModel()
-    reader = MapDataReader(
-        dataset=ToyDataset(dataset_size),
-        batch_size=batch_size,
-        collate=collate,
-        gang=gangs.dp,
-        num_accumulate=num_accumulate,
-        shuffle=False,
-    )
-    if unit is None:
-        options = {"mean_loss": False, "zero_targets": False} | (unit_kwargs or {})
-        unit = ToyUnit(model, **options)
-    kwargs.setdefault("max_num_steps", 1)
-    return Trainer(
-        unit=unit,
-        data_reader=reader,
-        optimizer=torch.optim.SGD(model.parameters(), lr=lr),
-        checkpoint_manager=CheckpointManager(tmp_path / "checkpoints", gangs),
-        gangs=gangs,
-        progress=False,
-        **kwargs,
-    )
 
 
 def manual_update(
@@ -82,7 +41,7 @@ def test_accumulated_step_is_the_normalized_mean(tmp_path: Path, mean_loss: bool
     batches = [collate([dataset[i] for i in range(j, j + 4)]) for j in (0, 4)]
     expected = manual_update(reference, batches, mean_loss=mean_loss, lr=0.1)
 
-    trainer = make_trainer(tmp_path, num_accumulate=2, unit_kwargs={"mean_loss": mean_loss})
+    trainer = make_toy_trainer(tmp_path, num_accumulate=2, unit_kwargs={"mean_loss": mean_loss})
     trainer.run()
     model = trainer._unit.model
     for name, param in model.named_parameters():
@@ -90,7 +49,7 @@ def test_accumulated_step_is_the_normalized_mean(tmp_path: Path, mean_loss: bool
 
 
 def test_zero_targets_is_a_clear_error(tmp_path: Path) -> None:
-    trainer = make_trainer(tmp_path, unit_kwargs={"zero_targets": True})
+    trainer = make_toy_trainer(tmp_path, unit_kwargs={"zero_targets": True})
     with pytest.raises(TrainerError, match="step 1 have no targets on any data-parallel rank"):
         trainer.run()
 
@@ -113,14 +72,14 @@ def test_bad_arguments_are_clear_errors(
     with pytest.raises(
         ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")
     ):
-        make_trainer(tmp_path, **kwargs)
+        make_toy_trainer(tmp_path, **kwargs)
 
 
 def test_epochs_end_reset_the_reader_and_carry_on(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # 32 examples / batch 4 = 8 steps an epoch; 3 epochs = 24 steps, though 100 are allowed.
-    trainer = make_trainer(
+    trainer = make_toy_trainer(
         tmp_path,
         max_num_steps=100,
         max_num_data_epochs=3,
@@ -138,7 +97,7 @@ def test_epochs_end_reset_the_reader_and_carry_on(
 
 
 def test_published_metrics_describe_the_window(tmp_path: Path) -> None:
-    trainer = make_trainer(
+    trainer = make_toy_trainer(
         tmp_path, max_num_steps=6, metrics_dir=tmp_path / "metrics", publish_metrics_every_n_steps=4
     )
     trainer.run()
@@ -170,7 +129,7 @@ def test_published_metrics_describe_the_window(tmp_path: Path) -> None:
 def test_gradient_clipping_bounds_the_update(tmp_path: Path) -> None:
     torch.manual_seed(0)
     before = {n: p.detach().clone() for n, p in ToyModel().named_parameters()}
-    trainer = make_trainer(tmp_path, max_gradient_norm=1e-3, lr=1.0)
+    trainer = make_toy_trainer(tmp_path, max_gradient_norm=1e-3, lr=1.0)
     trainer.run()
     after = dict(trainer._unit.model.named_parameters())
     step = torch.cat([(after[n].detach() - before[n]).flatten() for n in before])
@@ -189,11 +148,11 @@ class NanInBackward(ToyUnit):
 @pytest.mark.filterwarnings("ignore:Error detected in MulBackward0")
 def test_anomaly_detection_names_the_backward_that_made_nan(tmp_path: Path) -> None:
     unit = NanInBackward(ToyModel(), mean_loss=False, zero_targets=False)
-    make_trainer(tmp_path / "off", unit=unit).run()  # without it, NaN goes by unnoticed
+    make_toy_trainer(tmp_path / "off", unit=unit).run()  # without it, NaN goes by unnoticed
     assert not all(torch.isfinite(p).all() for p in unit.model.parameters())
 
     unit = NanInBackward(ToyModel(), mean_loss=False, zero_targets=False)
-    trainer = make_trainer(tmp_path / "on", unit=unit, anomaly_detection=True)
+    trainer = make_toy_trainer(tmp_path / "on", unit=unit, anomaly_detection=True)
     with pytest.raises(RuntimeError, match=r"Function '\w+Backward0' returned nan values"):
         trainer.run()
 
@@ -220,7 +179,7 @@ def test_amp_autocasts_the_forward_to_dtype(
     tmp_path: Path, dtype: torch.dtype, amp: bool, expected: torch.dtype
 ) -> None:
     unit = DtypeProbe(ToyModel())
-    trainer = make_trainer(tmp_path, unit=unit, dtype=dtype, amp=amp, max_num_steps=2)
+    trainer = make_toy_trainer(tmp_path, unit=unit, dtype=dtype, amp=amp, max_num_steps=2)
     assert trainer.run() == 0
     assert unit.output_dtypes == [expected, expected]
     # The master weights stay in float32; autocast only changes the compute.
@@ -234,17 +193,17 @@ def params_of(trainer: Trainer[ToyBatch]) -> list[Tensor]:
 def test_a_finished_run_trains_on_when_max_num_steps_grows(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    straight = make_trainer(tmp_path / "straight", max_num_steps=6)
+    straight = make_toy_trainer(tmp_path / "straight", max_num_steps=6)
     straight.run()
 
-    assert make_trainer(tmp_path / "extended", max_num_steps=4).run() == 0
-    same_limit = make_trainer(tmp_path / "extended", max_num_steps=4)
+    assert make_toy_trainer(tmp_path / "extended", max_num_steps=4).run() == 0
+    same_limit = make_toy_trainer(tmp_path / "extended", max_num_steps=4)
     with caplog.at_level(logging.INFO):
         same_limit.run()
     assert same_limit.step_nr == 4
     assert "The run finished at step 4 already; nothing to do." in caplog.messages
 
-    extended = make_trainer(tmp_path / "extended", max_num_steps=6)
+    extended = make_toy_trainer(tmp_path / "extended", max_num_steps=6)
     with caplog.at_level(logging.INFO):
         assert extended.run() == 0
     assert extended.step_nr == 6
@@ -255,9 +214,9 @@ def test_a_finished_run_trains_on_when_max_num_steps_grows(
 
 def test_a_finished_run_trains_on_when_max_num_data_epochs_grows(tmp_path: Path) -> None:
     # 32 examples / batch 4 = 8 steps an epoch.
-    first = make_trainer(tmp_path, max_num_steps=None, max_num_data_epochs=1)
+    first = make_toy_trainer(tmp_path, max_num_steps=None, max_num_data_epochs=1)
     first.run()
     assert first.step_nr == 8
-    again = make_trainer(tmp_path, max_num_steps=None, max_num_data_epochs=2)
+    again = make_toy_trainer(tmp_path, max_num_steps=None, max_num_data_epochs=2)
     again.run()
     assert again.step_nr == 16

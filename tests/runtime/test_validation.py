@@ -13,14 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import Tensor, nn
 
 from checkpoint import CheckpointManager
-from gangs import Gangs
-from runtime import MapDataReader, PatienceEarlyStopper, Trainer, TrainerCallback
-from tests.conftest import RunTorch, assert_ok
-from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit, collate
+from gangs import FakeGang, Gangs
+from runtime import PatienceEarlyStopper, Trainer, TrainerCallback
+from tests.conftest import RunTorch, assert_ok, make_toy_trainer, read_jsonl, read_scalars
+from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit
 from tests.workers.valid_toy import ScriptedEvalUnit, ToyEvalUnit, make_valid_reader
 from units import EvalUnit
 
@@ -37,44 +36,26 @@ def make_trainer(
     model: nn.Module | None = None,
     **kwargs: Any,
 ) -> Trainer[ToyBatch]:
-    gangs = Gangs.single()
+    """A toy Trainer that validates: a ToyEvalUnit unless ``units`` makes others, a reader each."""
     if model is None:
         torch.manual_seed(0)
-        model = ToyModel()
+        model = unit.model if unit is not None else ToyModel()
     valid_units = list(units(model) if units is not None else [ToyEvalUnit(model)])
     kwargs.setdefault("max_num_steps", 6)
     kwargs.setdefault("metrics_dir", tmp_path / "metrics")
     kwargs.setdefault("tb_dir", tmp_path / "tb")
-    kwargs.setdefault("valid_data_readers", [make_valid_reader(gangs.dp) for _ in valid_units])
-    return Trainer(
+    kwargs.setdefault("valid_data_readers", [make_valid_reader(FakeGang()) for _ in valid_units])
+    return make_toy_trainer(
+        tmp_path,
         unit=unit or ToyUnit(model, mean_loss=False, zero_targets=False),
-        data_reader=MapDataReader(
-            dataset=ToyDataset(32), batch_size=4, collate=collate, gang=gangs.dp, shuffle=False
-        ),
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
-        checkpoint_manager=CheckpointManager(tmp_path / "checkpoints", gangs),
-        gangs=gangs,
+        lr=0.05,
         valid_units=valid_units,
-        progress=False,
         **kwargs,
     )
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def valid_steps(tmp_path: Path, run: str = "valid") -> list[int]:
     return [r["step_nr"] for r in read_jsonl(tmp_path / "metrics" / f"{run}.jsonl")]
-
-
-def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    events = EventAccumulator(str(run_dir))
-    events.Reload()
-    return {
-        tag: [(event.step, event.value) for event in events.Scalars(tag)]
-        for tag in events.Tags()["scalars"]
-    }
 
 
 def checkpoint_steps(tmp_path: Path) -> list[int]:
