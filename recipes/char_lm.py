@@ -89,6 +89,9 @@ class TrainerSection:
     checkpoint_every_n_steps: int = 100
     keep_last_n_checkpoints: int | None = 2
     keep_best_n_checkpoints: int | None = 1
+    async_checkpoint: bool = False
+    reshard_on_resume: bool = False
+    """Resume from checkpoints of another world layout (not bit-exact; see the README)."""
     early_stop_patience: int | None = None
     """Stop after this many validations in a row without a lower validation loss."""
     early_stop_min_delta: float = 0.0
@@ -406,6 +409,8 @@ def recipe(config: CharLMConfig, output_dir: Path) -> Trainer[LMBatch]:
         checkpoint_every_n_steps=t.checkpoint_every_n_steps,
         keep_last_n_checkpoints=t.keep_last_n_checkpoints,
         keep_best_n_checkpoints=t.keep_best_n_checkpoints,
+        async_checkpoint=t.async_checkpoint,
+        reshard_on_resume=t.reshard_on_resume,
         score_metric_name="nll_loss",
         lower_better=True,
         early_stopper=early_stopper,

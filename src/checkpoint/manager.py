@@ -85,6 +85,8 @@ class LoadedCheckpoint:
     step_nr: int
     trainer_state: dict[str, Any]
     manifest: dict[str, Any]
+    resharded: bool = False
+    """Saved by another world layout; ``trainer_state`` is rank 0's."""
 
 
 @final
@@ -256,14 +258,15 @@ class CheckpointManager:
     # ----------------------------------------------------------------- loading
 
     def load_last_checkpoint(
-        self, *, model: Module, optimizer: Optimizer
+        self, *, model: Module, optimizer: Optimizer, reshard: bool = False
     ) -> LoadedCheckpoint | None:
         """Load the newest intact full checkpoint into ``model`` and ``optimizer``.
 
         A damaged checkpoint is skipped with a warning in favour of the one before it. Returns
         ``None`` when there is no checkpoint to resume from.
 
-        A different world layout is not damage: :class:`CheckpointLayoutError` propagates. Skipped
+        A different world layout is not damage: :class:`CheckpointLayoutError` propagates, unless
+        ``reshard`` (see :meth:`load_checkpoint`). Skipped
         checkpoints are renamed to ``step_N.damaged`` once an older one has loaded, so the resumed
         run can save those steps again.
         """
@@ -271,7 +274,9 @@ class CheckpointManager:
         damaged: list[int] = []
         for step_nr in reversed(candidates):
             try:
-                loaded = self.load_checkpoint(step_nr, model=model, optimizer=optimizer)
+                loaded = self.load_checkpoint(
+                    step_nr, model=model, optimizer=optimizer, reshard=reshard
+                )
             except CheckpointLayoutError:
                 raise
             except CheckpointError as ex:
@@ -335,9 +340,14 @@ class CheckpointManager:
         self._root.barrier()
 
     def load_checkpoint(
-        self, step_nr: int, *, model: Module, optimizer: Optimizer
+        self, step_nr: int, *, model: Module, optimizer: Optimizer, reshard: bool = False
     ) -> LoadedCheckpoint:
-        """Verify and load the full checkpoint of ``step_nr``; raise CheckpointError if damaged."""
+        """Verify and load the full checkpoint of ``step_nr``; raise CheckpointError if damaged.
+
+        A checkpoint of another world layout is a :class:`CheckpointLayoutError`, unless
+        ``reshard``: then DCP reshards the model and optimizer into this layout, and every rank
+        gets the trainer state of rank 0 (``resharded`` is set on the result).
+        """
         path = self._step_dir(step_nr)
         manifest = self._verified_manifest(path, step_nr)
         if manifest["kind"] != "full":
@@ -345,7 +355,7 @@ class CheckpointManager:
                 f"The checkpoint of step {step_nr} holds only the model (its optimizer and "
                 "trainer state were pruned by retention), so training cannot resume from it."
             )
-        self._check_layout(manifest)
+        resharded = self._check_layout(manifest, reshard=reshard)
 
         model_state, optim_state = get_state_dict(model, optimizer)
         self._collective(
@@ -358,12 +368,14 @@ class CheckpointManager:
         )
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
-        trainer_file = path / "trainer" / self._rank_file()
+        trainer_file = path / "trainer" / ("rank_0.pt" if resharded else self._rank_file())
         trainer_state = self._collective(
             "load the trainer state", lambda: torch.load(trainer_file, weights_only=True)
         )
         log.info("Loaded the checkpoint of step %d from %s.", step_nr, path)
-        return LoadedCheckpoint(step_nr=step_nr, trainer_state=trainer_state, manifest=manifest)
+        return LoadedCheckpoint(
+            step_nr=step_nr, trainer_state=trainer_state, manifest=manifest, resharded=resharded
+        )
 
     def load_model(self, step_nr: int, *, model: Module) -> None:
         """Load only the model of the checkpoint of ``step_nr`` (full or model-only)."""
@@ -447,17 +459,27 @@ class CheckpointManager:
             raise CheckpointError(payload)
         return dict(payload)
 
-    def _check_layout(self, manifest: Mapping[str, Any]) -> None:
+    def _check_layout(self, manifest: Mapping[str, Any], *, reshard: bool) -> bool:
+        """Whether the checkpoint must be resharded; an error if it must but may not be."""
         saved = (manifest["world_size"], manifest["dp_size"], manifest["tp_size"])
         now = (self._root.size, self._gangs.dp.size, self._gangs.tp.size)
-        if saved != now:
+        if saved == now:
+            return False
+        if not reshard:
             raise CheckpointLayoutError(
                 f"The checkpoint of step {manifest['step_nr']} in {self._dir} was saved by "
-                f"{_describe_layout(*saved)}, but this run has {_describe_layout(*now)}. Its data "
-                f"position and per-rank state cannot be resharded: resume with {saved[0]} "
-                f"processes and tp_size {saved[2]}, or start a new run in another output directory "
-                "and load only this checkpoint's model (CheckpointManager.load_model)."
+                f"{_describe_layout(*saved)}, but this run has {_describe_layout(*now)}. Resume "
+                f"with {saved[0]} processes and tp_size {saved[2]} for a bit-exact resume, or "
+                "pass reshard_on_resume=True to the Trainer to reshard the model, optimizer and "
+                "data position into this layout."
             )
+        log.warning(
+            "Resharding the checkpoint of step %d, saved by %s, into %s.",
+            manifest["step_nr"],
+            _describe_layout(*saved),
+            _describe_layout(*now),
+        )
+        return True
 
     def _collective(self, what: str, action: Callable[[], T]) -> T:
         """Run ``action`` on every rank; if it fails on any rank, raise on every rank."""

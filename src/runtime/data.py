@@ -169,12 +169,10 @@ class MapDataReader(DataReader[BatchT]):
         self._sync_mode = sync_mode
         self._num_prefetch = num_prefetch
 
-        steps_per_rank = [self._num_steps_of(rank) for rank in range(gang.size)]
-        self._num_local_steps = steps_per_rank[gang.rank]
-        if sync_mode is SyncMode.UNTIL_FIRST:
-            self._num_steps = min(steps_per_rank)
-        else:
-            self._num_steps = max(steps_per_rank)
+        # Examples of this epoch's permutation that steps before this reader's first step took,
+        # under another layout: nonzero only after load_state_dict resharded a position.
+        self._offset = 0
+        steps_per_rank = self._count_steps()
         if self._num_steps == 0:
             raise ValueError(self._too_small_message(steps_per_rank))
 
@@ -203,6 +201,8 @@ class MapDataReader(DataReader[BatchT]):
         self._stop_prefetching()
         self._epoch += 1
         self._step_nr = 0
+        self._offset = 0
+        self._count_steps()
         self._step_maker = None
         self._verified = False
 
@@ -212,6 +212,7 @@ class MapDataReader(DataReader[BatchT]):
             "epoch": self._epoch,
             "step_nr": self._step_nr,
             "num_steps": self._num_steps,
+            "offset": self._offset,
             "seed": self._seed,
             "shuffle": self._shuffle,
             "dataset_size": self._dataset_size,
@@ -240,6 +241,7 @@ class MapDataReader(DataReader[BatchT]):
                 "with the same dataset, seed and shuffle as the run that saved the state."
             )
 
+        saved_offset = _int_entry(state, "offset")
         saved_layout = {
             "gang.size": _int_entry(state, "gang_size"),
             "batch_size": _int_entry(state, "batch_size"),
@@ -252,21 +254,23 @@ class MapDataReader(DataReader[BatchT]):
             "num_accumulate": self._num_accumulate,
             "drop_remainder": self._drop_remainder,
         }
-        # An epoch boundary means the same in every layout: nothing or everything is consumed.
         if step_nr >= saved_num_steps:
-            step_nr = self._num_steps
-        elif step_nr > 0 and saved_layout != layout:
-            raise ValueError(
-                f"The data position (step {step_nr} of data epoch {epoch}) cannot be resharded: "
-                f"it was saved with {_describe(saved_layout)}, but this reader has "
-                f"{_describe(layout)}. Resume with the same number of data-parallel processes and "
-                "the same batch settings, or start a fresh data epoch instead of loading this "
-                "position."
-            )
+            # An epoch boundary means the same in every layout: the whole epoch is consumed.
+            offset, step_nr = 0, -1
+        elif saved_layout == layout:
+            offset = saved_offset
+        else:
+            # The shards stride over the epoch's permutation and differ by one example at most,
+            # so before the epoch's last step every rank has taken only full steps, and together
+            # they took exactly a prefix of the permutation: the new layout goes on after it.
+            per_rank = step_nr * saved_layout["batch_size"] * saved_layout["num_accumulate"]
+            offset, step_nr = saved_offset + per_rank * saved_layout["gang.size"], 0
 
         self._stop_prefetching()
         self._epoch = epoch
-        self._step_nr = min(step_nr, self._num_steps)
+        self._offset = offset
+        self._count_steps()
+        self._step_nr = self._num_steps if step_nr < 0 else min(step_nr, self._num_steps)
         self._step_maker = None
         self._verified = False
 
@@ -294,8 +298,18 @@ class MapDataReader(DataReader[BatchT]):
         if getattr(self, "_prefetcher", None) is not None:
             self._stop_prefetching()
 
+    def _count_steps(self) -> list[int]:
+        """Set the epoch's step counts from the examples after the offset; return each rank's."""
+        steps_per_rank = [self._num_steps_of(rank) for rank in range(self._gang.size)]
+        self._num_local_steps = steps_per_rank[self._gang.rank]
+        if self._sync_mode is SyncMode.UNTIL_FIRST:
+            self._num_steps = min(steps_per_rank)
+        else:
+            self._num_steps = max(steps_per_rank)
+        return steps_per_rank
+
     def _num_steps_of(self, rank: int) -> int:
-        num_examples = len(range(rank, self._dataset_size, self._gang.size))
+        num_examples = len(range(self._offset + rank, self._dataset_size, self._gang.size))
         num_micro_batches = _divide(num_examples, self._batch_size, self._drop_remainder)
         return _divide(num_micro_batches, self._num_accumulate, self._drop_remainder)
 
@@ -385,7 +399,7 @@ class MapDataReader(DataReader[BatchT]):
             order = torch.randperm(self._dataset_size, generator=generator)
         else:
             order = torch.arange(self._dataset_size)
-        shard: list[int] = order[self._gang.rank :: self._gang.size].tolist()
+        shard: list[int] = order[self._offset + self._gang.rank :: self._gang.size].tolist()
         return _StepMaker(
             dataset=self._dataset,
             collate=self._collate,

@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from checkpoint import CheckpointManager, RetentionPolicy
+from checkpoint import CheckpointLayoutError, CheckpointManager, RetentionPolicy
 from gangs import FakeGang, Gang, Gangs, ReduceOperation
 from runtime.callbacks import TrainerCallback
 from runtime.data import DataReader
@@ -99,6 +99,7 @@ class Trainer(Generic[BatchT]):
         keep_last_n_models: int | None = None,
         keep_best_n_models: int | None = None,
         async_checkpoint: bool = False,
+        reshard_on_resume: bool = False,
         score_metric_name: str | None = None,
         lower_better: bool = False,
         early_stopper: EarlyStopperFn | None = None,
@@ -234,6 +235,7 @@ class Trainer(Generic[BatchT]):
         self._profiler = profiler
         self._seed = seed
         self._async_checkpoint = async_checkpoint
+        self._reshard_on_resume = reshard_on_resume
         self._loss_scaler = LossScaler(
             init_scale=fp16_loss_scale[0],
             min_scale=fp16_loss_scale[1],
@@ -714,11 +716,11 @@ class Trainer(Generic[BatchT]):
 
     def _maybe_resume(self) -> None:
         loaded = self._checkpoint_manager.load_last_checkpoint(
-            model=self._model, optimizer=self._optimizer
+            model=self._model, optimizer=self._optimizer, reshard=self._reshard_on_resume
         )
         if loaded is None:
             return
-        self._load_state_dict(loaded.trainer_state)
+        self._load_state_dict(loaded.trainer_state, resharded=loaded.resharded)
         self._last_checkpoint_step = self._step_nr
         log.info("Resumed from the checkpoint of step %d.", self._step_nr)
         if self._finished and not self._early_stopped and not self._limit_reached():
@@ -765,17 +767,36 @@ class Trainer(Generic[BatchT]):
             state["early_stopper"] = self._early_stopper.state_dict()
         return state
 
-    def _load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def _load_state_dict(self, state: Mapping[str, Any], *, resharded: bool = False) -> None:
+        """Load this rank's trainer state, or rank 0's when the checkpoint was ``resharded``.
+
+        After a reshard, what all ranks share (step, schedules, scores, loss scale) carries over
+        and the data reader reshards its position; what is per rank cannot: the RNGs are seeded
+        anew for this step, and the unpublished metric window starts empty.
+        """
         self._step_nr = int(state["step_nr"])
         self._data_epoch_nr = int(state["data_epoch_nr"])
         self._finished = bool(state["finished"])
         self._early_stopped = bool(state["early_stopped"])
         self._data_exhausted = bool(state["data_exhausted"])
-        self._data_reader.load_state_dict(state["data_reader"])
-        _set_rng_state(state["rng"])
+        if resharded:
+            try:
+                self._data_reader.load_state_dict(state["data_reader"])
+            except ValueError as ex:
+                raise CheckpointLayoutError(str(ex)) from ex
+            self._seed_rngs(step_nr=self._step_nr)
+            log.warning(
+                "Resumed from another world layout: the data position was resharded and the "
+                "RNGs seeded anew, so the run is no longer bit-identical to an uninterrupted one, "
+                "and the first train metrics published cover only the steps after step %d.",
+                self._step_nr,
+            )
+        else:
+            self._data_reader.load_state_dict(state["data_reader"])
+            _set_rng_state(state["rng"])
+            self._unit.metric_bag.load_state_dict(state["train_metrics"])
+            self._window.load_state_dict(state["window"])
         self._loss_scaler.load_state_dict(state["loss_scaler"])
-        self._unit.metric_bag.load_state_dict(state["train_metrics"])
-        self._window.load_state_dict(state["window"])
         self._last_score = state["last_score"]
         self._best_score = state["best_score"]
         self._best_step_nr = state["best_step_nr"]
@@ -785,10 +806,11 @@ class Trainer(Generic[BatchT]):
         if isinstance(self._early_stopper, Stateful) and "early_stopper" in state:
             self._early_stopper.load_state_dict(state["early_stopper"])
 
-    def _seed_rngs(self) -> None:
+    def _seed_rngs(self, *, step_nr: int = 0) -> None:
         # TP ranks of one DP rank must draw the same numbers (e.g. dropout on replicated
-        # activations); DP ranks see different data and draw different ones.
-        seed = self._seed + self._gangs.dp.rank
+        # activations); DP ranks see different data and draw different ones. After a reshard,
+        # the step keeps the numbers apart from those already drawn.
+        seed = self._seed + self._gangs.dp.rank + step_nr * self._gangs.dp.size
         random.seed(seed)
         torch.manual_seed(seed)
 

@@ -375,11 +375,37 @@ def test_resume_with_another_world_size_fails_clearly(resumed_run: Any, tmp_path
     (error_line,) = [line for line in result.stderr.splitlines() if "error:" in line]
     assert error_line.startswith("error: ") and message in error_line
     assert "Traceback" not in result.stderr
-    assert "resume with 2 processes and tp_size 1" in result.stderr
+    assert "Resume with 2 processes and tp_size 1 for a bit-exact resume" in result.stderr
+    assert "pass reshard_on_resume=True" in result.stderr
     assert message in rank_log(tmp_path, 0)
     # Not mistaken for damage: every checkpoint is still there, untouched.
     assert assert_committed_checkpoints_verify(tmp_path) == [2, 4, 6, 8, 10]
     assert not list((tmp_path / "checkpoints").glob("*.damaged*"))
+
+
+@pytest.mark.parametrize("layout", ["dp1", "dp2_tp2"])
+def test_reshard_on_resume_continues_the_data_and_the_math(
+    resumed_run: Any, tmp_path: Path, layout: str
+) -> None:
+    # The DP2 reference saved step 2 mid data epoch (5 steps of 8 examples each); every layout
+    # here takes the same 8 examples a step, so from the resharded step 2 on, the updates are
+    # the reference's up to float rounding.
+    source = resumed_run("dp2").reference
+    shutil.copytree(source / "checkpoints" / "step_2", tmp_path / "checkpoints" / "step_2")
+
+    if layout == "dp1":
+        result = launch_single_process(tmp_path, "reshard_on_resume=true")
+    else:
+        result = launch(layout, tmp_path, "reshard_on_resume=true")
+    assert_ok(result)
+    log_text = rank_log(tmp_path, 0)
+    assert "Resharding the checkpoint of step 2, saved by 2 processes" in log_text
+    assert "Resumed from the checkpoint of step 2." in log_text
+    expected = load_params(source)
+    actual = load_params(tmp_path)
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_async_checkpoint_single_process_matches_sync(resumed_run: Any, tmp_path: Path) -> None:

@@ -311,20 +311,49 @@ def test_state_at_an_epoch_end_round_trips() -> None:
     assert read_epoch(resumed) == read_epoch(reader)
 
 
-def test_state_cannot_move_to_another_layout_mid_epoch() -> None:
-    reader = map_reader(20, batch_size=2)
-    next(reader)
-    state = round_trip(reader.state_dict())
-    reader.close()
+def examples_of(*steps_of_ranks: Steps) -> list[int]:
+    """Every example of the given steps, of all ranks, sorted."""
+    return sorted(e for steps in steps_of_ranks for batches in steps for b in batches for e in b)
 
-    other = map_reader(20, batch_size=2, gang=RankGang(rank=0, size=2))
-    with pytest.raises(
-        ValueError, match=r"cannot be resharded.*gang\.size 1.*gang\.size 2"
-    ) as info:
-        other.load_state_dict(state)
-    assert "Resume with the same number of data-parallel processes" in str(info.value)
-    with pytest.raises(ValueError, match=r"batch_size 2.*batch_size 4"):
-        map_reader(20, batch_size=4).load_state_dict(state)
+
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [
+        ({"size": 1, "batch_size": 4}, {"size": 2, "batch_size": 2}),
+        ({"size": 2, "batch_size": 2}, {"size": 1, "batch_size": 4}),
+        ({"size": 2, "batch_size": 2}, {"size": 4, "batch_size": 1}),
+        ({"size": 2, "batch_size": 2}, {"size": 1, "batch_size": 2, "num_accumulate": 2}),
+    ],
+    ids=["dp1_to_dp2", "dp2_to_dp1", "dp2_to_dp4", "dp2_to_dp1_with_accumulation"],
+)
+def test_state_mid_epoch_reshards_to_another_layout(
+    saved: dict[str, int], resumed: dict[str, int]
+) -> None:
+    def readers(size: int, **kwargs: int) -> list[MapDataReader[list[int]]]:
+        return [
+            map_reader(40, seed=7, gang=RankGang(rank=r, size=size), **kwargs) for r in range(size)
+        ]
+
+    before = readers(**saved)
+    for reader in before:
+        next(reader), next(reader)  # two steps of 4 examples in all: the first 8 of the epoch
+    states = [round_trip(reader.state_dict()) for reader in before]
+
+    after = readers(**resumed)
+    for reader in after:
+        reader.load_state_dict(states[0])
+    rest = [read_epoch(reader) for reader in after]
+
+    # Together the new ranks read the rest of the epoch's permutation, each example once, in
+    # steps of the same 4 examples the saved layout would have taken.
+    order = permutation(40, seed=7)
+    assert examples_of(*rest) == sorted(order[8:])
+    step_sets = [examples_of(*[[steps[k]] for steps in rest]) for k in range(len(rest[0]))]
+    assert step_sets == [sorted(order[8 + 4 * k : 12 + 4 * k]) for k in range(8)]
+    # The next epoch starts from the top, in the new layout.
+    for reader in after:
+        reader.reset()
+    assert examples_of(*[read_epoch(reader) for reader in after]) == list(range(40))
 
 
 def test_state_at_an_epoch_boundary_moves_to_another_layout() -> None:

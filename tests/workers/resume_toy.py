@@ -56,6 +56,7 @@ class ResumeToyConfig:
     checkpoint_every: int | None = 2
     publish_every: int = 2
     async_checkpoint: bool = False
+    reshard_on_resume: bool = False
     fault_rank: int = -1
     sigterm_at_step: int | None = None
     wait_for_sigterm_at_step: int | None = None
@@ -193,6 +194,7 @@ def _build(
         metrics_dir=output_dir / "metrics",
         checkpoint_every_n_steps=config.checkpoint_every,
         async_checkpoint=config.async_checkpoint,
+        reshard_on_resume=config.reshard_on_resume,
         callbacks=callbacks,
         progress=False,
     )
