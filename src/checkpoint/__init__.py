@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from checkpoint.manager import (
+    CheckpointChoice,
     CheckpointError,
     CheckpointLayoutError,
     CheckpointManager,
@@ -18,6 +19,7 @@ from checkpoint.retention import (
 )
 
 __all__ = [
+    "CheckpointChoice",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointLayoutError",

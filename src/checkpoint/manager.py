@@ -55,7 +55,12 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from checkpoint.retention import CheckpointInfo, RetentionPolicy, plan_retention
+from checkpoint.retention import (
+    CheckpointInfo,
+    RetentionPolicy,
+    best_checkpoint,
+    plan_retention,
+)
 from gangs import Gangs, ReduceOperation
 
 log = logging.getLogger(__name__)
@@ -66,6 +71,10 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 _DAMAGED_DIR = re.compile(r"^step_\d+\.damaged\d*$")
 
 T = TypeVar("T")
+
+
+CheckpointChoice = Literal["last", "best"] | int
+"""A committed checkpoint by name: the last, the best scored, or the one of a step."""
 
 
 class CheckpointError(RuntimeError):
@@ -251,9 +260,35 @@ class CheckpointManager:
             )
         return sorted(infos, key=lambda info: info.step_nr)
 
-    def last_step_nr(self, *, kind: Literal["full", "any"] = "full") -> int | None:
-        steps = [i.step_nr for i in self.list_checkpoints() if kind == "any" or i.kind == "full"]
-        return steps[-1] if steps else None
+    def select_checkpoint(self, which: CheckpointChoice, *, lower_better: bool) -> int:
+        """The step of the committed checkpoint ``which`` names; CheckpointNotFoundError if none.
+
+        ``which`` is ``"last"``, ``"best"`` (by the score stored with each checkpoint, oriented by
+        ``lower_better``; ties go to the newer one) or a step number.
+        """
+        if not (which in ("last", "best") or (isinstance(which, int) and which >= 0)):
+            raise ValueError(
+                f"which must be 'last', 'best' or a step number, but is {which!r} instead."
+            )
+        infos = self.list_checkpoints()
+        if not infos:
+            raise CheckpointNotFoundError(f"There are no committed checkpoints in {self._dir}.")
+        if which == "last":
+            return infos[-1].step_nr
+        if which == "best":
+            best = best_checkpoint(infos, lower_better=lower_better)
+            if best is None:
+                raise CheckpointNotFoundError(
+                    f"No checkpoint in {self._dir} has a validation score, so none is the best."
+                )
+            return best.step_nr
+        assert isinstance(which, int)
+        if which not in {info.step_nr for info in infos}:
+            raise CheckpointNotFoundError(
+                f"There is no committed checkpoint of step {which} in {self._dir}; "
+                f"the steps there are {', '.join(str(i.step_nr) for i in infos)}."
+            )
+        return which
 
     # ----------------------------------------------------------------- loading
 

@@ -7,13 +7,7 @@ from runtime.cli import main
 from runtime.config import ConfigError
 from runtime.data import DataReader, DataReaderError, IterableDataReader, MapDataReader, SyncMode
 from runtime.early_stop import EarlyStopper, PatienceEarlyStopper
-from runtime.evaluator import (
-    CheckpointChoice,
-    Evaluator,
-    combine_scores,
-    evaluate_units,
-    select_checkpoint,
-)
+from runtime.evaluator import Evaluator, combine_scores, evaluate_units
 from runtime.loss_scale import LossScaler
 from runtime.parallel import (
     DataParallelKind,
@@ -36,7 +30,6 @@ from runtime.trainer import PREEMPTED_EXIT_CODE, Trainer, TrainerError
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",
-    "CheckpointChoice",
     "CompositeMetricRecorder",
     "ConfigError",
     "DataParallelKind",
@@ -66,6 +59,5 @@ __all__ = [
     "evaluate_units",
     "main",
     "make_progress_display",
-    "select_checkpoint",
     "unwrap_model",
 ]

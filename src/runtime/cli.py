@@ -17,10 +17,9 @@ from typing import NoReturn, Protocol, TypeVar, final
 
 import torch.distributed as dist
 
-from checkpoint import CheckpointError, CheckpointLayoutError
+from checkpoint import CheckpointChoice, CheckpointError, CheckpointLayoutError
 from gangs import GangError
 from runtime.config import ConfigError, dump_config, load_config
-from runtime.evaluator import CheckpointChoice
 from runtime.files import write_text_atomically
 
 ConfigT = TypeVar("ConfigT")

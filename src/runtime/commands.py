@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from checkpoint import CheckpointError, CheckpointManager, best_checkpoint
+from checkpoint import CheckpointChoice, CheckpointError, CheckpointManager
 from gangs import Gangs
 
 
@@ -49,19 +49,8 @@ def export_model(
     Returns the step exported: ``step_nr``, the best scored one, or by default the last one.
     """
     manager = CheckpointManager(output_dir / "checkpoints", Gangs.single())
-    infos = manager.list_checkpoints()
-    if not infos:
-        raise CheckpointError(f"There are no committed checkpoints in {manager.checkpoint_dir}.")
-    if step_nr is None:
-        if best:
-            best_info = best_checkpoint(infos, lower_better=lower_better)
-            if best_info is None:
-                raise CheckpointError(
-                    "No checkpoint has a score, so none is the best. Pass --step."
-                )
-            step_nr = best_info.step_nr
-        else:
-            step_nr = infos[-1].step_nr
+    which: CheckpointChoice = step_nr if step_nr is not None else "best" if best else "last"
+    step_nr = manager.select_checkpoint(which, lower_better=lower_better)
     manager.verify(step_nr)
     destination.parent.mkdir(parents=True, exist_ok=True)
     partial = destination.with_name(destination.name + ".partial")
@@ -102,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 lower_better=not args.higher_better,
             )
             print(f"Exported the model of step {step_nr} to {args.destination}.")
-    except CheckpointError as ex:
+    except (CheckpointError, ValueError) as ex:
         print(f"error: {ex}", file=sys.stderr)
         return 2
     return 0

@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, final
+from typing import Any, final
 
 import torch
 from torch.nn import Module
 
-from checkpoint import CheckpointManager, CheckpointNotFoundError, best_checkpoint
+from checkpoint import CheckpointChoice, CheckpointManager
 from gangs import Gangs
 from runtime.data import DataReader
 from runtime.recorders import MetricRecorder
@@ -20,7 +20,6 @@ log = logging.getLogger(__name__)
 
 AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]
 
-CheckpointChoice = Literal["last", "best"] | int
 """Which checkpoint to evaluate: the newest, the best by its stored score, or a step number."""
 
 
@@ -96,39 +95,6 @@ def combine_scores(results: Mapping[str, Mapping[str, Any]], score_metric_name: 
     return sum(scores) / len(scores)
 
 
-def select_checkpoint(
-    checkpoint_manager: CheckpointManager, which: CheckpointChoice, *, lower_better: bool
-) -> int:
-    """The step of the committed checkpoint ``which`` names; CheckpointNotFoundError if none.
-
-    ``"best"`` ranks by the score stored with each checkpoint (ties go to the newer one).
-    """
-    if not (which in ("last", "best") or (isinstance(which, int) and which >= 0)):
-        raise ValueError(
-            f"which must be 'last', 'best' or a step number, but is {which!r} instead."
-        )
-    checkpoint_dir = checkpoint_manager.checkpoint_dir
-    infos = checkpoint_manager.list_checkpoints()
-    if not infos:
-        raise CheckpointNotFoundError(f"There are no committed checkpoints in {checkpoint_dir}.")
-    if which == "last":
-        return infos[-1].step_nr
-    if which == "best":
-        best = best_checkpoint(infos, lower_better=lower_better)
-        if best is None:
-            raise CheckpointNotFoundError(
-                f"No checkpoint in {checkpoint_dir} has a validation score, so none is the best."
-            )
-        return best.step_nr
-    assert isinstance(which, int)
-    if which not in {info.step_nr for info in infos}:
-        raise CheckpointNotFoundError(
-            f"There is no committed checkpoint of step {which} in {checkpoint_dir}; "
-            f"the steps there are {', '.join(str(i.step_nr) for i in infos)}."
-        )
-    return which
-
-
 @final
 class Evaluator:
     """Evaluates ``model`` with eval units over their readers, outside of training.
@@ -185,7 +151,7 @@ class Evaluator:
         lower_better: bool = True,
     ) -> dict[str, dict[str, Any]]:
         """Load the model of checkpoint ``which`` into ``model``, evaluate it at its step."""
-        step_nr = select_checkpoint(checkpoint_manager, which, lower_better=lower_better)
+        step_nr = checkpoint_manager.select_checkpoint(which, lower_better=lower_better)
         checkpoint_manager.load_model(step_nr, model=self._model)
         what = "" if isinstance(which, int) else f" (the {which})"
         log.info("Evaluating the model of the checkpoint of step %d%s.", step_nr, what)

@@ -18,13 +18,17 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from checkpoint import CheckpointLayoutError, CheckpointManager, RetentionPolicy
+from checkpoint import (
+    CheckpointChoice,
+    CheckpointLayoutError,
+    CheckpointManager,
+    RetentionPolicy,
+)
 from gangs import FakeGang, Gang, Gangs, ReduceOperation
 from runtime.callbacks import TrainerCallback
 from runtime.data import DataReader
 from runtime.early_stop import Stateful
 from runtime.evaluator import (
-    CheckpointChoice,
     Evaluator,
     check_run_names,
     combine_scores,

@@ -201,6 +201,16 @@ def test_cli_errors_exit_2_with_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "no committed checkpoints" in result.stderr
 
+    save(CheckpointManager(tmp_path / "checkpoints", Gangs.single()), 10)
+    for step, message in (
+        ("-1", "which must be 'last', 'best' or a step number, but is -1 instead."),
+        ("7", "There is no committed checkpoint of step 7 in"),
+    ):
+        result = run_cli("export", str(tmp_path), str(tmp_path / "m.pt"), "--step", step)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip().count("\n") == 0 and message in result.stderr
+    assert result.stderr.rstrip().endswith("the steps there are 10.")
+
 
 def test_unreadable_manifest_is_damage_and_is_moved_aside_after_the_fallback(
     manager: CheckpointManager, caplog: pytest.LogCaptureFixture
