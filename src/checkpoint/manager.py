@@ -205,12 +205,7 @@ class CheckpointManager:
         return pending.step_nr
 
     def _commit(self, pending: _PendingSave) -> None:
-        step_nr, tmp_dir, final_dir, score = (
-            pending.step_nr,
-            pending.tmp_dir,
-            pending.final_dir,
-            pending.score,
-        )
+        step_nr, tmp_dir, final_dir = pending.step_nr, pending.tmp_dir, pending.final_dir
 
         def commit() -> None:
             if self._root.rank != 0:
@@ -218,7 +213,7 @@ class CheckpointManager:
             manifest = {
                 "format_version": FORMAT_VERSION,
                 "step_nr": step_nr,
-                "score": score,
+                "score": pending.score,
                 "kind": "full",
                 "world_size": self._root.size,
                 "dp_size": self._gangs.dp.size,
@@ -535,11 +530,7 @@ class CheckpointManager:
         return result  # type: ignore[no-any-return]
 
     def _dcp_save(self, state: dict[str, Any], path: Path) -> None:
-        if self._root.size == 1:
-            with _single_process_dcp():
-                dcp_save(state, checkpoint_id=path, no_dist=True)
-        else:
-            dcp_save(state, checkpoint_id=path, process_group=self._root.as_process_group())
+        self._run_dcp(dcp_save, state, path)
 
     def _dcp_async_save(
         self, state: dict[str, Any], path: Path, group: ProcessGroup | None
@@ -575,11 +566,15 @@ class CheckpointManager:
         return self._async_groups
 
     def _dcp_load(self, state: dict[str, Any], path: Path) -> None:
+        self._run_dcp(dcp_load, state, path)
+
+    def _run_dcp(self, operation: Callable[..., object], state: dict[str, Any], path: Path) -> None:
+        """``dcp.save`` or ``dcp.load`` over the root gang, or without one in a single process."""
         if self._root.size == 1:
             with _single_process_dcp():
-                dcp_load(state, checkpoint_id=path, no_dist=True)
+                operation(state, checkpoint_id=path, no_dist=True)
         else:
-            dcp_load(state, checkpoint_id=path, process_group=self._root.as_process_group())
+            operation(state, checkpoint_id=path, process_group=self._root.as_process_group())
 
     def _rank_file(self) -> str:
         return f"rank_{self._root.rank}.pt"
