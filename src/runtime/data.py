@@ -22,6 +22,7 @@ from torch.utils.data import default_collate
 from typing_extensions import Self, override
 
 from gangs import Gang, ReduceOperation
+from runtime.arguments import check_not_negative, check_positive
 
 BatchT = TypeVar("BatchT")
 
@@ -152,10 +153,9 @@ class MapDataReader(DataReader[BatchT]):
         sync_mode: SyncMode = SyncMode.UNTIL_FIRST,
         num_prefetch: int = 2,
     ) -> None:
-        _check_positive("batch_size", batch_size)
-        _check_positive("num_accumulate", num_accumulate)
-        if num_prefetch < 0:
-            raise ValueError(f"num_prefetch must be zero or more, but is {num_prefetch} instead.")
+        check_positive("batch_size", batch_size)
+        check_positive("num_accumulate", num_accumulate)
+        check_not_negative("num_prefetch", num_prefetch)
 
         self._dataset = dataset
         self._dataset_size = len(dataset)
@@ -471,8 +471,8 @@ class IterableDataReader(DataReader[BatchT]):
         drop_remainder: bool = True,
         sync_mode: SyncMode = SyncMode.UNTIL_FIRST,
     ) -> None:
-        _check_positive("batch_size", batch_size)
-        _check_positive("num_accumulate", num_accumulate)
+        check_positive("batch_size", batch_size)
+        check_positive("num_accumulate", num_accumulate)
 
         self._make_iterator = make_iterator
         self._batch_size = batch_size
@@ -712,11 +712,6 @@ def _prefetch(
 
 def _divide(count: int, size: int, drop_remainder: bool) -> int:
     return count // size if drop_remainder else -(-count // size)
-
-
-def _check_positive(name: str, value: int) -> None:
-    if value <= 0:
-        raise ValueError(f"{name} must be greater than zero, but is {value} instead.")
 
 
 def _int_entry(state: Mapping[str, Any], key: str) -> int:

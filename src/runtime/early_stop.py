@@ -6,6 +6,8 @@ import logging
 import math
 from typing import Any, Protocol, final, runtime_checkable
 
+from runtime.arguments import check_not_negative, check_positive
+
 log = logging.getLogger(__name__)
 
 
@@ -34,10 +36,8 @@ class PatienceEarlyStopper:
     """
 
     def __init__(self, patience: int, min_delta: float = 0.0, lower_better: bool = True) -> None:
-        if patience <= 0:
-            raise ValueError(f"patience must be greater than zero, but is {patience} instead.")
-        if min_delta < 0:
-            raise ValueError(f"min_delta must be zero or more, but is {min_delta} instead.")
+        check_positive("patience", patience)
+        check_not_negative("min_delta", min_delta)
         self._patience = patience
         self._min_delta = min_delta
         self._lower_better = lower_better

@@ -9,6 +9,7 @@ from typing import final
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 from gangs import Gang
+from runtime.arguments import check_not_negative, check_positive
 
 
 @final
@@ -22,14 +23,8 @@ class TorchProfiler:
     def __init__(
         self, num_skip_steps: int, num_record_steps: int, profile_dir: Path, gang: Gang
     ) -> None:
-        if num_skip_steps < 0:
-            raise ValueError(
-                f"num_skip_steps must be zero or more, but is {num_skip_steps} instead."
-            )
-        if num_record_steps <= 0:
-            raise ValueError(
-                f"num_record_steps must be greater than zero, but is {num_record_steps} instead."
-            )
+        check_not_negative("num_skip_steps", num_skip_steps)
+        check_positive("num_record_steps", num_record_steps)
         self._profile_dir = Path(profile_dir)
         activities = [ProfilerActivity.CPU]
         if gang.device.type == "cuda":

@@ -25,6 +25,7 @@ from checkpoint import (
     RetentionPolicy,
 )
 from gangs import FakeGang, Gang, Gangs, ReduceOperation
+from runtime.arguments import check_not_negative, check_positive
 from runtime.callbacks import TrainerCallback
 from runtime.data import DataReader
 from runtime.early_stop import Stateful
@@ -148,18 +149,11 @@ class Trainer(Generic[BatchT]):
             ("checkpoint_every_n_steps", checkpoint_every_n_steps),
             ("checkpoint_every_n_data_epochs", checkpoint_every_n_data_epochs),
             ("publish_metrics_every_n_steps", publish_metrics_every_n_steps),
+            ("max_gradient_norm", max_gradient_norm),
         ):
-            _check_positive(name, value)
-        for name, value in (
-            ("validate_after_n_steps", validate_after_n_steps),
-            ("checkpoint_after_n_steps", checkpoint_after_n_steps),
-        ):
-            if value < 0:
-                raise ValueError(f"{name} must be zero or more, but is {value} instead.")
-        if max_gradient_norm is not None and max_gradient_norm <= 0:
-            raise ValueError(
-                f"max_gradient_norm must be greater than zero, but is {max_gradient_norm} instead."
-            )
+            check_positive(name, value)
+        check_not_negative("validate_after_n_steps", validate_after_n_steps)
+        check_not_negative("checkpoint_after_n_steps", checkpoint_after_n_steps)
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(
                 f"dtype must be torch.float32, torch.bfloat16 or torch.float16, but is {dtype} instead."
@@ -952,8 +946,3 @@ def _check_every_checkpoint_is_scored(
             f"checkpoint_every_n_data_epochs ({checkpoint_every_n_data_epochs}) must be a multiple "
             f"of validate_every_n_data_epochs ({validate_every_n_data_epochs})."
         )
-
-
-def _check_positive(name: str, value: int | None) -> None:
-    if value is not None and value <= 0:
-        raise ValueError(f"{name} must be greater than zero, but is {value} instead.")

@@ -1,0 +1,14 @@
+"""Checks of numeric arguments, worded the same everywhere in the runtime."""
+
+from __future__ import annotations
+
+
+def check_positive(name: str, value: float | None) -> None:
+    """``value`` must be greater than zero; ``None`` (not set) passes."""
+    if value is not None and value <= 0:
+        raise ValueError(f"{name} must be greater than zero, but is {value} instead.")
+
+
+def check_not_negative(name: str, value: float) -> None:
+    if value < 0:
+        raise ValueError(f"{name} must be zero or more, but is {value} instead.")
