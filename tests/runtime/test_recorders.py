@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -101,9 +102,10 @@ def test_wandb_offline_run_is_created_and_resumed_under_the_same_id(
     second.close()
     assert second.run_id == run_id
 
-    # Each offline launch leaves a run directory holding its run file, named by the one id.
+    # Each offline launch leaves a run directory holding its run file, named by the one id
+    # (W&B adds -1 to the second directory when both launches fall within the same second).
     run_dirs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(run_dirs) == 2
     for run_dir in run_dirs:
-        assert run_dir.name.endswith(run_id)
+        assert re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", run_dir.name)
         assert (run_dir / f"run-{run_id}.wandb").is_file()
