@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-from checkpoint.manager import (
-    CheckpointChoice,
-    CheckpointError,
-    CheckpointLayoutError,
-    CheckpointManager,
-    CheckpointNotFoundError,
-    LoadedCheckpoint,
-)
+from checkpoint.catalog import CheckpointChoice
+from checkpoint.errors import CheckpointError, CheckpointLayoutError, CheckpointNotFoundError
+from checkpoint.layout import WorldLayout
+from checkpoint.manager import CheckpointManager, LoadedCheckpoint
 from checkpoint.retention import (
     CheckpointInfo,
     RetentionPlan,
     RetentionPolicy,
     best_checkpoint,
+    is_better_score,
     plan_retention,
 )
 
@@ -28,6 +25,8 @@ __all__ = [
     "LoadedCheckpoint",
     "RetentionPlan",
     "RetentionPolicy",
+    "WorldLayout",
     "best_checkpoint",
+    "is_better_score",
     "plan_retention",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -103,6 +104,28 @@ def best_checkpoint(
     return best[0] if best else None
 
 
+def score_key(score: float, *, lower_better: bool) -> float:
+    """``score`` oriented so that a smaller key is a better score."""
+    return score if lower_better else -score
+
+
+def is_better_score(
+    score: float, than: float | None, *, lower_better: bool, min_delta: float = 0.0
+) -> bool:
+    """Whether ``score`` improves on ``than`` by more than ``min_delta``.
+
+    A NaN or infinite score (a diverged model) never does; any finite score improves on ``None``.
+    """
+    if not math.isfinite(score):
+        return False
+    if than is None:
+        return True
+    return (
+        score_key(than, lower_better=lower_better) - score_key(score, lower_better=lower_better)
+        > min_delta
+    )
+
+
 def _last(infos: Sequence[CheckpointInfo], n: int | None) -> set[int]:
     if n is None:
         return set()
@@ -120,7 +143,7 @@ def _ranked(infos: Sequence[CheckpointInfo], lower_better: bool) -> list[Checkpo
 
     def key(info: CheckpointInfo) -> tuple[float, int]:
         assert info.score is not None
-        return (info.score if lower_better else -info.score, -info.step_nr)
+        return (score_key(info.score, lower_better=lower_better), -info.step_nr)
 
     return sorted((i for i in infos if i.score is not None), key=key)
 

@@ -1,7 +1,8 @@
-"""Process groups: who trains with whom."""
+"""Process groups: who trains with whom, and how the ranks agree."""
 
 from __future__ import annotations
 
+from gangs.agreement import agree, decide_on_rank_zero, find_disagreements, run_on_all_ranks
 from gangs.gang import FakeGang, Gang, GangError, ProcessGroupGang, ReduceOperation
 from gangs.setup import Gangs, default_device, setup_gangs, setup_parallel_gangs, setup_root_gang
 
@@ -12,7 +13,11 @@ __all__ = [
     "Gangs",
     "ProcessGroupGang",
     "ReduceOperation",
+    "agree",
+    "decide_on_rank_zero",
     "default_device",
+    "find_disagreements",
+    "run_on_all_ranks",
     "setup_gangs",
     "setup_parallel_gangs",
     "setup_root_gang",

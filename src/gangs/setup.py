@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import final
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from gangs.gang import FakeGang, Gang, GangError, ProcessGroupGang
 
 
-@dataclass(frozen=True)
+@final
 class Gangs:
     """The gangs of one process: all processes (``root``), its DP gang and its TP gang.
 
@@ -21,26 +21,62 @@ class Gangs:
     gang strides across them.
     """
 
-    root: Gang
-    dp: Gang
-    tp: Gang
-    mesh: DeviceMesh | None = field(default=None, repr=False, compare=False)
+    def __init__(
+        self, *, root: Gang, dp: Gang, tp: Gang, device_mesh: DeviceMesh | None = None
+    ) -> None:
+        self._root = root
+        self._dp = dp
+        self._tp = tp
+        self._device_mesh = device_mesh
+
+    @property
+    def root(self) -> Gang:
+        return self._root
+
+    @property
+    def dp(self) -> Gang:
+        """The data-parallel gang: the ranks that see different data."""
+        return self._dp
+
+    @property
+    def tp(self) -> Gang:
+        """The tensor-parallel gang: the ranks that share a batch and shard the layers."""
+        return self._tp
 
     @property
     def device_mesh(self) -> DeviceMesh:
         """The ``("dp", "tp")`` mesh, for ``fully_shard`` and ``parallelize_module``."""
-        if self.mesh is None:
+        if self._device_mesh is None:
             raise GangError(
                 "A DeviceMesh needs torch.distributed, but this process runs alone (WORLD_SIZE is 1). "
                 "Launch with torchrun and --nproc-per-node 2 or more to use FSDP2 or tensor parallelism."
             )
-        return self.mesh
+        return self._device_mesh
+
+    @property
+    def has_device_mesh(self) -> bool:
+        """Whether the gangs span processes, so that :attr:`device_mesh` exists."""
+        return self._device_mesh is not None
+
+    def __repr__(self) -> str:
+        return f"Gangs(root={self.root.size}, dp={self.dp.size}, tp={self.tp.size})"
 
     @staticmethod
     def single(device: torch.device | None = None) -> Gangs:
         """Gangs of one process, for tests and single-process tools."""
         gang = FakeGang(device=device)
         return Gangs(root=gang, dp=gang, tp=gang)
+
+    @staticmethod
+    def of(root: Gang, dp: Gang | None = None, tp: Gang | None = None) -> Gangs:
+        """Gangs from a root gang and optional DP and TP gangs (DP defaults to root, TP to none)."""
+        gangs = Gangs(root=root, dp=dp or root, tp=tp or FakeGang(device=root.device))
+        if gangs.dp.size * gangs.tp.size != gangs.root.size:
+            raise ValueError(
+                f"The DP gang ({gangs.dp.size}) times the TP gang ({gangs.tp.size}) must make up "
+                f"the root gang ({gangs.root.size})."
+            )
+        return gangs
 
 
 def default_device() -> torch.device:
@@ -91,7 +127,7 @@ def setup_parallel_gangs(root: Gang, *, tp_size: int = 1) -> Gangs:
             return FakeGang(device=root.device)
         return ProcessGroupGang(mesh.get_group(dim), device=root.device)
 
-    return Gangs(root=root, dp=gang_of("dp", dp_size), tp=gang_of("tp", tp_size), mesh=mesh)
+    return Gangs(root=root, dp=gang_of("dp", dp_size), tp=gang_of("tp", tp_size), device_mesh=mesh)
 
 
 def setup_gangs(

@@ -7,13 +7,14 @@ from runtime.cli import main
 from runtime.config import ConfigError
 from runtime.data import DataReader, DataReaderError, IterableDataReader, MapDataReader, SyncMode
 from runtime.early_stop import EarlyStopper, PatienceEarlyStopper
+from runtime.errors import TrainerError
 from runtime.evaluator import Evaluator, combine_scores, evaluate_units
+from runtime.gradients import clip_gradient_norm
 from runtime.loss_scale import LossScaler
 from runtime.parallel import (
     DataParallelKind,
     apply_data_parallel,
     apply_tensor_parallel,
-    clip_gradient_norm,
     unwrap_model,
 )
 from runtime.profiler import TorchProfiler
@@ -26,7 +27,10 @@ from runtime.recorders import (
     TensorBoardRecorder,
     WandbRecorder,
 )
-from runtime.trainer import PREEMPTED_EXIT_CODE, Trainer, TrainerError
+from runtime.schedule import Schedule
+from runtime.signals import PREEMPTED_EXIT_CODE
+from runtime.train_state import StopReason, TrainState
+from runtime.trainer import Trainer
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",
@@ -45,11 +49,14 @@ __all__ = [
     "MetricRecorder",
     "PatienceEarlyStopper",
     "ProgressDisplay",
+    "Schedule",
+    "StopReason",
     "SyncMode",
     "TensorBoardRecorder",
     "TorchProfiler",
     "Trainer",
     "TrainerCallback",
+    "TrainState",
     "TrainerError",
     "WandbRecorder",
     "apply_data_parallel",

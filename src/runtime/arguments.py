@@ -1,6 +1,8 @@
-"""Checks of numeric arguments, worded the same everywhere in the runtime."""
+"""Checks of arguments, worded the same everywhere in the runtime."""
 
 from __future__ import annotations
+
+from collections.abc import Sized
 
 
 def check_positive(name: str, value: float | None) -> None:
@@ -12,3 +14,11 @@ def check_positive(name: str, value: float | None) -> None:
 def check_not_negative(name: str, value: float) -> None:
     if value < 0:
         raise ValueError(f"{name} must be zero or more, but is {value} instead.")
+
+
+def check_same_length(name: str, items: Sized, other_name: str, other_items: Sized) -> None:
+    if len(items) != len(other_items):
+        raise ValueError(
+            f"{name} and {other_name} must have the same length, but have {len(items)} and "
+            f"{len(other_items)} elements instead."
+        )

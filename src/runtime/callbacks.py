@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, final
 
 
 class TrainerCallback:
@@ -57,3 +57,41 @@ class TrainerCallback:
 
     def on_train_end(self, *, step_nr: int) -> None:
         """After training finished (not after a preemption stop)."""
+
+
+@final
+class CallbackList(TrainerCallback):
+    """Calls each of ``callbacks`` in order, one moment at a time."""
+
+    def __init__(self, callbacks: Sequence[TrainerCallback]) -> None:
+        self._callbacks = list(callbacks)
+
+    def on_train_begin(self, *, step_nr: int) -> None:
+        for callback in self._callbacks:
+            callback.on_train_begin(step_nr=step_nr)
+
+    def on_step_end(self, *, step_nr: int) -> None:
+        for callback in self._callbacks:
+            callback.on_step_end(step_nr=step_nr)
+
+    def on_metrics_published(self, *, run: str, step_nr: int, values: Mapping[str, Any]) -> None:
+        for callback in self._callbacks:
+            callback.on_metrics_published(run=run, step_nr=step_nr, values=values)
+
+    def on_validation_end(
+        self, *, step_nr: int, score: float | None, results: Mapping[str, Mapping[str, Any]]
+    ) -> None:
+        for callback in self._callbacks:
+            callback.on_validation_end(step_nr=step_nr, score=score, results=results)
+
+    def on_checkpoint_saved(self, *, step_nr: int, checkpoint_dir: Path) -> None:
+        for callback in self._callbacks:
+            callback.on_checkpoint_saved(step_nr=step_nr, checkpoint_dir=checkpoint_dir)
+
+    def on_early_stop(self, *, step_nr: int, score: float) -> None:
+        for callback in self._callbacks:
+            callback.on_early_stop(step_nr=step_nr, score=score)
+
+    def on_train_end(self, *, step_nr: int) -> None:
+        for callback in self._callbacks:
+            callback.on_train_end(step_nr=step_nr)

@@ -18,9 +18,9 @@ from typing import NoReturn, Protocol, TypeVar, final
 import torch.distributed as dist
 
 from checkpoint import CheckpointChoice, CheckpointError, CheckpointLayoutError
+from checkpoint.durable import write_text_atomically
 from gangs import GangError
 from runtime.config import ConfigError, dump_config, load_config
-from runtime.files import write_text_atomically
 
 ConfigT = TypeVar("ConfigT")
 

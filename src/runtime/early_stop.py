@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Protocol, final, runtime_checkable
 
+from checkpoint import is_better_score
 from runtime.arguments import check_not_negative, check_positive
 
 log = logging.getLogger(__name__)
@@ -19,6 +19,8 @@ class EarlyStopper(Protocol):
 
 @runtime_checkable
 class Stateful(Protocol):
+    """Something whose state a checkpoint keeps, such as :class:`PatienceEarlyStopper`."""
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -50,9 +52,8 @@ class PatienceEarlyStopper:
 
     def __call__(self, step_nr: int, score: float) -> bool:
         # A non-finite score (a diverged model) is never an improvement, nor the reference.
-        if math.isfinite(score) and (
-            self._best is None
-            or (self._best - score if self._lower_better else score - self._best) > self._min_delta
+        if is_better_score(
+            score, self._best, lower_better=self._lower_better, min_delta=self._min_delta
         ):
             self._best = score
             self._num_bad = 0

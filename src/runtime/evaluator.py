@@ -12,6 +12,7 @@ from torch.nn import Module
 
 from checkpoint import CheckpointChoice, CheckpointManager
 from gangs import Gangs
+from runtime.arguments import check_same_length
 from runtime.data import DataReader
 from runtime.recorders import MetricRecorder
 from units import EvalUnit
@@ -19,8 +20,7 @@ from units import EvalUnit
 log = logging.getLogger(__name__)
 
 AutocastFactory = Callable[[], contextlib.AbstractContextManager[Any]]
-
-"""Which checkpoint to evaluate: the newest, the best by its stored score, or a step number."""
+"""Makes the context each eval unit's forward runs in (autocast, or nothing)."""
 
 
 def run_name(unit: EvalUnit[Any], prefix: str) -> str:
@@ -116,11 +116,7 @@ class Evaluator:
     ) -> None:
         if not units:
             raise ValueError("units must hold at least one EvalUnit.")
-        if len(units) != len(data_readers):
-            raise ValueError(
-                f"units and data_readers must have the same length, but have {len(units)} and "
-                f"{len(data_readers)} elements instead."
-            )
+        check_same_length("units", units, "data_readers", data_readers)
         check_run_names(units)
         self._model = model
         self._units = list(units)
@@ -129,6 +125,18 @@ class Evaluator:
         self._recorder = recorder
         self._run_prefix = run_prefix
         self._autocast = autocast
+
+    def with_run_prefix(self, run_prefix: str) -> Evaluator:
+        """The same evaluation, published under ``run_prefix``."""
+        return Evaluator(
+            model=self._model,
+            units=self._units,
+            data_readers=self._data_readers,
+            gangs=self._gangs,
+            recorder=self._recorder,
+            run_prefix=run_prefix,
+            autocast=self._autocast,
+        )
 
     def run(self, step_nr: int) -> dict[str, dict[str, Any]]:
         """Evaluate and publish under ``step_nr``; return the values by run name."""

@@ -19,7 +19,7 @@ from typing import Any, final
 
 from typing_extensions import override
 
-from runtime.files import write_text_atomically
+from checkpoint.durable import write_text_atomically
 
 
 class MetricRecorder(ABC):
@@ -133,7 +133,8 @@ class WandbRecorder(MetricRecorder):
     """Logs to a Weights & Biases run whose files are in ``output_dir/wandb``.
 
     The run id is kept in ``output_dir/wandb/run_id``, so a resumed training continues the same
-    W&B run instead of starting a new one. ``WANDB_MODE=offline`` works as usual.
+    W&B run instead of starting a new one. ``WANDB_MODE=offline`` works as usual. The run starts
+    at the first values recorded: a Trainer that never publishes (or fails to build) starts none.
     """
 
     def __init__(
@@ -144,34 +145,45 @@ class WandbRecorder(MetricRecorder):
         run_name: str | None = None,
         config: Mapping[str, object] | None = None,
     ) -> None:
-        import wandb
-
-        wandb_dir = Path(output_dir) / "wandb"
-        wandb_dir.mkdir(parents=True, exist_ok=True)
-        id_file = wandb_dir / "run_id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
-        self._run = wandb.init(
-            project=project,
-            name=run_name,
-            id=run_id,
-            resume="allow",
-            dir=str(output_dir),
-            config=dict(config) if config is not None else None,
-        )
-        write_text_atomically(id_file, run_id)
+        self._project = project
+        self._output_dir = Path(output_dir)
+        self._run_name = run_name
+        self._config = dict(config) if config is not None else None
+        self._run: Any = None
 
     @property
     def run_id(self) -> str:
-        return str(self._run.id)
+        return str(self._started_run().id)
 
     @override
     def record_metrics(self, run: str, values: Mapping[str, Any], step_nr: int) -> None:
         scalars = {f"{run}/{name}": float(v) for name, v in values.items() if _is_number(v)}
-        self._run.log(scalars, step=step_nr)
+        self._started_run().log(scalars, step=step_nr)
 
     @override
     def close(self) -> None:
-        self._run.finish()
+        if self._run is not None:
+            self._run.finish()
+
+    def _started_run(self) -> Any:
+        if self._run is None:
+            # Imported here: wandb takes about a second to import.
+            import wandb
+
+            wandb_dir = self._output_dir / "wandb"
+            wandb_dir.mkdir(parents=True, exist_ok=True)
+            id_file = wandb_dir / "run_id"
+            run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+            self._run = wandb.init(
+                project=self._project,
+                name=self._run_name,
+                id=run_id,
+                resume="allow",
+                dir=str(self._output_dir),
+                config=self._config,
+            )
+            write_text_atomically(id_file, run_id)
+        return self._run
 
 
 def _is_number(value: object) -> bool:
@@ -195,3 +207,38 @@ def _format(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+def make_recorder(
+    *,
+    is_writer: bool,
+    logger: logging.Logger,
+    metrics_dir: Path | None = None,
+    tb_dir: Path | None = None,
+    wandb_project: str | None = None,
+    wandb_run_name: str | None = None,
+    wandb_dir: Path | None = None,
+    wandb_config: Mapping[str, object] | None = None,
+) -> MetricRecorder:
+    """The recorders a Trainer writes to: on the writer rank, a log line and each one configured;
+    on the others, none."""
+    recorders: list[MetricRecorder] = []
+    if is_writer:
+        recorders.append(LogMetricRecorder(logger))
+        if metrics_dir is not None:
+            recorders.append(JsonlMetricRecorder(metrics_dir))
+        if tb_dir is not None:
+            recorders.append(TensorBoardRecorder(tb_dir))
+        if wandb_project is not None:
+            wandb_base = wandb_dir or metrics_dir or tb_dir
+            if wandb_base is None:
+                raise ValueError("wandb_project needs wandb_dir (or metrics_dir) for its files.")
+            recorders.append(
+                WandbRecorder(
+                    project=wandb_project,
+                    output_dir=wandb_base,
+                    run_name=wandb_run_name,
+                    config=wandb_config,
+                )
+            )
+    return CompositeMetricRecorder(recorders)

@@ -50,7 +50,7 @@ def main(output_dir: Path, tp_size: int) -> None:
     except GangError as ex:
         report["bad_ranks_error"] = str(ex)
 
-    mesh = gangs.mesh
+    mesh = gangs.device_mesh if gangs.has_device_mesh else None
     report["mesh"] = None if mesh is None else [list(mesh.mesh_dim_names or ()), mesh.mesh.tolist()]
     root.barrier()
     (output_dir / f"rank_{root.rank}.json").write_text(json.dumps(report))

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-import checkpoint.manager as manager_module
+import checkpoint.manifest as manifest_module
 from checkpoint import CheckpointManager
 from gangs import Gangs, setup_gangs
 from runtime import (
@@ -96,7 +96,7 @@ class _Faults(TrainerCallback):
         (ready / f"rank_{self._rank}").touch()
         deadline = time.monotonic() + 60
         assert self.trainer is not None
-        while not self.trainer._stop_requested:
+        while not self.trainer.stop_requested:
             if time.monotonic() > deadline:
                 raise RuntimeError("No SIGTERM arrived within 60 seconds.")
             time.sleep(0.01)
@@ -108,23 +108,24 @@ class _Faults(TrainerCallback):
             return
         target = manager.checkpoint_dir / f"step_{config.sigkill_save_step}.tmp"
         if config.sigkill_in_save == "after_model":
-            dcp_save = manager._dcp_save
+            storage = manager._storage
+            dcp_save = storage.save
 
             def save_then_die(state: dict[str, Any], path: Path) -> None:
                 dcp_save(state, path)
                 if path == target / "model":
                     os.kill(os.getpid(), signal.SIGKILL)
 
-            manager._dcp_save = save_then_die  # type: ignore[method-assign]
+            storage.save = save_then_die  # type: ignore[method-assign]
         else:
-            write_json = manager_module._write_json_durably
+            write_json = manifest_module.write_json_durably
 
             def write_then_die(obj: Any, file: Path) -> None:
                 write_json(obj, file)
-                if file == target / manager_module.MANIFEST_NAME:
+                if file == target / "manifest.json":
                     os.kill(os.getpid(), signal.SIGKILL)
 
-            manager_module._write_json_durably = write_then_die  # type: ignore[assignment]
+            manifest_module.write_json_durably = write_then_die  # type: ignore[assignment]
 
 
 @final

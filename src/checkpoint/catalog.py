@@ -1,0 +1,84 @@
+"""The committed checkpoints of a directory, as their manifests describe them, and choosing one."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Literal
+
+from checkpoint import directory
+from checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from checkpoint.manifest import read_manifest
+from checkpoint.retention import CheckpointInfo, best_checkpoint
+
+log = logging.getLogger(__name__)
+
+CheckpointChoice = Literal["last", "best"] | int
+"""A committed checkpoint by name: the last, the best scored, or the one of a step."""
+
+
+def list_checkpoints(checkpoint_dir: Path) -> list[CheckpointInfo]:
+    """The committed checkpoints (those with a readable manifest), oldest first."""
+    infos: list[CheckpointInfo] = []
+    for step_nr, path in directory.scan(checkpoint_dir).committed.items():
+        try:
+            manifest = read_manifest(path)
+        except CheckpointError as ex:
+            log.warning("Ignoring %s: %s", path, ex)
+            continue
+        infos.append(
+            CheckpointInfo(
+                step_nr=step_nr,
+                score=manifest.get("score"),
+                kind=manifest.get("kind", "full"),
+                size_bytes=sum(f["size"] for f in manifest.get("files", {}).values()),
+            )
+        )
+    return infos
+
+
+def resume_candidates(checkpoint_dir: Path) -> list[int]:
+    """Committed steps that may hold a full checkpoint, oldest first.
+
+    An unreadable manifest counts: verification will call that checkpoint damaged, with the reason.
+    """
+    steps = []
+    for step_nr, path in directory.scan(checkpoint_dir).committed.items():
+        try:
+            kind = read_manifest(path).get("kind", "full")
+        except CheckpointError:
+            kind = "full"
+        if kind == "full":
+            steps.append(step_nr)
+    return steps
+
+
+def select_checkpoint(checkpoint_dir: Path, which: CheckpointChoice, *, lower_better: bool) -> int:
+    """The step of the committed checkpoint ``which`` names; CheckpointNotFoundError if none.
+
+    ``which`` is ``"last"``, ``"best"`` (by the score stored with each checkpoint, oriented by
+    ``lower_better``; ties go to the newer one) or a step number.
+    """
+    if not (which in ("last", "best") or (isinstance(which, int) and which >= 0)):
+        raise ValueError(
+            f"which must be 'last', 'best' or a step number, but is {which!r} instead."
+        )
+    infos = list_checkpoints(checkpoint_dir)
+    if not infos:
+        raise CheckpointNotFoundError(f"There are no committed checkpoints in {checkpoint_dir}.")
+    if which == "last":
+        return infos[-1].step_nr
+    if which == "best":
+        best = best_checkpoint(infos, lower_better=lower_better)
+        if best is None:
+            raise CheckpointNotFoundError(
+                f"No checkpoint in {checkpoint_dir} has a validation score, so none is the best."
+            )
+        return best.step_nr
+    assert isinstance(which, int)
+    if which not in {info.step_nr for info in infos}:
+        raise CheckpointNotFoundError(
+            f"There is no committed checkpoint of step {which} in {checkpoint_dir}; "
+            f"the steps there are {', '.join(str(i.step_nr) for i in infos)}."
+        )
+    return which

@@ -1,0 +1,15 @@
+"""What goes wrong with checkpoints."""
+
+from __future__ import annotations
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, or a stored one is damaged or does not fit this run."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """No committed checkpoint matches the request."""
+
+
+class CheckpointLayoutError(CheckpointError):
+    """An intact checkpoint was saved by another world layout (world, DP or TP size)."""

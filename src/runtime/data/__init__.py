@@ -1,0 +1,16 @@
+"""Data readers: sharded, resumable streams of micro-batches, one list of them per step."""
+
+from __future__ import annotations
+
+from runtime.data.iterable_reader import IterableDataReader
+from runtime.data.map_reader import MapDataReader, MapDataset
+from runtime.data.reader import DataReader, DataReaderError, SyncMode
+
+__all__ = [
+    "DataReader",
+    "DataReaderError",
+    "IterableDataReader",
+    "MapDataReader",
+    "MapDataset",
+    "SyncMode",
+]

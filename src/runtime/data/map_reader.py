@@ -1,0 +1,355 @@
+"""Reading a map-style dataset in shuffled, sharded micro-batches, prepared in the background."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, Protocol, TypeVar, final, overload
+
+import torch
+from torch.utils.data import default_collate
+from typing_extensions import override
+
+from gangs import Gang, find_disagreements
+from runtime.arguments import check_not_negative, check_positive
+from runtime.data.prefetch import Prefetcher
+from runtime.data.reader import DataReader, DataReaderError, SyncMode, int_entry
+from runtime.data.sharding import ShardLayout, resume_position
+
+BatchT = TypeVar("BatchT")
+
+
+class MapDataset(Protocol):
+    """A map-style dataset: a length and examples by index, like ``torch.utils.data.Dataset``."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> Any: ...
+
+
+@final
+class MapDataReader(DataReader[BatchT]):
+    """Reads a map-style dataset in shuffled, sharded micro-batches, prepared in the background.
+
+    Epoch ``e`` visits the examples in the order of a permutation drawn from ``seed + e`` (the same
+    on every rank); rank ``r`` of the gang takes every ``gang.size``-th example from ``r`` on. Since
+    every rank can compute how many steps every other rank has, the epoch's length is agreed on
+    without communication; one collective per epoch only checks that the ranks are set up alike.
+
+    ``drop_remainder`` drops a last micro-batch smaller than ``batch_size`` and a last step with
+    fewer than ``num_accumulate`` micro-batches; without it both are kept.
+
+    A background thread prepares (indexes and collates) up to ``num_prefetch`` steps ahead, so that
+    preparing step N+1 overlaps step N; ``num_prefetch=0`` prepares each step in ``__next__``.
+    The dataset and ``collate`` must not use collectives: they run on that thread.
+    """
+
+    # Without a collate function the batch type is default_collate's, which is untyped.
+    @overload
+    def __init__(
+        self: MapDataReader[Any],
+        *,
+        dataset: MapDataset,
+        batch_size: int,
+        gang: Gang,
+        num_accumulate: int = ...,
+        shuffle: bool = ...,
+        seed: int = ...,
+        drop_remainder: bool = ...,
+        sync_mode: SyncMode = ...,
+        num_prefetch: int = ...,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self,
+        *,
+        dataset: MapDataset,
+        batch_size: int,
+        gang: Gang,
+        collate: Callable[[list[Any]], BatchT],
+        num_accumulate: int = ...,
+        shuffle: bool = ...,
+        seed: int = ...,
+        drop_remainder: bool = ...,
+        sync_mode: SyncMode = ...,
+        num_prefetch: int = ...,
+    ) -> None: ...
+
+    def __init__(
+        self,
+        *,
+        dataset: MapDataset,
+        batch_size: int,
+        gang: Gang,
+        collate: Callable[[list[Any]], BatchT] = default_collate,
+        num_accumulate: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_remainder: bool = True,
+        sync_mode: SyncMode = SyncMode.UNTIL_FIRST,
+        num_prefetch: int = 2,
+    ) -> None:
+        check_positive("batch_size", batch_size)
+        check_positive("num_accumulate", num_accumulate)
+        check_not_negative("num_prefetch", num_prefetch)
+
+        self._dataset = dataset
+        self._collate = collate
+        self._gang = gang
+        self._layout = ShardLayout(
+            dataset_size=len(dataset),
+            gang_size=gang.size,
+            batch_size=batch_size,
+            num_accumulate=num_accumulate,
+            drop_remainder=drop_remainder,
+        )
+        self._shuffle = shuffle
+        self._seed = seed
+        self._sync_mode = sync_mode
+        self._num_prefetch = num_prefetch
+
+        # Examples of this epoch's permutation that steps before this reader's first step took,
+        # under another layout: nonzero only after load_state_dict resharded a position.
+        self._offset = 0
+        steps_per_rank = self._count_steps()
+        if self._num_steps == 0:
+            raise ValueError(self._layout.too_small_message(steps_per_rank, sync_mode))
+
+        self._epoch = 0
+        self._step_nr = 0  # steps returned by __next__ in this epoch, not steps prepared
+        self._verified = False
+        self._step_maker: _StepMaker[BatchT] | None = None
+        self._prefetcher: Prefetcher[BatchT] | None = None
+
+    @override
+    def __next__(self) -> list[BatchT]:
+        # Every rank computes the same _num_steps, so they all stop here at the same step.
+        if self._step_nr >= self._num_steps:
+            raise StopIteration
+        if not self._verified:
+            self._verify_ranks_agree()
+            self._verified = True
+
+        step_nr = self._step_nr
+        batches = [] if step_nr >= self._num_local_steps else self._read(step_nr)
+        self._step_nr += 1
+        return batches
+
+    @override
+    def reset(self) -> None:
+        self._go_to(epoch=self._epoch + 1, offset=0, step_nr=0)
+
+    @override
+    def state_dict(self) -> dict[str, object]:
+        return {
+            "epoch": self._epoch,
+            "step_nr": self._step_nr,
+            "num_steps": self._num_steps,
+            "offset": self._offset,
+            "seed": self._seed,
+            "shuffle": self._shuffle,
+            **self._layout.as_state(),
+        }
+
+    @override
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        saved_order = {
+            "seed": int_entry(state, "seed"),
+            "shuffle": bool(int_entry(state, "shuffle")),
+            "dataset_size": int_entry(state, "dataset_size"),
+        }
+        order = {
+            "seed": self._seed,
+            "shuffle": self._shuffle,
+            "dataset_size": self._layout.dataset_size,
+        }
+        if saved_order != order:
+            raise ValueError(
+                f"The data reader state was saved with {_describe(saved_order)}, but this reader "
+                f"has {_describe(order)}, so its examples come in another order. Build the reader "
+                "with the same dataset, seed and shuffle as the run that saved the state."
+            )
+        saved_layout = ShardLayout(
+            dataset_size=saved_order["dataset_size"],
+            gang_size=int_entry(state, "gang_size"),
+            batch_size=int_entry(state, "batch_size"),
+            num_accumulate=int_entry(state, "num_accumulate"),
+            drop_remainder=bool(int_entry(state, "drop_remainder")),
+        )
+        offset, step_nr = resume_position(
+            saved_layout,
+            self._layout,
+            offset=int_entry(state, "offset"),
+            step_nr=int_entry(state, "step_nr"),
+            num_steps=int_entry(state, "num_steps"),
+        )
+        self._go_to(epoch=int_entry(state, "epoch"), offset=offset, step_nr=step_nr)
+
+    @property
+    @override
+    def num_accumulate(self) -> int:
+        return self._layout.num_accumulate
+
+    @property
+    def epoch(self) -> int:
+        """The number of the current data epoch, from 0."""
+        return self._epoch
+
+    @property
+    def num_steps(self) -> int:
+        """The number of steps in a data epoch, the same on every rank."""
+        return self._num_steps
+
+    @override
+    def close(self) -> None:
+        self._stop_prefetching()
+
+    def __del__(self) -> None:
+        # The thread holds no reference to the reader, so a dropped reader still stops it.
+        if getattr(self, "_prefetcher", None) is not None:
+            self._stop_prefetching()
+
+    def _go_to(self, *, epoch: int, offset: int, step_nr: int | None) -> None:
+        """Move to ``step_nr`` of ``epoch`` (its end if None), ``offset`` examples into it."""
+        self._stop_prefetching()
+        self._epoch = epoch
+        self._offset = offset
+        self._count_steps()
+        self._step_nr = self._num_steps if step_nr is None else min(step_nr, self._num_steps)
+        self._step_maker = None
+        self._verified = False
+
+    def _count_steps(self) -> list[int]:
+        """Set the epoch's step counts from the examples after the offset; return each rank's."""
+        steps_per_rank = self._layout.steps_per_rank(self._offset)
+        self._num_local_steps = steps_per_rank[self._gang.rank]
+        if self._sync_mode is SyncMode.UNTIL_FIRST:
+            self._num_steps = min(steps_per_rank)
+        else:
+            self._num_steps = max(steps_per_rank)
+        return steps_per_rank
+
+    def _verify_ranks_agree(self) -> None:
+        # A rank set up differently would compute another epoch length and hang the others later.
+        layout = self._layout
+        differ = find_disagreements(
+            self._gang,
+            {
+                "dataset size": layout.dataset_size,
+                "batch_size": layout.batch_size,
+                "num_accumulate": layout.num_accumulate,
+                "drop_remainder": int(layout.drop_remainder),
+                "shuffle": int(self._shuffle),
+                "seed": self._seed % (1 << 62),
+                "sync_mode": list(SyncMode).index(self._sync_mode),
+                "data epoch": self._epoch,
+                "step": self._step_nr,
+            },
+        )
+        if differ:
+            described = ", ".join(
+                f"{name} ({low} to {high})" for name, (low, high) in differ.items()
+            )
+            raise DataReaderError(
+                f"The {self._gang.size} ranks of the data-parallel gang disagree on the data: "
+                f"{described}. Build every rank's reader with the same dataset and settings, and "
+                "load every rank's reader state from the same checkpoint."
+            )
+
+    def _read(self, step_nr: int) -> list[BatchT]:
+        if self._step_maker is None:
+            self._step_maker = self._make_step_maker()
+
+        if self._num_prefetch == 0:
+            try:
+                return self._step_maker(step_nr)
+            except Exception as ex:
+                raise self._read_error(step_nr, ex) from ex
+
+        if self._prefetcher is None:
+            self._prefetcher = Prefetcher(
+                make_step=self._step_maker,
+                steps=range(step_nr, self._num_local_steps),
+                capacity=self._num_prefetch,
+                name=f"MapDataReader-prefetch-rank{self._gang.rank}",
+            )
+        prepared = self._prefetcher.get()
+        if prepared.error is not None:
+            # The thread has stopped; the next call starts a new one at the same step.
+            self._stop_prefetching()
+            raise self._read_error(step_nr, prepared.error) from prepared.error
+        if prepared.step_nr != step_nr:
+            raise DataReaderError(
+                f"The prefetch thread prepared step {prepared.step_nr}, but step {step_nr} is due. "
+                "This is a bug in MapDataReader; please report it."
+            )
+        return prepared.batches
+
+    def _make_step_maker(self) -> _StepMaker[BatchT]:
+        size = self._layout.dataset_size
+        if self._shuffle:
+            generator = torch.Generator().manual_seed(self._seed + self._epoch)
+            order = torch.randperm(size, generator=generator)
+        else:
+            order = torch.arange(size)
+        shard: list[int] = order[self._offset + self._gang.rank :: self._gang.size].tolist()
+        return _StepMaker(
+            dataset=self._dataset,
+            collate=self._collate,
+            shard=shard,
+            batch_size=self._layout.batch_size,
+            num_accumulate=self._layout.num_accumulate,
+            num_micro_batches=self._layout.num_micro_batches(len(shard)),
+        )
+
+    def _read_error(self, step_nr: int, error: BaseException) -> DataReaderError:
+        return DataReaderError(
+            f"Reading step {step_nr} of data epoch {self._epoch} failed on rank {self._gang.rank}: "
+            f"{type(error).__name__}: {error}. The dataset or the collate function raised it; "
+            "see the cause above."
+        )
+
+    def _stop_prefetching(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+
+
+@final
+class _StepMaker(Generic[BatchT]):
+    """Turns the step numbers of one epoch into collated micro-batches; no collectives.
+
+    It holds what a step needs but not the reader, so the reader can be collected while the
+    prefetch thread runs.
+    """
+
+    def __init__(
+        self,
+        *,
+        dataset: MapDataset,
+        collate: Callable[[list[Any]], BatchT],
+        shard: list[int],
+        batch_size: int,
+        num_accumulate: int,
+        num_micro_batches: int,
+    ) -> None:
+        self._dataset = dataset
+        self._collate = collate
+        self._shard = shard
+        self._batch_size = batch_size
+        self._num_accumulate = num_accumulate
+        self._num_micro_batches = num_micro_batches
+
+    def __call__(self, step_nr: int) -> list[BatchT]:
+        first = step_nr * self._num_accumulate
+        last = min(first + self._num_accumulate, self._num_micro_batches)
+        batches = []
+        for micro_batch_nr in range(first, last):
+            start = micro_batch_nr * self._batch_size
+            indices = self._shard[start : start + self._batch_size]
+            batches.append(self._collate([self._dataset[index] for index in indices]))
+        return batches
+
+
+def _describe(values: Mapping[str, object]) -> str:
+    return ", ".join(f"{name} {value}" for name, value in values.items())

@@ -1,0 +1,98 @@
+"""The DataReader contract: sharded, resumable streams of micro-batches, one list of them per step.
+
+A :class:`DataReader` is what the Trainer iterates: every ``next`` returns the ``num_accumulate``
+micro-batches of one optimizer step, and ``StopIteration`` marks the end of a data epoch on every
+rank of the data-parallel gang at the same step, so no rank waits in a collective for a rank that
+ran out of data.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from enum import Enum
+from typing import Any, Generic, TypeVar
+
+import torch
+from typing_extensions import Self
+
+BatchT = TypeVar("BatchT")
+
+
+class DataReaderError(RuntimeError):
+    """Raised when reading a step fails, or when the ranks disagree on the data."""
+
+
+class SyncMode(Enum):
+    """When a data epoch ends for the ranks of a data-parallel gang whose shards differ in size."""
+
+    UNTIL_FIRST = "until_first"
+    """The epoch ends for everyone when the first rank runs out: for training, where DDP needs
+    every rank in every step."""
+
+    UNTIL_LAST = "until_last"
+    """The epoch goes on until the last rank runs out; ranks already out return ``[]`` for those
+    steps: for validation, where every example must count."""
+
+
+class DataReader(ABC, Generic[BatchT]):
+    """An iterator over the steps of a data epoch; each step is a list of micro-batches.
+
+    Use it as ``for batches in reader: ...`` followed by ``reader.reset()`` for the next epoch.
+    """
+
+    def __iter__(self) -> Self:
+        return self
+
+    @abstractmethod
+    def __next__(self) -> list[BatchT]:
+        """Return the next step's ``num_accumulate`` micro-batches.
+
+        Fewer only in the last step of an epoch when the reader keeps a partial last step, and
+        ``[]`` on a rank that ran out of data in :attr:`SyncMode.UNTIL_LAST`. Raises
+        ``StopIteration`` at the end of the data epoch, and keeps raising it until :meth:`reset`.
+        """
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Start the next data epoch (for instance, with a new shuffle)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, object]:
+        """The exact position in the data, as plain values that load with ``weights_only=True``."""
+
+    @abstractmethod
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a position so that the next step equals that of an uninterrupted reader."""
+
+    @property
+    @abstractmethod
+    def num_accumulate(self) -> int:
+        """The number of micro-batches in a step."""
+
+    def close(self) -> None:
+        """Release background resources; iterating again acquires them anew."""
+
+
+def int_entry(state: Mapping[str, Any], key: str) -> int:
+    """The integer ``key`` of a saved reader state, or a ValueError that says what is wrong."""
+    try:
+        value = state[key]
+    except KeyError:
+        raise ValueError(
+            f"The data reader state has no '{key}' entry; it has {sorted(state)}. Load a state "
+            "saved by the same kind of data reader."
+        ) from None
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if not isinstance(value, int):
+        raise ValueError(
+            f"The '{key}' entry of the data reader state must be an integer, but is "
+            f"{value!r} instead. Load a state saved by the same kind of data reader."
+        )
+    return value
+
+
+def divide(count: int, size: int, drop_remainder: bool) -> int:
+    """How many groups of ``size`` make ``count``: whole ones only, or the last partial one too."""
+    return count // size if drop_remainder else -(-count // size)

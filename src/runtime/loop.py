@@ -1,0 +1,339 @@
+"""The training loop of one launch: resume, steps and what falls due after them, the end.
+
+Read :meth:`TrainLoop.run` top to bottom: it reads a step's micro-batches, takes the step, then
+publishes, validates and checkpoints when their schedules say so. The end of a data epoch is an
+event of the loop (:meth:`TrainLoop._end_data_epoch`), not a side effect of reading. Why the loop
+stopped is one value, ``state.stop_reason``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, final
+
+from checkpoint import CheckpointLayoutError
+from gangs import Gangs
+from runtime.arguments import check_positive
+from runtime.callbacks import TrainerCallback
+from runtime.checkpointer import Checkpointer
+from runtime.data import DataReader
+from runtime.errors import TrainerError
+from runtime.profiler import TorchProfiler
+from runtime.progress import ProgressDisplay
+from runtime.recorders import MetricRecorder
+from runtime.rng import rng_state, seed_rngs, set_rng_state
+from runtime.schedule import Schedule
+from runtime.signals import StopSignals
+from runtime.train_metrics import TrainMetrics
+from runtime.train_state import (
+    TRAINER_STATE_VERSION,
+    StopReason,
+    TrainState,
+    upgrade_trainer_state,
+)
+from runtime.train_step import TrainStep
+from runtime.validation import Validator
+
+# The training's log lines share the Trainer's logger, the one name users filter on.
+log = logging.getLogger("runtime.trainer")
+
+BatchT = TypeVar("BatchT")
+
+
+@final
+@dataclass(frozen=True)
+class Schedules:
+    publish: Schedule
+    validate: Schedule
+    checkpoint: Schedule
+    validate_at_start: bool = False
+
+
+@final
+@dataclass(frozen=True)
+class Limits:
+    max_num_steps: int | None
+    max_num_data_epochs: int | None
+
+    def __post_init__(self) -> None:
+        check_positive("max_num_steps", self.max_num_steps)
+        check_positive("max_num_data_epochs", self.max_num_data_epochs)
+
+
+@final
+class TrainLoop(Generic[BatchT]):
+    """Trains from the last checkpoint until a stop reason; every rank runs the same loop."""
+
+    def __init__(
+        self,
+        *,
+        data_reader: DataReader[BatchT],
+        train_step: TrainStep[BatchT],
+        metrics: TrainMetrics,
+        validator: Validator,
+        checkpointer: Checkpointer,
+        schedules: Schedules,
+        limits: Limits,
+        gangs: Gangs,
+        seed: int,
+        callbacks: TrainerCallback,
+        recorder: MetricRecorder,
+        progress: ProgressDisplay,
+        stop_signals: StopSignals,
+        profiler: TorchProfiler | None,
+    ) -> None:
+        self.state = TrainState()
+        self._data_reader = data_reader
+        self._train_step = train_step
+        self._metrics = metrics
+        self._validator = validator
+        self._checkpointer = checkpointer
+        self._schedules = schedules
+        self._limits = limits
+        self._gangs = gangs
+        self._seed = seed
+        self._callbacks = callbacks
+        self._recorder = recorder
+        self._progress = progress
+        self._stop_signals = stop_signals
+        self._profiler = profiler
+        self._run_start = time.perf_counter()
+        # Whether the data epoch being read gave a batch; a resumed position may be at its end.
+        self._epoch_had_batches = True
+
+    # ----------------------------------------------------------------- resume
+
+    def resume(self) -> None:
+        """Seed this rank, then load the newest intact checkpoint if there is one."""
+        self._seed_rngs(step_nr=0)
+        loaded = self._checkpointer.load_last()
+        if loaded is None:
+            return
+        self.load_state_dict(loaded.trainer_state, resharded=loaded.resharded)
+        log.info("Resumed from the checkpoint of step %d.", self.state.step_nr)
+        reason = self.state.stop_reason
+        if reason is not None and reason.is_limit and not self._limit_reached():
+            log.info(
+                "The run finished at step %d, but max_num_steps (%s) and max_num_data_epochs "
+                "(%s) now allow more: training on.",
+                self.state.step_nr,
+                self._limits.max_num_steps,
+                self._limits.max_num_data_epochs,
+            )
+            self.state.stop_reason = None
+
+    def _limit_reached(self) -> bool:
+        """Whether ``max_num_steps`` or ``max_num_data_epochs`` ends the training here."""
+        max_steps, max_epochs = self._limits.max_num_steps, self._limits.max_num_data_epochs
+        if max_steps is not None and self.state.step_nr >= max_steps:
+            return True
+        return (
+            self.state.stop_reason is StopReason.MAX_NUM_DATA_EPOCHS
+            and max_epochs is not None
+            and self.state.data_epoch_nr >= max_epochs
+        )
+
+    def _seed_rngs(self, *, step_nr: int) -> None:
+        dp = self._gangs.dp
+        seed_rngs(self._seed, dp_rank=dp.rank, dp_size=dp.size, step_nr=step_nr)
+
+    # -------------------------------------------------------------------- run
+
+    def run(self) -> None:
+        """Train until a stop reason; at the end of the run, finish it (not after a preemption)."""
+        state = self.state
+        self._callbacks.on_train_begin(step_nr=state.step_nr)
+        if self._schedules.validate_at_start and state.step_nr == 0 and self._validator.has_units:
+            self._validator.validate(0, baseline=True)
+
+        log.info("Training from step %d.", state.step_nr)
+        self._run_start = time.perf_counter()
+        self._metrics.restart_clock()
+        max_steps = self._limits.max_num_steps
+        while state.stop_reason is None:
+            if max_steps is not None and state.step_nr >= max_steps:
+                state.stop_reason = StopReason.MAX_NUM_STEPS
+                break
+            batches = self._read_step()
+            if batches is None:
+                self._end_data_epoch()
+                continue
+            stop_requested = self._take_step(batches)
+            self._after_step(stop_requested=stop_requested)
+
+        if state.stop_reason is StopReason.PREEMPTED:
+            # The unpublished metric window is in the checkpoint, so after the resume the
+            # published values are those of an uninterrupted run.
+            log.warning("Stopped at step %d as requested by a signal.", state.step_nr)
+        else:
+            self._finish()
+
+    def finish_pending_save(self) -> None:
+        """Commit an asynchronous save still in flight (every rank must call it)."""
+        self._checkpointer.finish_pending_save()
+
+    def _read_step(self) -> list[BatchT] | None:
+        """The next step's micro-batches, or None at the end of the data epoch."""
+        start = time.perf_counter()
+        try:
+            batches = next(self._data_reader)
+        except StopIteration:
+            return None
+        finally:
+            self._metrics.add_data_wait(time.perf_counter() - start)
+        if not batches:
+            raise TrainerError(
+                f"The data reader returned no micro-batches for step {self.state.step_nr + 1}. "
+                "Training readers must use SyncMode.UNTIL_FIRST."
+            )
+        self._epoch_had_batches = True
+        return batches
+
+    def _take_step(self, batches: list[BatchT]) -> bool:
+        """Take one optimizer step; return whether any rank asked to stop."""
+        self.state.step_nr += 1
+        step_nr = self.state.step_nr
+        output = self._train_step(
+            batches, step_nr=step_nr, stop_requested=self._stop_signals.requested
+        )
+        self._metrics.add_step(output)
+        self._progress.advance(step_nr)
+        if self._profiler is not None:
+            self._profiler.step()
+        self._callbacks.on_step_end(step_nr=step_nr)
+        return output.stop_requested
+
+    def _after_step(self, *, stop_requested: bool) -> None:
+        state, schedules = self.state, self._schedules
+        if schedules.publish.due_after_step(state.step_nr):
+            self._publish_train_metrics()
+        early_stop = schedules.validate.due_after_step(state.step_nr) and self._validator.validate(
+            state.step_nr
+        )
+        # Known before the save, so a checkpoint of the last step says the run is over.
+        if early_stop:
+            state.stop_reason = StopReason.EARLY_STOP
+        elif state.step_nr == self._limits.max_num_steps:
+            state.stop_reason = StopReason.MAX_NUM_STEPS
+        elif stop_requested:
+            state.stop_reason = StopReason.PREEMPTED
+        if schedules.checkpoint.due_after_step(state.step_nr) or stop_requested:
+            self._save_checkpoint()
+
+    def _end_data_epoch(self) -> None:
+        """Validate and checkpoint on the data-epoch schedules; then stop or start the next epoch."""
+        state = self.state
+        log.info("Data epoch %d ended at step %d.", state.data_epoch_nr, state.step_nr)
+        max_epochs = self._limits.max_num_data_epochs
+        if max_epochs is not None and state.data_epoch_nr >= max_epochs:
+            # The end of training validates and checkpoints this step.
+            state.stop_reason = StopReason.MAX_NUM_DATA_EPOCHS
+            return
+        if state.step_nr > 0:
+            if (
+                self._schedules.validate.due_after_data_epoch(state.data_epoch_nr)
+                and self._validator.last_validated_step != state.step_nr
+                and self._validator.validate(state.step_nr)
+            ):
+                state.stop_reason = StopReason.EARLY_STOP
+            if (
+                self._schedules.checkpoint.due_after_data_epoch(state.data_epoch_nr)
+                and self._checkpointer.last_saved_step != state.step_nr
+            ):
+                self._save_checkpoint()
+            if state.stop_reason is not None:
+                return
+        if not self._epoch_had_batches:
+            raise TrainerError(
+                f"The data reader ended epoch {state.data_epoch_nr} without a single batch. "
+                "Check the dataset size against batch_size, num_accumulate and the DP gang."
+            )
+        state.data_epoch_nr += 1
+        self._data_reader.reset()
+        self._epoch_had_batches = False
+
+    def _finish(self) -> None:
+        """Publish, validate and checkpoint what the last step left undone."""
+        step_nr = self.state.step_nr
+        if self._metrics.num_steps > 0:
+            self._publish_train_metrics()
+        if (
+            self._validator.has_units
+            and self._validator.last_validated_step != step_nr
+            and self._validator.validate(step_nr)
+        ):
+            self.state.stop_reason = StopReason.EARLY_STOP
+        if self._checkpointer.last_saved_step != step_nr:
+            self._save_checkpoint()
+        log.info("Training finished at step %d.", step_nr)
+        self._validator.log_best()
+
+    # ------------------------------------------------------ publish and save
+
+    def _publish_train_metrics(self) -> None:
+        step_nr = self.state.step_nr
+        extra = {
+            "lr": self._train_step.learning_rate,
+            "data_epoch": self.state.data_epoch_nr,
+            "elapsed_time": time.perf_counter() - self._run_start,
+        }
+        loss_scale = self._train_step.loss_scale
+        if loss_scale is not None:
+            extra["loss_scale"] = loss_scale
+        values = self._metrics.compute(extra)
+        self._recorder.record_metrics("train", values, step_nr)
+        self._callbacks.on_metrics_published(run="train", step_nr=step_nr, values=values)
+        self._progress.update_values(
+            {k: float(v) for k, v in values.items() if k in ("loss", "lr", "grad_norm")}
+        )
+
+    def _save_checkpoint(self) -> None:
+        step_nr = self.state.step_nr
+        self._checkpointer.save(
+            step_nr, trainer_state=self.state_dict(), score=self._validator.score_at(step_nr)
+        )
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's trainer state, as ``trainer/rank_R.pt`` of a checkpoint holds it."""
+        return {
+            "version": TRAINER_STATE_VERSION,
+            "train_state": self.state.state_dict(),
+            "data_reader": self._data_reader.state_dict(),
+            "rng": rng_state(),
+            "train_step": self._train_step.state_dict(),
+            "train_metrics": self._metrics.state_dict(),
+            "validation": self._validator.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], *, resharded: bool = False) -> None:
+        """Load this rank's trainer state, or rank 0's when the checkpoint was ``resharded``.
+
+        After a reshard, what all ranks share (step, schedules, scores, loss scale) carries over
+        and the data reader reshards its position; what is per rank cannot: the RNGs are seeded
+        anew for this step, and the unpublished metric window starts empty.
+        """
+        state = upgrade_trainer_state(state)
+        self.state.load_state_dict(state["train_state"])
+        if resharded:
+            try:
+                self._data_reader.load_state_dict(state["data_reader"])
+            except ValueError as ex:
+                raise CheckpointLayoutError(str(ex)) from ex
+            self._seed_rngs(step_nr=self.state.step_nr)
+            log.warning(
+                "Resumed from another world layout: the data position was resharded and the "
+                "RNGs seeded anew, so the run is no longer bit-identical to an uninterrupted one, "
+                "and the first train metrics published cover only the steps after step %d.",
+                self.state.step_nr,
+            )
+        else:
+            self._data_reader.load_state_dict(state["data_reader"])
+            set_rng_state(state["rng"])
+            self._metrics.load_state_dict(state["train_metrics"])
+        self._train_step.load_state_dict(state["train_step"])
+        self._validator.load_state_dict(state["validation"])

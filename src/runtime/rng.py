@@ -1,0 +1,37 @@
+"""The random number generators a resume must restore, and how each rank seeds them."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    python_state = state["python"]
+    # weights_only loading gives the inner tuple back as a list.
+    random.setstate((python_state[0], tuple(python_state[1]), python_state[2]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_rngs(seed: int, *, dp_rank: int, dp_size: int, step_nr: int = 0) -> None:
+    """Seed Python's and torch's generators (CUDA's too) for this rank at ``step_nr``.
+
+    TP ranks of one DP rank must draw the same numbers (e.g. dropout on replicated activations);
+    DP ranks see different data and draw different ones. After a reshard, the step keeps the
+    numbers apart from those already drawn.
+    """
+    rank_seed = seed + dp_rank + step_nr * dp_size
+    random.seed(rank_seed)
+    torch.manual_seed(rank_seed)

@@ -1,0 +1,50 @@
+"""SIGTERM and SIGUSR1 as a request to stop at the next step boundary, on every rank alike."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType, TracebackType
+from typing import Final, final
+
+log = logging.getLogger(__name__)
+
+PREEMPTED_EXIT_CODE: Final = 75
+"""``Trainer.run()`` returns it (EX_TEMPFAIL) after SIGTERM or SIGUSR1: a checkpoint was saved at the
+step every rank agreed on; launch the same command again to resume."""
+
+STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@final
+class StopSignals:
+    """While entered, turns the stop signals into :attr:`requested`; restores the handlers after.
+
+    A handler only sets a flag: the loop reads it at the step boundary and all ranks agree on it
+    there, so a signal to any one rank stops every rank at the same step. Outside the main thread
+    (where Python cannot install handlers) it does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[signal.Signals, object] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._request) for sig in STOP_SIGNALS}
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous = {}
+
+    def _request(self, signum: int, _frame: FrameType | None) -> None:
+        log.warning("Received %s: stopping at the next step boundary.", signal.Signals(signum).name)
+        self.requested = True

@@ -1,0 +1,195 @@
+"""Where the training is, why it stopped, and the per-rank trainer state a checkpoint holds.
+
+A checkpoint's ``trainer/rank_R.pt`` is one mapping with a fixed set of sections, each owned by
+the part of the Trainer that reads and writes it::
+
+    version        TRAINER_STATE_VERSION
+    train_state    TrainState: step, data epoch, stop reason
+    data_reader    the reader's position
+    rng            the random number generators
+    train_step     loss scale and LR scheduler
+    train_metrics  the unpublished metric window and the unit's metrics
+    validation     last and best scores, early stopper
+
+Checkpoints of the first format (flat, with three booleans for the stop reason) are mapped onto
+it by :func:`upgrade_trainer_state`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from enum import Enum
+from typing import Any, Final, final
+
+from checkpoint import CheckpointError
+
+TRAINER_STATE_VERSION: Final = 2
+
+TRAINER_STATE_SECTIONS: Final = frozenset(
+    {
+        "version",
+        "train_state",
+        "data_reader",
+        "rng",
+        "train_step",
+        "train_metrics",
+        "validation",
+    }
+)
+
+
+class StopReason(Enum):
+    """Why the training loop stopped; the first three end the run, a preemption pauses it."""
+
+    MAX_NUM_STEPS = "max_num_steps"
+    MAX_NUM_DATA_EPOCHS = "max_num_data_epochs"
+    EARLY_STOP = "early_stop"
+    PREEMPTED = "preempted"
+
+    @property
+    def ends_the_run(self) -> bool:
+        return self is not StopReason.PREEMPTED
+
+    @property
+    def is_limit(self) -> bool:
+        """A limit a relaunch with larger values lifts (an early stop is final)."""
+        return self in (StopReason.MAX_NUM_STEPS, StopReason.MAX_NUM_DATA_EPOCHS)
+
+
+@final
+class TrainState:
+    """The step last taken, the data epoch being read, and the reason the loop stopped (if it has)."""
+
+    def __init__(self) -> None:
+        self.step_nr = 0
+        self.data_epoch_nr = 1
+        self.stop_reason: StopReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run is over (a preempted run is not: it resumes)."""
+        return self.stop_reason is not None and self.stop_reason.ends_the_run
+
+    def state_dict(self) -> dict[str, Any]:
+        # A preemption is stored as "not stopped": the relaunch goes on from here.
+        reason = self.stop_reason if self.finished else None
+        return {
+            "step_nr": self.step_nr,
+            "data_epoch_nr": self.data_epoch_nr,
+            "stop_reason": None if reason is None else reason.value,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        check_state_keys(state, {"step_nr", "data_epoch_nr", "stop_reason"}, what="train_state")
+        self.step_nr = int(state["step_nr"])
+        self.data_epoch_nr = int(state["data_epoch_nr"])
+        reason = state["stop_reason"]
+        try:
+            self.stop_reason = None if reason is None else StopReason(reason)
+        except ValueError:
+            raise CheckpointError(
+                f"The trainer state has the stop reason {reason!r}, but this version knows only "
+                f"{', '.join(repr(r.value) for r in StopReason)}. Resume with the version of the "
+                "runtime that saved the checkpoint."
+            ) from None
+
+
+def check_state_keys(state: Mapping[str, Any], expected: Collection[str], *, what: str) -> None:
+    """Raise CheckpointError unless ``state`` has exactly the ``expected`` keys."""
+    missing = sorted(set(expected) - set(state))
+    unknown = sorted(set(state) - set(expected))
+    if missing or unknown:
+        problems = []
+        if missing:
+            problems.append(f"lacks {', '.join(missing)}")
+        if unknown:
+            problems.append(f"has unknown entries {', '.join(unknown)}")
+        raise CheckpointError(
+            f"The {what} state of the checkpoint {' and '.join(problems)}, so it was not saved by "
+            "this version of the runtime or this Trainer. Resume with the version and settings "
+            "that saved it, or start the run in a fresh output directory."
+        )
+
+
+_V1_KEYS: Final = frozenset(
+    {
+        "step_nr",
+        "data_epoch_nr",
+        "finished",
+        "early_stopped",
+        "data_exhausted",
+        "data_reader",
+        "rng",
+        "loss_scaler",
+        "train_metrics",
+        "window",
+        "last_score",
+        "best_score",
+        "best_step_nr",
+        "last_validated_step",
+    }
+)
+
+
+def upgrade_trainer_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The trainer state of a checkpoint in the current format; older formats are mapped onto it."""
+    version = state.get("version", 1)
+    if version == TRAINER_STATE_VERSION:
+        check_state_keys(state, TRAINER_STATE_SECTIONS, what="trainer")
+        return dict(state)
+    if version != 1:
+        raise CheckpointError(
+            f"The trainer state of the checkpoint has format version {version}, but this version "
+            f"of the runtime reads versions 1 to {TRAINER_STATE_VERSION}. Resume with a newer "
+            "version of the runtime."
+        )
+    check_state_keys(
+        state,
+        _V1_KEYS | ({"lr_scheduler", "early_stopper"} & set(state)),
+        what="trainer (format 1)",
+    )
+    if not state["finished"]:
+        reason = None
+    elif state["early_stopped"]:
+        reason = StopReason.EARLY_STOP.value
+    elif state["data_exhausted"]:
+        reason = StopReason.MAX_NUM_DATA_EPOCHS.value
+    else:
+        reason = StopReason.MAX_NUM_STEPS.value
+    return {
+        "version": TRAINER_STATE_VERSION,
+        "train_state": {
+            "step_nr": state["step_nr"],
+            "data_epoch_nr": state["data_epoch_nr"],
+            "stop_reason": reason,
+        },
+        "data_reader": state["data_reader"],
+        "rng": state["rng"],
+        "train_step": {
+            "loss_scaler": state["loss_scaler"],
+            "lr_scheduler": state.get("lr_scheduler"),
+        },
+        "train_metrics": {
+            "window": _window_of_format_1(state["window"]),
+            "unit_metrics": state["train_metrics"],
+        },
+        "validation": {
+            "last_score": state["last_score"],
+            "best_score": state["best_score"],
+            "best_step_nr": state["best_step_nr"],
+            "last_validated_step": state["last_validated_step"],
+            "early_stopper": state.get("early_stopper"),
+        },
+    }
+
+
+def _window_of_format_1(window: Mapping[str, Any]) -> dict[str, Any]:
+    # The first format named the target counts by their role as weights.
+    return {
+        "loss_sum": window["loss_sum"],
+        "grad_norm_sum": window["grad_norm_sum"],
+        "num_local_targets": window["local_weight"],
+        "num_targets": window["total_weight"],
+        "num_examples": window["total_examples"],
+        "num_steps": window["num_steps"],
+    }
