@@ -10,7 +10,7 @@ ARGS ?=
 
 BIN := $(VENV)/bin
 
-.PHONY: train test lint bench clean
+.PHONY: train test test-all lint bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ train: $(BIN)/.installed
 	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m recipes.char_lm $(OUTPUT_DIR) $(ARGS)
 
 test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-all: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
 
 lint: $(BIN)/.installed
