@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from gangs.agreement import agree, decide_on_rank_zero, find_disagreements, run_on_all_ranks
-from gangs.gang import FakeGang, Gang, GangError, ProcessGroupGang, ReduceOperation
+from gangs.gang import (
+    FakeGang,
+    Gang,
+    GangError,
+    PendingCollective,
+    ProcessGroupGang,
+    ReduceOperation,
+)
 from gangs.setup import Gangs, default_device, setup_gangs, setup_parallel_gangs, setup_root_gang
 
 __all__ = [
@@ -11,6 +18,7 @@ __all__ = [
     "Gang",
     "GangError",
     "Gangs",
+    "PendingCollective",
     "ProcessGroupGang",
     "ReduceOperation",
     "agree",

@@ -28,6 +28,16 @@ class ReduceOperation(Enum):
     MAX = "max"
 
 
+class PendingCollective:
+    """A collective started by a ``*_async`` gang method; ``wait()`` blocks until it is done."""
+
+    def wait(self) -> None:
+        """Return once the collective has finished on this rank (raises GangError on failure)."""
+
+
+_DONE = PendingCollective()
+
+
 class Gang(ABC):
     """A group of processes, each with a rank in ``[0, size)``, that run collectives together."""
 
@@ -64,6 +74,12 @@ class Gang(ABC):
     @abstractmethod
     def all_reduce(self, tensor: Tensor, op: ReduceOperation) -> None:
         """Reduce ``tensor`` over all ranks in place."""
+
+    def all_reduce_async(self, tensor: Tensor, op: ReduceOperation) -> PendingCollective:
+        """Start reducing ``tensor`` over all ranks in place; ``wait()`` on the result before
+        reading it. Work done meanwhile (a backward pass) overlaps the communication."""
+        self.all_reduce(tensor, op)
+        return _DONE
 
     @abstractmethod
     def all_gather(self, output_tensor: Tensor, input_tensor: Tensor) -> None:
@@ -249,6 +265,15 @@ class ProcessGroupGang(Gang):
             self._run("all_reduce", lambda: dist.all_reduce(tensor, _REDUCE_OPS[op], self._pg))
 
     @override
+    def all_reduce_async(self, tensor: Tensor, op: ReduceOperation) -> PendingCollective:
+        if op is ReduceOperation.MEAN:
+            return super().all_reduce_async(tensor, op)
+        work = self._run(
+            "all_reduce", lambda: dist.all_reduce(tensor, _REDUCE_OPS[op], self._pg, async_op=True)
+        )
+        return _PendingWork(work, self)
+
+    @override
     def all_gather(self, output_tensor: Tensor, input_tensor: Tensor) -> None:
         if output_tensor.shape != (self._size, *input_tensor.shape):
             raise GangError(
@@ -297,6 +322,17 @@ class ProcessGroupGang(Gang):
             raise GangError(
                 f"The {name} collective failed on rank {self._rank} of a gang of {self._size}: {ex}"
             ) from ex
+
+
+@final
+class _PendingWork(PendingCollective):
+    def __init__(self, work: Any, gang: ProcessGroupGang) -> None:
+        self._work = work
+        self._gang = gang
+
+    @override
+    def wait(self) -> None:
+        self._gang._run("all_reduce", self._work.wait)
 
 
 def _check_ranks(ranks: Sequence[int], size: int) -> None:

@@ -37,6 +37,10 @@ class Checkpointer:
         self._callbacks = callbacks
         self.last_saved_step: int | None = None
 
+    @property
+    def manager(self) -> CheckpointManager:
+        return self._manager
+
     def save(self, step_nr: int, *, trainer_state: Mapping[str, Any], score: float | None) -> None:
         # Retention and the callbacks see only committed checkpoints, so the previous
         # asynchronous save commits first.

@@ -1,34 +1,59 @@
-"""Gradients across DP and TP: deferring their sync, scaling them, and their norm."""
+"""Gradients across DP and TP: deferring their sync, scaling them, and their norm.
+
+DDP, FSDP2 and DTensor are looked up only once something imported them: a model that uses none
+of them never needs them, and importing them costs a second.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Final, final
 
 import torch
 from torch import Tensor
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.nn import Module
-from torch.nn.parallel import DistributedDataParallel as DDP
+from typing_extensions import TypeIs
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+_NO_SYNC_NEEDED: Final = contextlib.nullcontext()
+
+
+def _loaded_class(module: str, name: str) -> Any:
+    """``module.name`` if ``module`` was imported already, else None: nothing is an instance of
+    a class that was never imported."""
+    loaded = sys.modules.get(module)
+    return getattr(loaded, name, None) if loaded is not None else None
+
+
+def _is_dtensor(tensor: object) -> TypeIs[DTensor]:
+    dtensor = _loaded_class("torch.distributed.tensor", "DTensor")
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
+def skip_gradient_sync(model: Module, skip: bool) -> contextlib.AbstractContextManager[Any]:
+    """Defer DP gradient reduction while ``skip`` (all but the last accumulated micro-batch)."""
+    if not skip:
+        return _NO_SYNC_NEEDED
+    ddp = _loaded_class("torch.nn.parallel", "DistributedDataParallel")
+    if ddp is not None and isinstance(model, ddp):
+        return model.no_sync()  # type: ignore[no-any-return]
+    fsdp = _loaded_class("torch.distributed.fsdp", "FSDPModule")
+    if fsdp is not None and isinstance(model, fsdp):
+        return _fsdp_no_sync(model)
+    return _NO_SYNC_NEEDED
 
 
 @contextlib.contextmanager
-def skip_gradient_sync(model: Module, skip: bool) -> Iterator[None]:
-    """Defer DP gradient reduction while ``skip`` (all but the last accumulated micro-batch)."""
-    if not skip:
+def _fsdp_no_sync(model: Any) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
         yield
-    elif isinstance(model, DDP):
-        with model.no_sync():
-            yield
-    elif isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-    else:
-        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def gradient_groups(model: Module) -> list[list[Tensor]]:
@@ -41,9 +66,7 @@ def gradient_groups(model: Module) -> list[list[Tensor]]:
     for param in model.parameters():
         if param.grad is not None:
             grad = param.grad
-            groups.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(
-                grad
-            )
+            groups.setdefault(grad.device_mesh if _is_dtensor(grad) else None, []).append(grad)
     return list(groups.values())
 
 
@@ -58,13 +81,16 @@ def clip_gradient_norm(model: Module, max_norm: float | None) -> Tensor:
     Works for plain, DDP, FSDP2 and TP parameters alike: sharded (DTensor) gradients are reduced
     to their full norm, replicated ones count once. The norm stays on the device (no host sync).
     """
-    groups = gradient_groups(model)
+    return _clip(gradient_groups(model), max_norm)
+
+
+def _clip(groups: list[list[Tensor]], max_norm: float | None) -> Tensor:
     if not groups:
         return torch.zeros(())
     squares = []
     for group in groups:
         norm = torch.nn.utils.get_total_norm(group)
-        if isinstance(norm, DTensor):
+        if _is_dtensor(norm):
             norm = norm.full_tensor()
         squares.append(norm.float() ** 2)
     total_norm = torch.stack(squares).sum().sqrt()
@@ -73,3 +99,36 @@ def clip_gradient_norm(model: Module, max_norm: float | None) -> Tensor:
         for group in groups:
             torch._foreach_mul_(group, clip_coef.to(group[0].dtype))
     return total_norm
+
+
+@final
+class Gradients:
+    """The gradients of a model's parameters, grouped by device mesh once, scaled and clipped.
+
+    The groups are found on the first step and kept: a step only collects the ``.grad`` of each
+    group's parameters, without walking the module tree.
+    """
+
+    def __init__(self, model: Module) -> None:
+        self._model = model
+        self._groups: list[list[torch.nn.Parameter]] | None = None
+
+    def _grads(self) -> list[list[Tensor]]:
+        if self._groups is None:
+            groups: dict[object, list[torch.nn.Parameter]] = {}
+            for param in self._model.parameters():
+                if param.requires_grad:
+                    mesh = param.device_mesh if _is_dtensor(param) else None
+                    groups.setdefault(mesh, []).append(param)
+            self._groups = list(groups.values())
+        grads = [[p.grad for p in group if p.grad is not None] for group in self._groups]
+        return [group for group in grads if group]
+
+    def scale(self, factor: float) -> None:
+        if factor != 1.0:
+            for group in self._grads():
+                torch._foreach_mul_(group, factor)
+
+    def clip(self, max_norm: float | None) -> Tensor:
+        """Return the total norm and clip to ``max_norm`` if given (see :func:`clip_gradient_norm`)."""
+        return _clip(self._grads(), max_norm)

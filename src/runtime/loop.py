@@ -21,13 +21,15 @@ from runtime.callbacks import TrainerCallback
 from runtime.checkpointer import Checkpointer
 from runtime.data import DataReader
 from runtime.errors import TrainerError
+from runtime.garbage_collection import GarbageCollection
 from runtime.profiler import TorchProfiler
 from runtime.progress import ProgressDisplay
 from runtime.recorders import MetricRecorder
 from runtime.rng import rng_state, seed_rngs, set_rng_state
 from runtime.schedule import Schedule
 from runtime.signals import StopSignals
-from runtime.train_metrics import TrainMetrics
+from runtime.tracing import CHECKPOINT, DATA_WAIT, trace_range
+from runtime.train_metrics import TrainMetrics, describe_devices
 from runtime.train_state import (
     TRAINER_STATE_VERSION,
     StopReason,
@@ -50,6 +52,18 @@ class Schedules:
     validate: Schedule
     checkpoint: Schedule
     validate_at_start: bool = False
+
+
+@final
+@dataclass(frozen=True)
+class Observers:
+    """Who watches the loop: the callbacks, the metric recorder, the progress display, the
+    profiler."""
+
+    callbacks: TrainerCallback
+    recorder: MetricRecorder
+    progress: ProgressDisplay
+    profiler: TorchProfiler | None = None
 
 
 @final
@@ -77,29 +91,28 @@ class TrainLoop(Generic[BatchT]):
         checkpointer: Checkpointer,
         schedules: Schedules,
         limits: Limits,
+        observers: Observers,
         gangs: Gangs,
         seed: int,
-        callbacks: TrainerCallback,
-        recorder: MetricRecorder,
-        progress: ProgressDisplay,
-        stop_signals: StopSignals,
-        profiler: TorchProfiler | None,
+        garbage_collection: GarbageCollection,
     ) -> None:
         self.state = TrainState()
         self._data_reader = data_reader
         self._train_step = train_step
         self._metrics = metrics
         self._validator = validator
-        self._checkpointer = checkpointer
+        self.checkpointer = checkpointer
         self._schedules = schedules
-        self._limits = limits
+        self.limits = limits
+        self.observers = observers
         self._gangs = gangs
         self._seed = seed
-        self._callbacks = callbacks
-        self._recorder = recorder
-        self._progress = progress
-        self._stop_signals = stop_signals
-        self._profiler = profiler
+        self._callbacks = observers.callbacks
+        self._recorder = observers.recorder
+        self.stop_signals = StopSignals()
+        self._profiler = observers.profiler
+        self._trace = observers.profiler is not None
+        self._garbage_collection = garbage_collection
         self._run_start = time.perf_counter()
         # Whether the data epoch being read gave a batch; a resumed position may be at its end.
         self._epoch_had_batches = True
@@ -109,7 +122,7 @@ class TrainLoop(Generic[BatchT]):
     def resume(self) -> None:
         """Seed this rank, then load the newest intact checkpoint if there is one."""
         self._seed_rngs(step_nr=0)
-        loaded = self._checkpointer.load_last()
+        loaded = self.checkpointer.load_last()
         if loaded is None:
             return
         self.load_state_dict(loaded.trainer_state, resharded=loaded.resharded)
@@ -120,14 +133,14 @@ class TrainLoop(Generic[BatchT]):
                 "The run finished at step %d, but max_num_steps (%s) and max_num_data_epochs "
                 "(%s) now allow more: training on.",
                 self.state.step_nr,
-                self._limits.max_num_steps,
-                self._limits.max_num_data_epochs,
+                self.limits.max_num_steps,
+                self.limits.max_num_data_epochs,
             )
             self.state.stop_reason = None
 
     def _limit_reached(self) -> bool:
         """Whether ``max_num_steps`` or ``max_num_data_epochs`` ends the training here."""
-        max_steps, max_epochs = self._limits.max_num_steps, self._limits.max_num_data_epochs
+        max_steps, max_epochs = self.limits.max_num_steps, self.limits.max_num_data_epochs
         if max_steps is not None and self.state.step_nr >= max_steps:
             return True
         return (
@@ -149,20 +162,21 @@ class TrainLoop(Generic[BatchT]):
         if self._schedules.validate_at_start and state.step_nr == 0 and self._validator.has_units:
             self._validator.validate(0, baseline=True)
 
-        log.info("Training from step %d.", state.step_nr)
+        log.info("Training from step %d on %s.", state.step_nr, describe_devices(self._gangs))
         self._run_start = time.perf_counter()
         self._metrics.restart_clock()
-        max_steps = self._limits.max_num_steps
-        while state.stop_reason is None:
-            if max_steps is not None and state.step_nr >= max_steps:
-                state.stop_reason = StopReason.MAX_NUM_STEPS
-                break
-            batches = self._read_step()
-            if batches is None:
-                self._end_data_epoch()
-                continue
-            stop_requested = self._take_step(batches)
-            self._after_step(stop_requested=stop_requested)
+        max_steps = self.limits.max_num_steps
+        with self._garbage_collection:
+            while state.stop_reason is None:
+                if max_steps is not None and state.step_nr >= max_steps:
+                    state.stop_reason = StopReason.MAX_NUM_STEPS
+                    break
+                batches = self._read_step()
+                if batches is None:
+                    self._end_data_epoch()
+                    continue
+                stop_requested = self._take_step(batches)
+                self._after_step(stop_requested=stop_requested)
 
         if state.stop_reason is StopReason.PREEMPTED:
             # The unpublished metric window is in the checkpoint, so after the resume the
@@ -173,13 +187,14 @@ class TrainLoop(Generic[BatchT]):
 
     def finish_pending_save(self) -> None:
         """Commit an asynchronous save still in flight (every rank must call it)."""
-        self._checkpointer.finish_pending_save()
+        self.checkpointer.finish_pending_save()
 
     def _read_step(self) -> list[BatchT] | None:
         """The next step's micro-batches, or None at the end of the data epoch."""
         start = time.perf_counter()
         try:
-            batches = next(self._data_reader)
+            with trace_range(DATA_WAIT, self._trace):
+                batches = next(self._data_reader)
         except StopIteration:
             return None
         finally:
@@ -197,12 +212,11 @@ class TrainLoop(Generic[BatchT]):
         self.state.step_nr += 1
         step_nr = self.state.step_nr
         output = self._train_step(
-            batches, step_nr=step_nr, stop_requested=self._stop_signals.requested
+            batches, step_nr=step_nr, stop_requested=self.stop_signals.requested
         )
-        self._metrics.add_step(output)
-        self._progress.advance(step_nr)
-        if self._profiler is not None:
-            self._profiler.step()
+        self._metrics.add_step(step_nr, output)
+        self.observers.progress.advance(step_nr)
+        self._garbage_collection.after_step(step_nr)
         self._callbacks.on_step_end(step_nr=step_nr)
         return output.stop_requested
 
@@ -216,18 +230,21 @@ class TrainLoop(Generic[BatchT]):
         # Known before the save, so a checkpoint of the last step says the run is over.
         if early_stop:
             state.stop_reason = StopReason.EARLY_STOP
-        elif state.step_nr == self._limits.max_num_steps:
+        elif state.step_nr == self.limits.max_num_steps:
             state.stop_reason = StopReason.MAX_NUM_STEPS
         elif stop_requested:
             state.stop_reason = StopReason.PREEMPTED
         if schedules.checkpoint.due_after_step(state.step_nr) or stop_requested:
             self._save_checkpoint()
+        # A profiled step holds its own validation and checkpoint.
+        if self._profiler is not None:
+            self._profiler.step()
 
     def _end_data_epoch(self) -> None:
         """Validate and checkpoint on the data-epoch schedules; then stop or start the next epoch."""
         state = self.state
         log.info("Data epoch %d ended at step %d.", state.data_epoch_nr, state.step_nr)
-        max_epochs = self._limits.max_num_data_epochs
+        max_epochs = self.limits.max_num_data_epochs
         if max_epochs is not None and state.data_epoch_nr >= max_epochs:
             # The end of training validates and checkpoints this step.
             state.stop_reason = StopReason.MAX_NUM_DATA_EPOCHS
@@ -241,7 +258,7 @@ class TrainLoop(Generic[BatchT]):
                 state.stop_reason = StopReason.EARLY_STOP
             if (
                 self._schedules.checkpoint.due_after_data_epoch(state.data_epoch_nr)
-                and self._checkpointer.last_saved_step != state.step_nr
+                and self.checkpointer.last_saved_step != state.step_nr
             ):
                 self._save_checkpoint()
             if state.stop_reason is not None:
@@ -266,7 +283,7 @@ class TrainLoop(Generic[BatchT]):
             and self._validator.validate(step_nr)
         ):
             self.state.stop_reason = StopReason.EARLY_STOP
-        if self._checkpointer.last_saved_step != step_nr:
+        if self.checkpointer.last_saved_step != step_nr:
             self._save_checkpoint()
         log.info("Training finished at step %d.", step_nr)
         self._validator.log_best()
@@ -286,15 +303,18 @@ class TrainLoop(Generic[BatchT]):
         values = self._metrics.compute(extra)
         self._recorder.record_metrics("train", values, step_nr)
         self._callbacks.on_metrics_published(run="train", step_nr=step_nr, values=values)
-        self._progress.update_values(
+        self.observers.progress.update_values(
             {k: float(v) for k, v in values.items() if k in ("loss", "lr", "grad_norm")}
         )
 
     def _save_checkpoint(self) -> None:
+        # A checkpoint of weights a non-finite step poisoned would be resumed from; never save one.
+        self._metrics.check_finite()
         step_nr = self.state.step_nr
-        self._checkpointer.save(
-            step_nr, trainer_state=self.state_dict(), score=self._validator.score_at(step_nr)
-        )
+        with trace_range(CHECKPOINT, self._trace):
+            self.checkpointer.save(
+                step_nr, trainer_state=self.state_dict(), score=self._validator.score_at(step_nr)
+            )
 
     # ------------------------------------------------------------------ state
 

@@ -39,6 +39,27 @@ class LossScaler:
         self._growth_interval = growth_interval
         self._good_steps = 0
 
+    @staticmethod
+    def from_option(option: tuple[float, ...], *, enabled: bool) -> LossScaler:
+        """From the Trainer's ``fp16_loss_scale``: ``(initial, minimum[, growth_interval])``."""
+        if len(option) not in (2, 3):
+            raise ValueError(
+                "fp16_loss_scale must be (initial, minimum) or (initial, minimum, "
+                f"growth_interval), but is {option} instead."
+            )
+        growth_interval = int(option[2]) if len(option) == 3 else 2000
+        if growth_interval <= 0:
+            raise ValueError(
+                f"The growth interval of fp16_loss_scale must be greater than zero, but is "
+                f"{growth_interval} instead."
+            )
+        return LossScaler(
+            init_scale=option[0],
+            min_scale=option[1],
+            enabled=enabled,
+            growth_interval=growth_interval,
+        )
+
     @property
     def enabled(self) -> bool:
         return self._enabled

@@ -8,17 +8,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from typing import final
+from typing import TYPE_CHECKING, final
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeRemainingColumn,
-)
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import TaskID
 
 
 class ProgressDisplay:
@@ -46,6 +40,16 @@ class RichProgressDisplay(ProgressDisplay):
     """A progress bar with the step, ETA, and the loss, learning rate and gradient norm."""
 
     def __init__(self, console: Console | None = None) -> None:
+        # Imported here: only a terminal shows the bar, and rich takes a while to import.
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
+
         self._progress = Progress(
             TextColumn("[bold]train"),
             BarColumn(),

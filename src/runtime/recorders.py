@@ -14,12 +14,14 @@ import numbers
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, final
 
 from typing_extensions import override
 
 from checkpoint.durable import write_text_atomically
+from gangs import Gang
 
 
 class MetricRecorder(ABC):
@@ -209,36 +211,42 @@ def _format(value: Any) -> str:
     return str(value)
 
 
+@dataclass(frozen=True)
+class WandbOptions:
+    """The Trainer's ``wandb_*`` arguments; no ``project``, no W&B."""
+
+    project: str | None = None
+    run_name: str | None = None
+    output_dir: Path | None = None
+    config: Mapping[str, object] | None = None
+
+
 def make_recorder(
+    gang: Gang,
     *,
-    is_writer: bool,
-    logger: logging.Logger,
     metrics_dir: Path | None = None,
     tb_dir: Path | None = None,
-    wandb_project: str | None = None,
-    wandb_run_name: str | None = None,
-    wandb_dir: Path | None = None,
-    wandb_config: Mapping[str, object] | None = None,
+    wandb: WandbOptions = WandbOptions(),
 ) -> MetricRecorder:
-    """The recorders a Trainer writes to: on the writer rank, a log line and each one configured;
-    on the others, none."""
+    """The recorders a Trainer writes to: on rank 0 of ``gang``, a log line and each one
+    configured; on the others, none (the values they would write are synced already)."""
     recorders: list[MetricRecorder] = []
-    if is_writer:
-        recorders.append(LogMetricRecorder(logger))
+    if gang.rank == 0:
+        recorders.append(LogMetricRecorder(logging.getLogger("runtime.trainer")))
         if metrics_dir is not None:
             recorders.append(JsonlMetricRecorder(metrics_dir))
         if tb_dir is not None:
             recorders.append(TensorBoardRecorder(tb_dir))
-        if wandb_project is not None:
-            wandb_base = wandb_dir or metrics_dir or tb_dir
+        if wandb.project is not None:
+            wandb_base = wandb.output_dir or metrics_dir or tb_dir
             if wandb_base is None:
                 raise ValueError("wandb_project needs wandb_dir (or metrics_dir) for its files.")
             recorders.append(
                 WandbRecorder(
-                    project=wandb_project,
+                    project=wandb.project,
                     output_dir=wandb_base,
-                    run_name=wandb_run_name,
-                    config=wandb_config,
+                    run_name=wandb.run_name,
+                    config=wandb.config,
                 )
             )
     return CompositeMetricRecorder(recorders)

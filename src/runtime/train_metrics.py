@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import math
+import resource
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, final
 
 import torch
+from torch import Tensor
 
-from gangs import Gang, ReduceOperation
+from gangs import Gangs, ReduceOperation
+from runtime.arguments import check_positive
+from runtime.non_finite import NonFiniteGuard
 from runtime.train_state import check_state_keys
 from runtime.train_step import StepOutput
 from units import MetricBag
@@ -21,31 +26,79 @@ _WINDOW_KEYS = (
     "num_targets",
     "num_examples",
     "num_steps",
+    "num_skipped_steps",
 )
 
 
 @final
-class TrainMetrics:
-    """Sums the steps of a publish window on the device; :meth:`compute` reads them once.
+@dataclass(frozen=True)
+class Throughput:
+    """What model FLOPs utilization (``mfu``) needs; both or neither.
 
-    Only :meth:`compute` syncs with the device and communicates: one all-reduce of the loss sum
-    and target count over the DP gang, and the unit's metrics merged over it.
+    ``flops_per_target``: the FLOPs of forward and backward per target, about ``6 * N`` for a
+    dense transformer of ``N`` parameters (plus ``12 * layers * dim * seq_len`` for attention).
+    ``device_peak_flops``: the device's peak for the training dtype, from its data sheet (e.g.
+    312e12 for an A100 in bf16).
     """
 
-    def __init__(self, *, unit_metrics: MetricBag, dp_gang: Gang) -> None:
+    flops_per_target: float | None = None
+    device_peak_flops: float | None = None
+
+    def __post_init__(self) -> None:
+        check_positive("flops_per_target", self.flops_per_target)
+        check_positive("device_peak_flops", self.device_peak_flops)
+        if (self.flops_per_target is None) != (self.device_peak_flops is None):
+            raise ValueError(
+                "mfu needs both flops_per_target and device_peak_flops; give both or neither."
+            )
+
+    def mfu(self, targets_per_second_per_device: float) -> float | None:
+        if self.flops_per_target is None or self.device_peak_flops is None:
+            return None
+        return targets_per_second_per_device * self.flops_per_target / self.device_peak_flops
+
+
+@final
+class TrainMetrics:
+    """Keeps the steps of a publish window; :meth:`compute` reads them once.
+
+    A step only appends its loss and gradient norm tensors to lists: no device work, no sync.
+    :meth:`compute` sums them in step order (so a resumed window sums exactly as an uninterrupted
+    one), checks them for non-finite values, and makes the publish's collectives: an all-reduce
+    of the loss sum and target count over the DP gang, one of the non-finite check and peak memory
+    over the root gang, and the unit's metrics merged over the DP gang.
+    """
+
+    def __init__(
+        self,
+        *,
+        unit_metrics: MetricBag,
+        gangs: Gangs,
+        guard: NonFiniteGuard,
+        throughput: Throughput = Throughput(),
+    ) -> None:
         self._unit_metrics = unit_metrics
-        self._dp_gang = dp_gang
-        self._device = dp_gang.device
+        self._gangs = gangs
+        self._device = gangs.dp.device
+        self._guard = guard
+        self._throughput = throughput
         self.reset()
 
     def reset(self) -> None:
         """Start an empty window (the unit's persistent metrics carry on)."""
-        self._loss_sum = torch.zeros((), device=self._device, dtype=torch.float64)
-        self._grad_norm_sum = torch.zeros((), device=self._device, dtype=torch.float32)
+        self._carried_loss_sum = torch.zeros((), dtype=torch.float64)
+        self._carried_grad_norm_sum = torch.zeros((), dtype=torch.float32)
+        self._losses: list[Tensor] = []
+        self._loss_steps: list[int] = []
+        self._grad_norms: list[Tensor] = []
+        self._norm_steps: list[int] = []
+        # A skipped step's non-finite values were dealt with when it was skipped.
+        self._skipped_steps: set[int] = set()
         self._num_local_targets = 0
         self._num_targets = 0.0
         self._num_examples = 0.0
         self._num_steps = 0
+        self._num_skipped_steps = 0
         self._data_wait_time = 0.0
         self.restart_clock()
 
@@ -57,57 +110,110 @@ class TrainMetrics:
         """The steps in the window, not published yet."""
         return self._num_steps
 
-    def add_step(self, output: StepOutput) -> None:
-        self._loss_sum += output.loss_sum
-        self._grad_norm_sum += output.grad_norm.detach().to(self._device, torch.float32)
+    def add_step(self, step_nr: int, output: StepOutput) -> None:
+        self._losses.extend(output.losses)
+        self._loss_steps.extend([step_nr] * len(output.losses))
+        self._grad_norms.append(output.grad_norm)
+        self._norm_steps.append(step_nr)
+        if not output.applied:
+            self._skipped_steps.add(step_nr)
         self._num_local_targets += output.num_targets
         self._num_targets += output.total_targets
         self._num_examples += output.total_examples
         self._num_steps += 1
+        self._num_skipped_steps += not output.applied
 
     def add_data_wait(self, seconds: float) -> None:
         self._data_wait_time += seconds
 
+    def check_finite(self) -> None:
+        """Stop every rank if a loss or gradient norm of the window is not finite (every rank of
+        the root gang must call it)."""
+        skipped = self._skipped_steps
+        losses = [
+            (s, v) for s, v in zip(self._loss_steps, self._losses, strict=True) if s not in skipped
+        ]
+        norms = [
+            (s, v)
+            for s, v in zip(self._norm_steps, self._grad_norms, strict=True)
+            if s not in skipped
+        ]
+        self._guard.raise_if_non_finite(losses=losses, grad_norms=norms)
+
     def compute(self, extra_values: Mapping[str, Any]) -> dict[str, Any]:
         """The window's values, then ``extra_values``, then the unit's metrics over the DP gang;
-        the window starts anew after. Every rank of the DP gang must call it.
+        the window starts anew after. Every rank must call it.
         """
+        self.check_finite()
+        loss_sum, grad_norm_sum = self._sums()
         sums = torch.stack(
             [
-                self._loss_sum,
+                loss_sum.to(self._device),
                 torch.tensor(
                     float(self._num_local_targets), device=self._device, dtype=torch.float64
                 ),
             ]
         )
-        self._dp_gang.all_reduce(sums, ReduceOperation.SUM)
-        loss_sum, num_targets = sums.tolist()
+        self._gangs.dp.all_reduce(sums, ReduceOperation.SUM)
+        loss_total, num_targets = sums.tolist()
         elapsed = max(time.perf_counter() - self._start, 1e-9)
         steps = max(self._num_steps, 1)
+        per_device = self._num_targets / elapsed / self._gangs.root.size
         values: dict[str, Any] = {
-            "loss": loss_sum / num_targets if num_targets else math.nan,
-            "grad_norm": self._grad_norm_sum.item() / steps,
+            "loss": loss_total / num_targets if num_targets else math.nan,
+            "grad_norm": grad_norm_sum.item() / steps,
             "num_targets": self._num_targets,
             "targets_per_second": self._num_targets / elapsed,
+            "targets_per_second_per_device": per_device,
             "batch_size": self._num_examples / steps,
             "data_wait_time": self._data_wait_time,
             "num_steps": self._num_steps,
-            **extra_values,
+            "peak_memory_bytes": self._peak_memory_bytes(),
         }
-        values.update(self._unit_metrics.sync_and_compute(self._dp_gang))
+        if self._guard.skips:
+            values["num_skipped_steps"] = self._num_skipped_steps
+        mfu = self._throughput.mfu(per_device)
+        if mfu is not None:
+            values["mfu"] = mfu
+        values.update(extra_values)
+        values.update(self._unit_metrics.sync_and_compute(self._gangs.dp))
         self._unit_metrics.reset_non_persistent_metrics()
         self.reset()
         return values
 
+    def _sums(self) -> tuple[Tensor, Tensor]:
+        # Step by step, as the steps came: the sums do not depend on where a resume split them.
+        loss_sum = self._carried_loss_sum.to(self._device)
+        for loss in self._losses:
+            loss_sum = loss_sum + loss
+        grad_norm_sum = self._carried_grad_norm_sum.to(self._device)
+        for norm in self._grad_norms:
+            grad_norm_sum = grad_norm_sum + norm.detach().to(self._device, torch.float32)
+        return loss_sum, grad_norm_sum
+
+    def _peak_memory_bytes(self) -> int:
+        """The most any rank used since the last publish (CUDA) or since it started (CPU)."""
+        if self._device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self._device)
+            torch.cuda.reset_peak_memory_stats(self._device)
+        else:
+            # Linux reports the peak resident set in KiB; it cannot be reset.
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak_tensor = torch.tensor([peak], dtype=torch.int64)
+        self._gangs.root.all_reduce(peak_tensor, ReduceOperation.MAX)
+        return int(peak_tensor.item())
+
     def state_dict(self) -> dict[str, Any]:
+        loss_sum, grad_norm_sum = self._sums()
         return {
             "window": {
-                "loss_sum": self._loss_sum.cpu(),
-                "grad_norm_sum": self._grad_norm_sum.cpu(),
+                "loss_sum": loss_sum.cpu(),
+                "grad_norm_sum": grad_norm_sum.cpu(),
                 "num_local_targets": self._num_local_targets,
                 "num_targets": self._num_targets,
                 "num_examples": self._num_examples,
                 "num_steps": self._num_steps,
+                "num_skipped_steps": self._num_skipped_steps,
             },
             "unit_metrics": self._unit_metrics.state_dict(),
         }
@@ -116,10 +222,27 @@ class TrainMetrics:
         check_state_keys(state, {"window", "unit_metrics"}, what="train_metrics")
         window = state["window"]
         check_state_keys(window, _WINDOW_KEYS, what="train_metrics window")
-        self._loss_sum = window["loss_sum"].to(self._device)
-        self._grad_norm_sum = window["grad_norm_sum"].to(self._device)
+        self.reset()
+        self._carried_loss_sum = window["loss_sum"].to(torch.float64)
+        self._carried_grad_norm_sum = window["grad_norm_sum"].to(torch.float32)
         self._num_local_targets = int(window["num_local_targets"])
         self._num_targets = float(window["num_targets"])
         self._num_examples = float(window["num_examples"])
         self._num_steps = int(window["num_steps"])
+        self._num_skipped_steps = int(window["num_skipped_steps"])
         self._unit_metrics.load_state_dict(state["unit_metrics"])
+
+
+def describe_devices(gangs: Gangs) -> str:
+    """The device, the world layout and the memory used so far, for the log at start."""
+    device = gangs.root.device
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        memory = torch.cuda.memory_allocated(device)
+    else:
+        name = f"CPU ({torch.get_num_threads()} threads)"
+        memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return (
+        f"{name}, {gangs.root.size} processes (dp_size {gangs.dp.size} x tp_size {gangs.tp.size}), "
+        f"{memory / 2**20:.0f} MiB of memory in use on rank {gangs.root.rank}"
+    )

@@ -192,4 +192,5 @@ def _window_of_format_1(window: Mapping[str, Any]) -> dict[str, Any]:
         "num_targets": window["total_weight"],
         "num_examples": window["total_examples"],
         "num_steps": window["num_steps"],
+        "num_skipped_steps": 0,
     }

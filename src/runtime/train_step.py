@@ -7,18 +7,20 @@ import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, final
+from typing import Any, Final, Generic, TypeVar, final
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from gangs import Gangs, ReduceOperation
+from gangs import Gangs, PendingCollective, ReduceOperation
 from runtime.arguments import check_positive
 from runtime.errors import TrainerError
-from runtime.gradients import clip_gradient_norm, scale_gradients, skip_gradient_sync
+from runtime.gradients import Gradients, skip_gradient_sync
 from runtime.loss_scale import LossScaler
+from runtime.non_finite import NanPolicy, NonFiniteGuard
+from runtime.tracing import BACKWARD, FORWARD, GRADIENT_SYNC, OPTIMIZER_STEP, trace_range
 from runtime.train_state import check_state_keys
 from units import TrainUnit
 
@@ -32,8 +34,8 @@ BatchT = TypeVar("BatchT")
 class StepOutput:
     """What one step measured; tensors stay on the device, so reading them is left to publish."""
 
-    loss_sum: Tensor
-    """This rank's summed loss (float64)."""
+    losses: list[Tensor]
+    """This rank's summed loss of each micro-batch."""
     num_targets: int
     """This rank's targets (or micro-batches, for a unit that returns mean losses)."""
     total_targets: float
@@ -44,6 +46,27 @@ class StepOutput:
     """The gradient norm before clipping."""
     stop_requested: bool
     """Whether any rank asked to stop (a signal) before this step."""
+    applied: bool = True
+    """False when the step was skipped (fp16 overflow, or a non-finite value with
+    ``nan_policy="skip"``): the weights are as before it."""
+
+
+@final
+@dataclass(frozen=True)
+class Precision:
+    """The Trainer's ``dtype``, ``amp`` and ``fp16_loss_scale``: ``(initial, minimum)``, or
+    ``(initial, minimum, growth_interval)``; loss scaling is on with float16 only."""
+
+    dtype: torch.dtype = torch.float32
+    amp: bool = False
+    fp16_loss_scale: tuple[float, ...] = (128.0, 0.0001)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(
+                "dtype must be torch.float32, torch.bfloat16 or torch.float16, but is "
+                f"{self.dtype} instead."
+            )
 
 
 @final
@@ -61,112 +84,135 @@ class TrainStep(Generic[BatchT]):
         optimizer: Optimizer,
         gangs: Gangs,
         lr_scheduler: LRScheduler | None = None,
-        dtype: torch.dtype = torch.float32,
-        amp: bool = False,
-        fp16_loss_scale: tuple[float, float] = (128.0, 0.0001),
+        precision: Precision = Precision(),
         max_gradient_norm: float | None = None,
+        nan_policy: NanPolicy = "error",
+        max_consecutive_skipped_steps: int = 10,
+        trace: bool = False,
     ) -> None:
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(
-                f"dtype must be torch.float32, torch.bfloat16 or torch.float16, but is {dtype} instead."
-            )
         check_positive("max_gradient_norm", max_gradient_norm)
         self._unit = unit
         self._model = unit.model
         self._optimizer = optimizer
         self._lr_scheduler = lr_scheduler
         self._gangs = gangs
-        self._dtype = dtype
-        self._amp = amp
+        self._dtype = precision.dtype
+        self._amp = precision.amp
         self._max_gradient_norm = max_gradient_norm
-        self._loss_scaler = LossScaler(
-            init_scale=fp16_loss_scale[0],
-            min_scale=fp16_loss_scale[1],
-            enabled=dtype == torch.float16,
+        self._trace = trace
+        self._loss_scaler = LossScaler.from_option(
+            precision.fp16_loss_scale, enabled=precision.dtype == torch.float16
         )
+        self.guard = NonFiniteGuard(
+            policy=nan_policy,
+            max_consecutive_skipped_steps=max_consecutive_skipped_steps,
+            root_gang=gangs.root,
+            checks_grad_norm=not self._loss_scaler.enabled,
+        )
+        self._gradients = Gradients(self._model)
 
     def __call__(self, batches: list[BatchT], *, step_nr: int, stop_requested: bool) -> StepOutput:
         self._unit.set_step_nr(step_nr)
-        if self._loss_scaler.enabled:
+        may_skip = self._loss_scaler.enabled or self.guard.skips
+        if may_skip:
             self._unit.metric_bag.begin_updates()
 
-        loss_sum, num_targets, num_examples = self._forward_backward(batches, step_nr)
-
-        # One CPU all-reduce per step, the one the normalization needs: the DP-wide target count.
-        # A stop request rides along, so every rank stops at the same step at no extra cost.
-        # TP ranks of one DP rank see the same batch, so the root-wide sum counts each tp.size times.
-        totals = torch.tensor(
-            [float(num_targets), float(num_examples), float(stop_requested)], dtype=torch.float64
-        )
-        self._gangs.root.all_reduce(totals, ReduceOperation.SUM)
-        total_targets, total_examples = (totals[:2] / self._gangs.tp.size).tolist()
+        losses, num_targets, totals = self._forward_backward(batches, step_nr, stop_requested)
+        total_targets, total_examples, stop_votes, non_finite_votes = totals.wait()
         if total_targets == 0:
             raise TrainerError(
                 f"The batches of step {step_nr} have no targets on any data-parallel rank, so the "
                 "loss cannot be normalized. Check that the data yields non-empty targets."
             )
 
-        # DDP and FSDP average gradients over the DP gang; this turns the average of per-rank sums
-        # into the sum over all targets divided by their count.
-        scale = self._gangs.dp.size / (total_targets * self._loss_scaler.scale)
-        scale_gradients(self._model, scale)
-        grad_norm = clip_gradient_norm(self._model, self._max_gradient_norm)
-        self._update(grad_norm, step_nr)
+        with trace_range(GRADIENT_SYNC, self._trace):
+            # DDP and FSDP average gradients over the DP gang; this turns the average of
+            # per-rank sums into the sum over all targets divided by their count.
+            self._gradients.scale(self._gangs.dp.size / (total_targets * self._loss_scaler.scale))
+            grad_norm = self._gradients.clip(self._max_gradient_norm)
+
+        applied = True
+        if may_skip:
+            applied = self._loss_scaler.update(grad_norm, step_nr) and (
+                not self.guard.skips
+                or self.guard.allows_step(
+                    step_nr=step_nr,
+                    loss_finite_here=totals.loss_finite_here,
+                    losses_finite_everywhere=non_finite_votes == 0,
+                    grad_norm=grad_norm,
+                )
+            )
+        self._update(applied, may_skip)
         return StepOutput(
-            loss_sum=loss_sum,
+            losses=losses,
             num_targets=num_targets,
             total_targets=total_targets,
             total_examples=total_examples,
             grad_norm=grad_norm,
-            stop_requested=bool(totals[2] > 0),
+            stop_requested=stop_votes > 0,
+            applied=applied,
         )
 
-    def _forward_backward(self, batches: list[BatchT], step_nr: int) -> tuple[Tensor, int, int]:
-        """Backpropagate each micro-batch's summed loss; return the loss sum and the counts."""
-        loss_sum = torch.zeros((), device=self._gangs.dp.device, dtype=torch.float64)
+    def _forward_backward(
+        self, batches: list[BatchT], step_nr: int, stop_requested: bool
+    ) -> tuple[list[Tensor], int, _StepTotals]:
+        """Backpropagate each micro-batch's summed loss; return the losses, this rank's target
+        count, and the step's totals over the ranks, under way during the last backward."""
+        losses: list[Tensor] = []
         num_targets = 0
         num_examples = 0
         counted_targets: bool | None = None
         last = len(batches) - 1
+        totals: _StepTotals | None = None
         for index, batch in enumerate(batches):
             # DP gradient reduction waits for the last micro-batch.
             with skip_gradient_sync(self._model, index < last):
-                with self.autocast():
-                    loss, batch_targets = self._unit(batch)
-                if counted_targets is None:
-                    counted_targets = batch_targets is not None
-                elif counted_targets != (batch_targets is not None):
-                    raise TrainerError(
-                        f"The unit returned a target count for some micro-batches of step {step_nr} "
-                        "and None for others. Return one or the other for every batch."
+                with trace_range(FORWARD, self._trace), self.autocast():
+                    loss, batch_targets = _check_unit_output(self._unit(batch), step_nr)
+                counted_targets = _check_target_count(batch_targets, counted_targets, step_nr)
+                losses.append(loss.detach())
+                num_targets += 1 if batch_targets is None else batch_targets
+                num_examples += _num_examples(batch)
+                if index == last:
+                    # Everything the totals need is known now: their all-reduce overlaps the
+                    # last backward (and DDP's gradient reduction within it).
+                    totals = _StepTotals.start(
+                        self._gangs,
+                        num_targets,
+                        num_examples,
+                        stop_requested,
+                        losses,
+                        self.guard.skips,
                     )
-                if batch_targets is not None and batch_targets < 0:
-                    raise TrainerError(
-                        f"The unit returned {batch_targets} targets at step {step_nr}; a count must "
-                        "be zero or more."
-                    )
-                torch.autograd.backward(loss * self._loss_scaler.scale)
-            loss_sum += loss.detach()
-            num_targets += 1 if batch_targets is None else batch_targets
-            num_examples += _num_examples(batch)
-        return loss_sum, num_targets, num_examples
+                with trace_range(BACKWARD, self._trace):
+                    scale = self._loss_scaler.scale
+                    torch.autograd.backward(loss if scale == 1.0 else loss * scale)
+        assert totals is not None
+        return losses, num_targets, totals
 
-    def _update(self, grad_norm: Tensor, step_nr: int) -> None:
-        if self._loss_scaler.update(grad_norm, step_nr):
-            self._optimizer.step()
-            if self._loss_scaler.enabled:
-                self._unit.metric_bag.commit_updates()
-        else:
-            self._unit.metric_bag.rollback_updates()
-        self._optimizer.zero_grad(set_to_none=True)
-        if self._lr_scheduler is not None:
-            self._lr_scheduler.step()
+    def _update(self, applied: bool, may_skip: bool) -> None:
+        with trace_range(OPTIMIZER_STEP, self._trace):
+            if applied:
+                self._optimizer.step()
+            if may_skip:
+                if applied:
+                    self._unit.metric_bag.commit_updates()
+                else:
+                    self._unit.metric_bag.rollback_updates()
+            self._optimizer.zero_grad(set_to_none=True)
+            if self._lr_scheduler is not None:
+                self._lr_scheduler.step()
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The unit's forward context: autocast to ``dtype`` with ``amp``, nothing otherwise."""
         if not self._amp or self._dtype == torch.float32:
-            return contextlib.nullcontext()
+            return _NO_AUTOCAST
         return torch.autocast(device_type=self._gangs.dp.device.type, dtype=self._dtype)
+
+    @property
+    def traces(self) -> bool:
+        """Whether the step marks its ranges for a profiler."""
+        return self._trace
 
     @property
     def learning_rate(self) -> float:
@@ -203,6 +249,120 @@ class TrainStep(Generic[BatchT]):
             )
         else:
             self._lr_scheduler.load_state_dict(scheduler_state)
+
+
+_NO_AUTOCAST: Final = contextlib.nullcontext()
+
+
+@final
+class _StepTotals:
+    """The step's target and example counts, stop requests and non-finite losses over all ranks.
+
+    One all-reduce on CPU, the one the normalization needs; a stop request rides along, so every
+    rank stops at the same step at no extra cost. TP ranks of one DP rank see the same batch, so
+    the root-wide sums count each of them tp.size times.
+    """
+
+    def __init__(
+        self,
+        gangs: Gangs,
+        values: list[float],
+        *,
+        loss_finite_here: bool,
+    ) -> None:
+        self.loss_finite_here = loss_finite_here
+        self._values = values
+        self._tp_size = gangs.tp.size
+        self._tensor: Tensor | None = None
+        self._pending: PendingCollective | None = None
+        if gangs.root.size > 1:
+            self._tensor = torch.tensor(values, dtype=torch.float64)
+            self._pending = gangs.root.all_reduce_async(self._tensor, ReduceOperation.SUM)
+
+    @staticmethod
+    def start(
+        gangs: Gangs,
+        num_targets: int,
+        num_examples: int,
+        stop_requested: bool,
+        losses: list[Tensor],
+        check_losses: bool,
+    ) -> _StepTotals:
+        # With nan_policy="skip" every rank must know whether any rank's loss was finite: a
+        # CPU-GPU sync point, which that policy pays every step.
+        loss_finite = not check_losses or bool(torch.isfinite(torch.stack(losses)).all())
+        values = [
+            float(num_targets),
+            float(num_examples),
+            float(stop_requested),
+            float(not loss_finite),
+        ]
+        return _StepTotals(gangs, values, loss_finite_here=loss_finite)
+
+    def wait(self) -> tuple[float, float, float, float]:
+        """Targets and examples of the DP gang, stop votes and non-finite-loss votes."""
+        if self._pending is not None and self._tensor is not None:
+            self._pending.wait()
+            self._values = self._tensor.tolist()
+            self._pending = None
+        targets, examples, stops, non_finite = self._values
+        return targets / self._tp_size, examples / self._tp_size, stops, non_finite
+
+
+def _check_unit_output(output: object, step_nr: int) -> tuple[Tensor, int | None]:
+    """The unit's ``(loss, num_targets)``, or an error that names the step and the fix."""
+    fix = (
+        "A TrainUnit returns (loss, num_targets): the loss summed over the batch's targets as a "
+        "0-dim tensor that depends on the model, and their count as an int (None if the loss "
+        "is a mean)."
+    )
+    if not isinstance(output, tuple) or len(output) != 2:
+        raise TrainerError(f"The unit returned {_describe(output)} at step {step_nr}. {fix}")
+    loss, num_targets = output
+    if not isinstance(loss, Tensor):
+        raise TrainerError(
+            f"The unit returned a loss of {_describe(loss)} at step {step_nr}. {fix}"
+        )
+    if loss.dim() != 0:
+        raise TrainerError(
+            f"The unit returned a loss of shape {tuple(loss.shape)} at step {step_nr}; it must be "
+            f"a 0-dim tensor: sum it (reduction='sum'). {fix}"
+        )
+    if not loss.requires_grad:
+        raise TrainerError(
+            f"The unit returned a loss without grad at step {step_nr}: it does not depend on the "
+            "model's parameters (computed under torch.no_grad() or inference_mode, or detached, "
+            "or the model's parameters do not require grad)."
+        )
+    if num_targets is not None and (
+        not isinstance(num_targets, int) or isinstance(num_targets, bool)
+    ):
+        raise TrainerError(
+            f"The unit returned a target count of {_describe(num_targets)} at step {step_nr}; it "
+            "must be an int (for a tensor, .numel() of the targets, or int(mask.sum()))."
+        )
+    return loss, num_targets
+
+
+def _describe(value: object) -> str:
+    text = repr(value)
+    return f"{text[:60]}{'...' if len(text) > 60 else ''} ({type(value).__name__})"
+
+
+def _check_target_count(batch_targets: object, counted_targets: bool | None, step_nr: int) -> bool:
+    """Whether the unit counts targets; an error if it changed its mind or counted below zero."""
+    counts = batch_targets is not None
+    if counted_targets is not None and counted_targets != counts:
+        raise TrainerError(
+            f"The unit returned a target count for some micro-batches of step {step_nr} "
+            "and None for others. Return one or the other for every batch."
+        )
+    if isinstance(batch_targets, int) and batch_targets < 0:
+        raise TrainerError(
+            f"The unit returned {batch_targets} targets at step {step_nr}; a count must "
+            "be zero or more."
+        )
+    return counts
 
 
 def _num_examples(batch: object) -> int:

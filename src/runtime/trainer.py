@@ -24,15 +24,17 @@ from runtime.callbacks import CallbackList, TrainerCallback
 from runtime.checkpointer import Checkpointer
 from runtime.data import DataReader
 from runtime.early_stop import EarlyStopper
-from runtime.loop import Limits, Schedules, TrainLoop
+from runtime.garbage_collection import GarbageCollection
+from runtime.loop import Limits, Observers, Schedules, TrainLoop
+from runtime.non_finite import NanPolicy
 from runtime.profiler import TorchProfiler
 from runtime.progress import make_progress_display
-from runtime.recorders import make_recorder
+from runtime.recorders import WandbOptions, make_recorder
 from runtime.schedule import Schedule, check_every_checkpoint_is_scored
-from runtime.signals import PREEMPTED_EXIT_CODE, StopSignals
-from runtime.train_metrics import TrainMetrics
+from runtime.signals import PREEMPTED_EXIT_CODE
+from runtime.train_metrics import Throughput, TrainMetrics
 from runtime.train_state import StopReason
-from runtime.train_step import TrainStep
+from runtime.train_step import Precision, TrainStep
 from runtime.validation import Validator
 from units import EvalUnit, TrainUnit
 
@@ -98,9 +100,13 @@ class Trainer(Generic[BatchT]):
         seed: int = 2,
         callbacks: Sequence[TrainerCallback] = (),
         progress: bool = True,
+        nan_policy: NanPolicy = "error",
+        max_consecutive_skipped_steps: int = 10,
+        gc_every_n_steps: int | None = None,
+        flops_per_target: float | None = None,
+        device_peak_flops: float | None = None,
     ) -> None:
         gangs = _resolve_gangs(gangs, root_gang, dp_gang, tp_gang)
-        self._limits = Limits(max_num_steps, max_num_data_epochs)
         schedules = _make_schedules(
             publish_metrics_every_n_steps=publish_metrics_every_n_steps,
             validate_every_n_steps=validate_every_n_steps,
@@ -126,45 +132,87 @@ class Trainer(Generic[BatchT]):
             optimizer=optimizer,
             gangs=gangs,
             lr_scheduler=lr_scheduler,
-            dtype=dtype,
-            amp=amp,
-            fp16_loss_scale=fp16_loss_scale,
+            precision=Precision(dtype, amp, fp16_loss_scale),
             max_gradient_norm=max_gradient_norm,
+            nan_policy=nan_policy,
+            max_consecutive_skipped_steps=max_consecutive_skipped_steps,
+            trace=profiler is not None,
         )
         self._unit = unit
+        self._train_step = train_step
         self._gangs = gangs
-        self._checkpoint_manager = checkpoint_manager
-        self._lower_better = lower_better
         self._anomaly_detection = anomaly_detection
-        self._profiler = profiler
-        self._stop_signals = StopSignals()
-        self._progress = make_progress_display(enabled=progress and gangs.root.rank == 0)
         self._callbacks = CallbackList(callbacks)
         self._recorder = make_recorder(
-            is_writer=gangs.root.rank == 0,
-            logger=log,
+            gangs.root,
             metrics_dir=metrics_dir,
             tb_dir=tb_dir,
-            wandb_project=wandb_project,
-            wandb_run_name=wandb_run_name,
-            wandb_dir=wandb_dir,
-            wandb_config=wandb_config,
+            wandb=WandbOptions(wandb_project, wandb_run_name, wandb_dir, wandb_config),
         )
         self._validator = self._make_validator(
-            valid_units, valid_data_readers, score_metric_name, early_stopper, train_step
+            valid_units, valid_data_readers, score_metric_name, lower_better, early_stopper
         )
-        checkpointer = self._make_checkpointer(
-            optimizer, retention, async_checkpoint, reshard_on_resume
+        self._loop = self._make_loop(
+            data_reader=data_reader,
+            train_step=train_step,
+            checkpointer=self._make_checkpointer(
+                checkpoint_manager, optimizer, retention, async_checkpoint, reshard_on_resume
+            ),
+            schedules=schedules,
+            limits=Limits(max_num_steps, max_num_data_epochs),
+            throughput=Throughput(flops_per_target, device_peak_flops),
+            progress=progress,
+            profiler=profiler,
+            seed=seed,
+            gc_every_n_steps=gc_every_n_steps,
         )
-        self._loop = self._make_loop(data_reader, train_step, checkpointer, schedules, seed)
+
+    def _make_loop(
+        self,
+        *,
+        data_reader: DataReader[BatchT],
+        train_step: TrainStep[BatchT],
+        checkpointer: Checkpointer,
+        schedules: Schedules,
+        limits: Limits,
+        throughput: Throughput,
+        progress: bool,
+        profiler: TorchProfiler | None,
+        seed: int,
+        gc_every_n_steps: int | None,
+    ) -> TrainLoop[BatchT]:
+        gangs = self._gangs
+        return TrainLoop(
+            data_reader=data_reader,
+            train_step=train_step,
+            metrics=TrainMetrics(
+                unit_metrics=self._unit.metric_bag,
+                gangs=gangs,
+                guard=train_step.guard,
+                throughput=throughput,
+            ),
+            validator=self._validator,
+            checkpointer=checkpointer,
+            schedules=schedules,
+            limits=limits,
+            observers=Observers(
+                callbacks=self._callbacks,
+                recorder=self._recorder,
+                progress=make_progress_display(enabled=progress and gangs.root.rank == 0),
+                profiler=profiler,
+            ),
+            gangs=gangs,
+            seed=seed,
+            garbage_collection=GarbageCollection(gc_every_n_steps),
+        )
 
     def _make_validator(
         self,
         valid_units: Sequence[EvalUnit[Any]] | None,
         valid_data_readers: Sequence[DataReader[Any]] | None,
         score_metric_name: str | None,
+        lower_better: bool,
         early_stopper: EarlyStopper | None,
-        train_step: TrainStep[BatchT],
     ) -> Validator:
         return Validator(
             units=list(valid_units or []),
@@ -172,53 +220,30 @@ class Trainer(Generic[BatchT]):
             model=self._unit.model,
             gangs=self._gangs,
             recorder=self._recorder,
-            autocast=train_step.autocast,
+            autocast=self._train_step.autocast,
             score_metric_name=score_metric_name,
-            lower_better=self._lower_better,
+            lower_better=lower_better,
             early_stopper=early_stopper,
             callbacks=self._callbacks,
+            trace=self._train_step.traces,
         )
 
     def _make_checkpointer(
         self,
+        checkpoint_manager: CheckpointManager,
         optimizer: Optimizer,
         retention: RetentionPolicy,
         async_checkpoint: bool,
         reshard_on_resume: bool,
     ) -> Checkpointer:
         return Checkpointer(
-            manager=self._checkpoint_manager,
+            manager=checkpoint_manager,
             retention=retention,
             model=self._unit.model,
             optimizer=optimizer,
             async_checkpoint=async_checkpoint,
             reshard_on_resume=reshard_on_resume,
             callbacks=self._callbacks,
-        )
-
-    def _make_loop(
-        self,
-        data_reader: DataReader[BatchT],
-        train_step: TrainStep[BatchT],
-        checkpointer: Checkpointer,
-        schedules: Schedules,
-        seed: int,
-    ) -> TrainLoop[BatchT]:
-        return TrainLoop(
-            data_reader=data_reader,
-            train_step=train_step,
-            metrics=TrainMetrics(unit_metrics=self._unit.metric_bag, dp_gang=self._gangs.dp),
-            validator=self._validator,
-            checkpointer=checkpointer,
-            schedules=schedules,
-            limits=self._limits,
-            gangs=self._gangs,
-            seed=seed,
-            callbacks=self._callbacks,
-            recorder=self._recorder,
-            progress=self._progress,
-            stop_signals=self._stop_signals,
-            profiler=self._profiler,
         )
 
     @property
@@ -232,7 +257,7 @@ class Trainer(Generic[BatchT]):
     @property
     def stop_requested(self) -> bool:
         """Whether a SIGTERM or SIGUSR1 arrived; the next step boundary stops every rank."""
-        return self._stop_signals.requested
+        return self._loop.stop_signals.requested
 
     def run(self) -> int:
         """Train until a stop condition; return the process exit status (0 when finished).
@@ -242,10 +267,10 @@ class Trainer(Generic[BatchT]):
         """
         with contextlib.ExitStack() as stack:
             stack.callback(self._recorder.close)
-            stack.callback(self._progress.close)
+            stack.callback(self._loop.observers.progress.close)
             if self._anomaly_detection:
                 stack.enter_context(torch.autograd.detect_anomaly())
-            stack.enter_context(self._stop_signals)
+            stack.enter_context(self._loop.stop_signals)
 
             self._loop.resume()
             state = self._loop.state
@@ -253,9 +278,11 @@ class Trainer(Generic[BatchT]):
                 log.info("The run finished at step %d already; nothing to do.", state.step_nr)
                 return 0
 
-            if self._profiler is not None:
-                stack.enter_context(self._profiler)
-            self._progress.start(total_steps=self._limits.max_num_steps, initial_step=state.step_nr)
+            if self._loop.observers.profiler is not None:
+                stack.enter_context(self._loop.observers.profiler)
+            self._loop.observers.progress.start(
+                total_steps=self._loop.limits.max_num_steps, initial_step=state.step_nr
+            )
             self._unit.model.train()
             self._loop.run()
             # An asynchronous save of the last step commits here; after a crash it never does.
@@ -276,7 +303,7 @@ class Trainer(Generic[BatchT]):
         evaluator = self._validator.evaluator(run_prefix="eval")
         try:
             return evaluator.evaluate_checkpoint(
-                self._checkpoint_manager, which, lower_better=self._lower_better
+                self._loop.checkpointer.manager, which, lower_better=self._validator.lower_better
             )
         finally:
             self._recorder.close()

@@ -18,6 +18,7 @@ from runtime.early_stop import EarlyStopper, Stateful
 from runtime.errors import TrainerError
 from runtime.evaluator import AutocastFactory, Evaluator, combine_scores
 from runtime.recorders import MetricRecorder
+from runtime.tracing import VALIDATION, trace_range
 from runtime.train_state import check_state_keys
 from units import EvalUnit
 
@@ -46,6 +47,7 @@ class Validator:
         lower_better: bool,
         early_stopper: EarlyStopper | None,
         callbacks: TrainerCallback,
+        trace: bool = False,
     ) -> None:
         check_same_length("valid_units", units, "valid_data_readers", data_readers)
         stopper_lower_better = getattr(early_stopper, "lower_better", None)
@@ -70,10 +72,15 @@ class Validator:
         self._lower_better = lower_better
         self._early_stopper = early_stopper
         self._callbacks = callbacks
+        self._trace = trace
         self.last_validated_step: int | None = None
         self._last_score: float | None = None
         self._best_score: float | None = None
         self._best_step_nr: int | None = None
+
+    @property
+    def lower_better(self) -> bool:
+        return self._lower_better
 
     @property
     def has_units(self) -> bool:
@@ -98,7 +105,8 @@ class Validator:
         """
         assert self._evaluator is not None
         self.last_validated_step = step_nr
-        results = self._evaluator.run(step_nr)
+        with trace_range(VALIDATION, self._trace):
+            results = self._evaluator.run(step_nr)
         for run, values in results.items():
             self._callbacks.on_metrics_published(run=run, step_nr=step_nr, values=values)
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any, final
+from typing import TYPE_CHECKING, Any, final
 
 import torch
 from torch import Tensor
-from torcheval.metrics import Metric
 
 from gangs import Gang
+
+if TYPE_CHECKING:
+    # torcheval takes a third of a second to import; a bag only calls its metrics' methods.
+    from torcheval.metrics import Metric
 
 
 @final

@@ -38,3 +38,35 @@ def test_bad_windows_are_clear_errors(tmp_path: Path, kwargs: dict[str, int], me
     arguments = {"num_skip_steps": 0, "num_record_steps": 1} | kwargs
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
         TorchProfiler(**arguments, profile_dir=tmp_path, gang=FakeGang())
+
+
+def test_the_trace_names_each_part_of_the_recorded_steps(tmp_path: Path) -> None:
+    from runtime import tracing
+
+    profiler = TorchProfiler(
+        num_skip_steps=1, num_record_steps=2, profile_dir=tmp_path / "profile", gang=FakeGang()
+    )
+    # Steps 3 and 4 are recorded; step 4 validates and checkpoints, steps 2 and 6 do too.
+    trainer = make_toy_trainer(
+        tmp_path,
+        max_num_steps=6,
+        num_accumulate=2,
+        profiler=profiler,
+        checkpoint_every_n_steps=2,
+    )
+    assert trainer.run() == 0
+
+    (trace_file,) = (tmp_path / "profile" / "rank_0").glob("*.pt.trace.json*")
+    names = [e.get("name") for e in json.loads(trace_file.read_text())["traceEvents"]]
+    per_micro_batch = {tracing.FORWARD: 4, tracing.BACKWARD: 4}
+    per_step = {tracing.DATA_WAIT: 2, tracing.GRADIENT_SYNC: 2, tracing.OPTIMIZER_STEP: 2}
+    for name, count in (per_micro_batch | per_step | {tracing.CHECKPOINT: 1}).items():
+        assert names.count(name) == count, name
+
+
+def test_ranges_cost_nothing_without_a_profiler() -> None:
+    from runtime import tracing
+
+    assert tracing.trace_range(tracing.FORWARD, False) is tracing.trace_range(
+        tracing.BACKWARD, False
+    )

@@ -20,7 +20,13 @@ from torcheval.metrics import Mean
 
 from checkpoint import CheckpointManager
 from gangs import setup_gangs
-from runtime import MapDataReader, Trainer, apply_data_parallel, apply_tensor_parallel
+from runtime import (
+    MapDataReader,
+    Trainer,
+    TrainerCallback,
+    apply_data_parallel,
+    apply_tensor_parallel,
+)
 from units import TrainUnit
 
 NUM_TARGETS = 4
@@ -96,6 +102,65 @@ class ToyUnit(TrainUnit[ToyBatch]):
         return loss, batch.num_targets
 
 
+class PoisonedToyUnit(ToyUnit):
+    """A ToyUnit whose loss is multiplied by ``poison`` (NaN or infinity) at some steps on one
+    rank, as a bad batch or an fp16 overflow would make it."""
+
+    def __init__(
+        self, model: nn.Module, *, poison: float, steps: list[int], rank: int, my_rank: int
+    ) -> None:
+        super().__init__(model, mean_loss=False, zero_targets=False)
+        self._poison = poison if rank == my_rank else 1.0
+        self._steps = steps
+        self._step_nr = 0
+
+    def set_step_nr(self, step_nr: int) -> None:
+        self._step_nr = step_nr
+
+    def __call__(self, batch: ToyBatch) -> tuple[Tensor, int | None]:
+        loss, num_targets = super().__call__(batch)
+        if self._step_nr in self._steps:
+            loss = loss * self._poison
+        return loss, num_targets
+
+
+class ParamSnapshots(TrainerCallback):
+    """Rank 0 keeps the full parameters after every step in ``OUTPUT_DIR/snapshots.pt``."""
+
+    def __init__(self, model: nn.Module, rank: int, output_dir: Path) -> None:
+        self._model = model
+        self._rank = rank
+        self._file = output_dir / "snapshots.pt"
+        self._by_step: dict[int, dict[str, Tensor]] = {}
+
+    def on_step_end(self, *, step_nr: int) -> None:
+        state = get_model_state_dict(
+            self._model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self._rank == 0:
+            self._by_step[step_nr] = {
+                k.removeprefix("module."): v.detach().clone() for k, v in state.items()
+            }
+            torch.save(self._by_step, self._file)
+
+
+def make_unit(model: nn.Module, options: dict[str, Any], rank: int) -> ToyUnit:
+    poison = options.get("poison")
+    if poison is None:
+        return ToyUnit(
+            model,
+            mean_loss=options.get("mean_loss", False),
+            zero_targets=options.get("zero_targets", False),
+        )
+    return PoisonedToyUnit(
+        model,
+        poison=float(poison),
+        steps=options["poison_steps"],
+        rank=options.get("poison_rank", 0),
+        my_rank=rank,
+    )
+
+
 def main(output_dir: Path, options: dict[str, Any]) -> None:
     gangs = setup_gangs(tp_size=options.get("tp_size", 1))
     torch.manual_seed(0)
@@ -113,12 +178,11 @@ def main(output_dir: Path, options: dict[str, Any]) -> None:
         num_accumulate=options.get("num_accumulate", 1),
         seed=3,
     )
+    callbacks = []
+    if options.get("snapshots"):
+        callbacks.append(ParamSnapshots(model, gangs.root.rank, output_dir))
     trainer = Trainer(
-        unit=ToyUnit(
-            model,
-            mean_loss=options.get("mean_loss", False),
-            zero_targets=options.get("zero_targets", False),
-        ),
+        unit=make_unit(model, options, gangs.root.rank),
         data_reader=reader,
         optimizer=optimizer,
         checkpoint_manager=CheckpointManager(output_dir / "checkpoints", gangs),
@@ -129,6 +193,11 @@ def main(output_dir: Path, options: dict[str, Any]) -> None:
         publish_metrics_every_n_steps=options.get("publish_every", 2),
         metrics_dir=output_dir / "metrics",
         checkpoint_every_n_steps=options.get("checkpoint_every"),
+        dtype=getattr(torch, options.get("dtype", "float32")),
+        fp16_loss_scale=tuple(options.get("fp16_loss_scale", (128.0, 0.0001))),
+        nan_policy=options.get("nan_policy", "error"),
+        max_consecutive_skipped_steps=options.get("max_consecutive_skipped_steps", 10),
+        callbacks=callbacks,
         progress=False,
     )
     trainer.run()
