@@ -87,13 +87,14 @@ def clip_gradient_norm(model: Module, max_norm: float | None) -> Tensor:
 def _clip(groups: list[list[Tensor]], max_norm: float | None) -> Tensor:
     if not groups:
         return torch.zeros(())
-    squares = []
+    norms = []
     for group in groups:
         norm = torch.nn.utils.get_total_norm(group)
         if _is_dtensor(norm):
             norm = norm.full_tensor()
-        squares.append(norm.float() ** 2)
-    total_norm = torch.stack(squares).sum().sqrt()
+        norms.append(norm.float())
+    # With one group, sqrt(norm ** 2) is norm exactly (binary floating point), so skip the ops.
+    total_norm = norms[0] if len(norms) == 1 else torch.stack([n**2 for n in norms]).sum().sqrt()
     if max_norm is not None:
         clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         for group in groups:
