@@ -24,11 +24,13 @@ resumed run can write ``step_N`` again.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import shutil
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, final
@@ -39,8 +41,9 @@ from torch.optim import Optimizer
 
 from checkpoint import catalog, directory
 from checkpoint.catalog import CheckpointChoice
-from checkpoint.durable import fsync_dir, torch_save_durably
+from checkpoint.durable import fsync_dir
 from checkpoint.errors import CheckpointError, CheckpointLayoutError, CheckpointNotFoundError
+from checkpoint.integrity import FileDigest, save_hashed
 from checkpoint.layout import WorldLayout, needs_reshard
 from checkpoint.manifest import (
     make_manifest,
@@ -50,6 +53,7 @@ from checkpoint.manifest import (
     write_manifest,
 )
 from checkpoint.retention import CheckpointInfo, RetentionPolicy, plan_retention
+from checkpoint.shared import check_shared_directory
 from checkpoint.storage import (
     DcpStorage,
     get_model_state,
@@ -57,7 +61,7 @@ from checkpoint.storage import (
     set_model_state,
     set_state_dicts,
 )
-from gangs import Gangs, decide_on_rank_zero, run_on_all_ranks
+from gangs import Gangs, run_on_all_ranks
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +86,20 @@ class _PendingSave:
     tmp_dir: Path
     final_dir: Path
     score: float | None
-    uploads: list[Future[Any]] = field(default_factory=list)
+    digests: dict[str, FileDigest] = field(default_factory=dict)
+    """What this rank wrote, by path below the step directory."""
+    uploads: list[Future[dict[str, FileDigest]]] = field(default_factory=list)
+    """Background writes in flight, of the model and the optimizer."""
+
+    def add(self, subdir: str, digests: dict[str, FileDigest]) -> None:
+        self.digests.update({f"{subdir}/{name}": digest for name, digest in digests.items()})
+
+    def collect_uploads(self) -> None:
+        """Wait for the background writes and take their digests; raise if one failed."""
+        # Every write ends before a failure is reported, so the .tmp can then be removed.
+        wait(self.uploads)
+        for subdir, upload in zip(("model", "optimizer"), self.uploads, strict=True):
+            self.add(subdir, upload.result())
 
 
 @final
@@ -133,58 +150,88 @@ class CheckpointManager:
             (tmp_dir / "trainer").mkdir(parents=True)
         self._root.barrier()
 
-        model_state, optim_state = get_state_dicts(model, optimizer)
         pending = _PendingSave(step_nr, tmp_dir, final_dir, score)
-        if async_checkpoint:
+        with self._removing_on_failure(pending):
+            model_state, optim_state = get_state_dicts(model, optimizer)
+            if async_checkpoint:
+                self._on_all_ranks(
+                    "stage the model and optimizer",
+                    lambda: pending.uploads.extend(
+                        [
+                            self._storage.async_save(model_state, tmp_dir / "model", writer_nr=0),
+                            self._storage.async_save(
+                                optim_state, tmp_dir / "optimizer", writer_nr=1
+                            ),
+                        ]
+                    ),
+                )
+            else:
+                self._on_all_ranks(
+                    "save the model",
+                    lambda: pending.add(
+                        "model", self._storage.save(model_state, tmp_dir / "model")
+                    ),
+                )
+                self._on_all_ranks(
+                    "save the optimizer",
+                    lambda: pending.add(
+                        "optimizer", self._storage.save(optim_state, tmp_dir / "optimizer")
+                    ),
+                )
             self._on_all_ranks(
-                "stage the model and optimizer",
-                lambda: pending.uploads.extend(
-                    [
-                        self._storage.async_save(model_state, tmp_dir / "model", writer_nr=0),
-                        self._storage.async_save(optim_state, tmp_dir / "optimizer", writer_nr=1),
-                    ]
-                ),
+                "save the trainer state", lambda: self._save_trainer(pending, trainer_state)
             )
-        else:
-            self._on_all_ranks(
-                "save the model", lambda: self._storage.save(model_state, tmp_dir / "model")
-            )
-            self._on_all_ranks(
-                "save the optimizer",
-                lambda: self._storage.save(optim_state, tmp_dir / "optimizer"),
-            )
-        self._on_all_ranks(
-            "save the trainer state",
-            lambda: torch_save_durably(dict(trainer_state), tmp_dir / "trainer" / self._rank_file),
-        )
-        if async_checkpoint:
-            self._pending = pending
-            log.info("Checkpoint of step %d staged; writing it in the background.", step_nr)
-        else:
-            self._commit(pending)
+            if async_checkpoint:
+                self._pending = pending
+                log.info("Checkpoint of step %d staged; writing it in the background.", step_nr)
+            else:
+                self._commit(pending)
+
+    def _save_trainer(self, pending: _PendingSave, trainer_state: Mapping[str, Any]) -> None:
+        name = f"trainer/{self._rank_file}"
+        pending.digests[name] = save_hashed(dict(trainer_state), pending.tmp_dir / name)
+
+    @contextlib.contextmanager
+    def _removing_on_failure(self, pending: _PendingSave) -> Iterator[None]:
+        """On a failed save, delete its ``.tmp`` directory: with a full disk, that frees room."""
+        try:
+            yield
+        except CheckpointError as ex:
+            if self._root.rank == 0:
+                shutil.rmtree(pending.tmp_dir, ignore_errors=True)
+            raise CheckpointError(
+                f"The checkpoint of step {pending.step_nr} was not saved, and the earlier ones "
+                f"are kept: {ex}{_disk_full_hint(ex)}"
+            ) from ex
 
     def finish_pending_save(self) -> int | None:
         """Wait for the asynchronous save in flight, if any, and commit it; return its step.
 
-        Every rank must call it. If the write failed on any rank, the checkpoint stays an
-        invisible ``.tmp`` directory and this raises :class:`CheckpointError` on every rank.
+        Every rank must call it. If the write failed on any rank (a full disk, say), its ``.tmp``
+        directory is removed, the earlier checkpoints stay, and this raises
+        :class:`CheckpointError` on every rank.
         """
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        self._on_all_ranks(
-            f"write the checkpoint of step {pending.step_nr}",
-            lambda: [upload.result() for upload in pending.uploads],
-        )
-        self._commit(pending)
+        with self._removing_on_failure(pending):
+            self._on_all_ranks(
+                f"write the checkpoint of step {pending.step_nr}",
+                pending.collect_uploads,
+            )
+            self._commit(pending)
         return pending.step_nr
 
     def _commit(self, pending: _PendingSave) -> None:
+        # Each rank hashed what it wrote; rank 0 only gathers the digests, and reads nothing.
+        rank_digests: list[dict[str, FileDigest]] = self._root.all_gather_objects(pending.digests)
+
         def commit() -> None:
             if self._root.rank != 0:
                 return
+            files = {name: digest for digests in rank_digests for name, digest in digests.items()}
             manifest = make_manifest(
-                pending.tmp_dir,
+                files,
                 step_nr=pending.step_nr,
                 score=pending.score,
                 layout=WorldLayout.of(self._gangs).as_dict(),
@@ -323,22 +370,35 @@ class CheckpointManager:
         set_model_state(model, state)
 
     def verify(self, step_nr: int) -> dict[str, Any]:
-        """Check sizes and checksums of the checkpoint of ``step_nr``; return its manifest."""
+        """Check sizes and digests of the checkpoint of ``step_nr``; return its manifest.
+
+        Every rank must call it: each reads its share of the files once, and all agree on the
+        verdict (CheckpointError on every rank if any share is damaged).
+        """
         path = directory.step_dir(self._dir, step_nr)
-        if not (path / directory.MANIFEST_NAME).is_file():
-            raise CheckpointNotFoundError(
-                f"There is no committed checkpoint of step {step_nr} in {self._dir}."
-            )
-        manifest = read_manifest(path)
-        verify_files(path, manifest, step_nr)
-        return manifest
+
+        def verify_share() -> dict[str, Any]:
+            if not (path / directory.MANIFEST_NAME).is_file():
+                raise CheckpointNotFoundError(
+                    f"There is no committed checkpoint of step {step_nr} in {self._dir}."
+                )
+            manifest = read_manifest(path)
+            verify_files(path, manifest, step_nr, rank=self._root.rank, world_size=self._root.size)
+            return manifest
+
+        if self._root.size == 1:
+            return verify_share()  # the error as it is, without a rank prefix
+        return self._on_all_ranks(f"verify the checkpoint of step {step_nr}", verify_share)
 
     def _verified_manifest(self, step_nr: int) -> dict[str, Any]:
-        # Rank 0 reads every byte once; the others learn the verdict.
-        manifest: dict[str, Any] = decide_on_rank_zero(
-            self._root, lambda: self.verify(step_nr), on_failure=CheckpointError
-        )
-        return manifest
+        return self.verify(step_nr)
+
+    def check_shared_directory(self) -> None:
+        """Make sure every rank sees rank 0's checkpoint directory; every rank must call it.
+
+        Raises :class:`CheckpointDirectoryError` on every rank if not, before any training.
+        """
+        check_shared_directory(self._root, self._dir)
 
     # --------------------------------------------------------------- retention
 
@@ -382,3 +442,15 @@ class CheckpointManager:
     @property
     def _rank_file(self) -> str:
         return f"rank_{self._root.rank}.pt"
+
+
+def _disk_full_hint(error: BaseException) -> str:
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            return (
+                " The disk (or a file size or quota limit) is full: free space, then run again "
+                "to resume from the last checkpoint."
+            )
+        cause = cause.__cause__ or cause.__context__
+    return ""

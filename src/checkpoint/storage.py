@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, final
 
+from checkpoint.integrity import FileDigest
 from gangs import Gang
 
 if TYPE_CHECKING:
@@ -58,36 +59,59 @@ class DcpStorage:
         self._gang = gang
         self._async_groups: list[ProcessGroup] = []
 
-    def save(self, state: StateDict, path: Path) -> None:
+    def save(self, state: StateDict, path: Path) -> dict[str, FileDigest]:
+        """Write ``state`` to ``path``; return the digest of each file this rank wrote there."""
         from torch.distributed.checkpoint.state_dict_saver import save
 
-        self._run(save, state, path)
+        from checkpoint.dcp_files import hashing_writer
+
+        writer, digests = hashing_writer(path)
+        self._run(save, state, storage_writer=writer)
+        return digests
 
     def load(self, state: StateDict, path: Path) -> None:
         from torch.distributed.checkpoint.state_dict_loader import load
 
-        self._run(load, state, path)
+        from checkpoint.dcp_files import safe_reader
 
-    def async_save(self, state: StateDict, path: Path, *, writer_nr: int) -> Future[Any]:
-        """Stage ``state`` in CPU memory, then write it on a background thread; returns its future.
+        self._run(load, state, storage_reader=safe_reader(path))
 
-        Concurrent writes must differ in ``writer_nr``: each gets a process group of its own.
+    def async_save(
+        self, state: StateDict, path: Path, *, writer_nr: int
+    ) -> Future[dict[str, FileDigest]]:
+        """Stage ``state`` in CPU memory, then write it on a background thread.
+
+        The future gives the digest of each file this rank wrote. Concurrent writes must differ in
+        ``writer_nr``: each gets a process group of its own.
         """
         from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
 
+        from checkpoint.dcp_files import hashing_writer
+
+        writer, digests = hashing_writer(path)
         if self._gang.size == 1:
             # The warning comes from the writer thread, outside any catch_warnings block here.
             warnings.filterwarnings(
                 "ignore", message="torch.distributed is disabled", category=UserWarning
             )
-            result = async_save(state, checkpoint_id=path, no_dist=True)
+            result = async_save(state, storage_writer=writer, no_dist=True)
         else:
             group = self._async_group(writer_nr)
-            result = async_save(state, checkpoint_id=path, process_group=group)
+            result = async_save(state, storage_writer=writer, process_group=group)
         if isinstance(result, AsyncSaveResponse):
             result.staging_completion.result()
-            return result.upload_completion
-        return result
+            result = result.upload_completion
+        done: Future[dict[str, FileDigest]] = Future()
+
+        def pass_on(upload: Future[Any]) -> None:
+            error = upload.exception()
+            if error is None:
+                done.set_result(digests)
+            else:
+                done.set_exception(error)
+
+        result.add_done_callback(pass_on)
+        return done
 
     def _async_group(self, writer_nr: int) -> ProcessGroup:
         """A gloo group of the gang's ranks for the ``writer_nr``-th concurrent background write.
@@ -103,12 +127,12 @@ class DcpStorage:
             self._async_groups.append(dist.new_group(ranks, backend="gloo"))
         return self._async_groups[writer_nr]
 
-    def _run(self, operation: Callable[..., object], state: StateDict, path: Path) -> None:
+    def _run(self, operation: Callable[..., object], state: StateDict, **storage: Any) -> None:
         if self._gang.size == 1:
             with _single_process_dcp():
-                operation(state, checkpoint_id=path, no_dist=True)
+                operation(state, no_dist=True, **storage)
         else:
-            operation(state, checkpoint_id=path, process_group=self._gang.as_process_group())
+            operation(state, process_group=self._gang.as_process_group(), **storage)
 
 
 @contextlib.contextmanager
