@@ -73,13 +73,20 @@ class HashingStream(io.RawIOBase):
         self._hasher = new_hasher(ALGORITHM)
         self._size = 0
         self._on_close = on_close
+        self._failure: OSError | None = None
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        written = self._raw.write(view)
+        try:
+            written = self._raw.write(view)
+        except OSError as ex:
+            # torch.save's zip writer reports a failed write only as a bad position; close()
+            # raises the real cause (a full disk, say) instead.
+            self._failure = ex
+            raise
         if written != len(view):
             raise OSError(f"Short write: {written} of {len(view)} bytes.")
         self._hasher.update(view)
@@ -102,6 +109,8 @@ class HashingStream(io.RawIOBase):
             super().close()  # flushes
         finally:
             self._raw.close()
+        if self._failure is not None:
+            raise self._failure
         self._on_close(FileDigest(self._size, self._hasher.hexdigest()))
 
 

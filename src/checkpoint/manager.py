@@ -197,6 +197,7 @@ class CheckpointManager:
         try:
             yield
         except CheckpointError as ex:
+            wait(pending.uploads)  # no background write may recreate what is removed
             if self._root.rank == 0:
                 shutil.rmtree(pending.tmp_dir, ignore_errors=True)
             raise CheckpointError(
@@ -449,8 +450,8 @@ def _disk_full_hint(error: BaseException) -> str:
     while cause is not None:
         if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             return (
-                " The disk (or a file size or quota limit) is full: free space, then run again "
-                "to resume from the last checkpoint."
+                ". The disk (or a file size or quota limit) is full: free space, then run again "
+                "to resume from the last checkpoint"
             )
         cause = cause.__cause__ or cause.__context__
     return ""

@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, final
 
+from checkpoint.errors import CheckpointError
 from checkpoint.integrity import FileDigest
 from gangs import Gang
 
@@ -108,7 +109,7 @@ class DcpStorage:
             if error is None:
                 done.set_result(digests)
             else:
-                done.set_exception(error)
+                done.set_exception(_as_error(error))
 
         result.add_done_callback(pass_on)
         return done
@@ -128,11 +129,32 @@ class DcpStorage:
         return self._async_groups[writer_nr]
 
     def _run(self, operation: Callable[..., object], state: StateDict, **storage: Any) -> None:
-        if self._gang.size == 1:
-            with _single_process_dcp():
-                operation(state, no_dist=True, **storage)
-        else:
-            operation(state, process_group=self._gang.as_process_group(), **storage)
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            if self._gang.size == 1:
+                with _single_process_dcp():
+                    operation(state, no_dist=True, **storage)
+            else:
+                operation(state, process_group=self._gang.as_process_group(), **storage)
+        except CheckpointException as ex:
+            raise _as_error(ex)  # noqa: B904 - its __cause__ is the failure on the rank
+
+
+def _as_error(error: BaseException) -> BaseException:
+    """DCP's CheckpointException, which is no Exception, as a CheckpointError naming its cause.
+
+    Left as it is, it would escape the ``except Exception`` of the agreement helpers, and the
+    ranks that did not fail would wait for the failed one forever.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(error, CheckpointException):
+        return error
+    rank, (cause, _) = next(iter(error.failures.items()))
+    wrapped = CheckpointError(f"{type(cause).__name__} on rank {rank}: {cause}")
+    wrapped.__cause__ = cause
+    return wrapped
 
 
 @contextlib.contextmanager
