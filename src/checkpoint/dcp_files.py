@@ -120,3 +120,21 @@ def safe_reader(path: Path) -> FileSystemReader:
     ``torch.load(weights_only=True)``.
     """
     return _SafeReader(path)
+
+
+def load_whole(path: Path) -> dict[str, Any]:
+    """Every entry of the DCP checkpoint in ``path``, in one process, as a plain state dict.
+
+    ``dcp_to_torch_save`` without its plain ``pickle.load`` of the metadata.
+    """
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(
+        state,
+        storage_reader=safe_reader(path),
+        planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]
+        no_dist=True,
+    )
+    return state

@@ -24,14 +24,11 @@ resumed run can write ``step_N`` again.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, wait
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, final
 
@@ -43,7 +40,7 @@ from checkpoint import catalog, directory
 from checkpoint.catalog import CheckpointChoice
 from checkpoint.durable import fsync_dir
 from checkpoint.errors import CheckpointError, CheckpointLayoutError, CheckpointNotFoundError
-from checkpoint.integrity import FileDigest, save_hashed
+from checkpoint.integrity import FileDigest
 from checkpoint.layout import WorldLayout, needs_reshard
 from checkpoint.manifest import (
     make_manifest,
@@ -52,6 +49,7 @@ from checkpoint.manifest import (
     verify_files,
     write_manifest,
 )
+from checkpoint.pending import PendingSave, removing_on_failure
 from checkpoint.retention import CheckpointInfo, RetentionPolicy, plan_retention
 from checkpoint.shared import check_shared_directory
 from checkpoint.storage import (
@@ -78,31 +76,6 @@ class LoadedCheckpoint:
 
 
 @final
-@dataclass
-class _PendingSave:
-    """An asynchronous save whose files are still being written; committed by its manager."""
-
-    step_nr: int
-    tmp_dir: Path
-    final_dir: Path
-    score: float | None
-    digests: dict[str, FileDigest] = field(default_factory=dict)
-    """What this rank wrote, by path below the step directory."""
-    uploads: list[Future[dict[str, FileDigest]]] = field(default_factory=list)
-    """Background writes in flight, of the model and the optimizer."""
-
-    def add(self, subdir: str, digests: dict[str, FileDigest]) -> None:
-        self.digests.update({f"{subdir}/{name}": digest for name, digest in digests.items()})
-
-    def collect_uploads(self) -> None:
-        """Wait for the background writes and take their digests; raise if one failed."""
-        # Every write ends before a failure is reported, so the .tmp can then be removed.
-        wait(self.uploads)
-        for subdir, upload in zip(("model", "optimizer"), self.uploads, strict=True):
-            self.add(subdir, upload.result())
-
-
-@final
 class CheckpointManager:
     """Owns one checkpoint directory; every rank of ``gangs.root`` must make the same calls."""
 
@@ -111,7 +84,7 @@ class CheckpointManager:
         self._gangs = gangs
         self._root = gangs.root
         self._storage = DcpStorage(gangs.root)
-        self._pending: _PendingSave | None = None
+        self._pending: PendingSave | None = None
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -150,8 +123,8 @@ class CheckpointManager:
             (tmp_dir / "trainer").mkdir(parents=True)
         self._root.barrier()
 
-        pending = _PendingSave(step_nr, tmp_dir, final_dir, score)
-        with self._removing_on_failure(pending):
+        pending = PendingSave(step_nr, tmp_dir, final_dir, score)
+        with removing_on_failure(self._root, pending):
             model_state, optim_state = get_state_dicts(model, optimizer)
             if async_checkpoint:
                 self._on_all_ranks(
@@ -179,31 +152,14 @@ class CheckpointManager:
                     ),
                 )
             self._on_all_ranks(
-                "save the trainer state", lambda: self._save_trainer(pending, trainer_state)
+                "save the trainer state",
+                lambda: pending.save_trainer(trainer_state, rank=self._root.rank),
             )
             if async_checkpoint:
                 self._pending = pending
                 log.info("Checkpoint of step %d staged; writing it in the background.", step_nr)
             else:
                 self._commit(pending)
-
-    def _save_trainer(self, pending: _PendingSave, trainer_state: Mapping[str, Any]) -> None:
-        name = f"trainer/{self._rank_file}"
-        pending.digests[name] = save_hashed(dict(trainer_state), pending.tmp_dir / name)
-
-    @contextlib.contextmanager
-    def _removing_on_failure(self, pending: _PendingSave) -> Iterator[None]:
-        """On a failed save, delete its ``.tmp`` directory: with a full disk, that frees room."""
-        try:
-            yield
-        except CheckpointError as ex:
-            wait(pending.uploads)  # no background write may recreate what is removed
-            if self._root.rank == 0:
-                shutil.rmtree(pending.tmp_dir, ignore_errors=True)
-            raise CheckpointError(
-                f"The checkpoint of step {pending.step_nr} was not saved, and the earlier ones "
-                f"are kept: {ex}{_disk_full_hint(ex)}"
-            ) from ex
 
     def finish_pending_save(self) -> int | None:
         """Wait for the asynchronous save in flight, if any, and commit it; return its step.
@@ -215,7 +171,7 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        with self._removing_on_failure(pending):
+        with removing_on_failure(self._root, pending):
             self._on_all_ranks(
                 f"write the checkpoint of step {pending.step_nr}",
                 pending.collect_uploads,
@@ -223,7 +179,7 @@ class CheckpointManager:
             self._commit(pending)
         return pending.step_nr
 
-    def _commit(self, pending: _PendingSave) -> None:
+    def _commit(self, pending: PendingSave) -> None:
         # Each rank hashed what it wrote; rank 0 only gathers the digests, and reads nothing.
         rank_digests: list[dict[str, FileDigest]] = self._root.all_gather_objects(pending.digests)
 
@@ -330,7 +286,7 @@ class CheckpointManager:
         gets the trainer state of rank 0 (``resharded`` is set on the result).
         """
         path = directory.step_dir(self._dir, step_nr)
-        manifest = self._verified_manifest(step_nr)
+        manifest = self.verify(step_nr)
         if manifest["kind"] != "full":
             raise CheckpointError(
                 f"The checkpoint of step {step_nr} holds only the model (its optimizer and "
@@ -365,10 +321,18 @@ class CheckpointManager:
     def load_model(self, step_nr: int, *, model: Module) -> None:
         """Load only the model of the checkpoint of ``step_nr`` (full or model-only)."""
         path = directory.step_dir(self._dir, step_nr)
-        self._verified_manifest(step_nr)
+        self.verify(step_nr)
         state = get_model_state(model)
         self._on_all_ranks("load the model", lambda: self._storage.load(state, path / "model"))
         set_model_state(model, state)
+
+    def read_model_state(self, step_nr: int) -> dict[str, Any]:
+        """The verified model of the checkpoint of ``step_nr`` as a plain state dict (one process;
+        for export)."""
+        from checkpoint.dcp_files import load_whole
+
+        self.verify(step_nr)
+        return load_whole(directory.step_dir(self._dir, step_nr) / "model")
 
     def verify(self, step_nr: int) -> dict[str, Any]:
         """Check sizes and digests of the checkpoint of ``step_nr``; return its manifest.
@@ -390,9 +354,6 @@ class CheckpointManager:
         if self._root.size == 1:
             return verify_share()  # the error as it is, without a rank prefix
         return self._on_all_ranks(f"verify the checkpoint of step {step_nr}", verify_share)
-
-    def _verified_manifest(self, step_nr: int) -> dict[str, Any]:
-        return self.verify(step_nr)
 
     def check_shared_directory(self) -> None:
         """Make sure every rank sees rank 0's checkpoint directory; every rank must call it.
@@ -443,15 +404,3 @@ class CheckpointManager:
     @property
     def _rank_file(self) -> str:
         return f"rank_{self._root.rank}.pt"
-
-
-def _disk_full_hint(error: BaseException) -> str:
-    cause: BaseException | None = error
-    while cause is not None:
-        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-            return (
-                ". The disk (or a file size or quota limit) is full: free space, then run again "
-                "to resume from the last checkpoint"
-            )
-        cause = cause.__cause__ or cause.__context__
-    return ""
