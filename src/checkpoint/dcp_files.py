@@ -62,15 +62,50 @@ class _HashingFileSystem(FileSystem):
         return Path(path).relative_to(self._root).as_posix()
 
 
-def hashing_writer(path: Path) -> tuple[FileSystemWriter, dict[str, FileDigest]]:
+def hashing_writer(
+    path: Path, *, reuse: FileSystemWriter | None = None
+) -> tuple[FileSystemWriter, dict[str, FileDigest]]:
     """A DCP writer into ``path``, and the digests (by name below ``path``) of what it wrote.
 
-    The digests fill in as the files close; read them once the save has finished.
+    The digests fill in as the files close; read them once the save has finished. ``reuse``
+    points a writer of :func:`staging_writer` (and its staging buffers) at ``path``.
     """
     digests: dict[str, FileDigest] = {}
-    writer = FileSystemWriter(path)
+    writer = FileSystemWriter(path) if reuse is None else reuse
     writer.fs = _HashingFileSystem(Path(path), digests)
+    writer.path = Path(path)
     return writer, digests
+
+
+def staging_writer() -> FileSystemWriter:
+    """A writer for asynchronous saves that stages into the same CPU buffers every time.
+
+    Copying into buffers already faulted in is several times faster than into fresh memory
+    (0.08 s against 0.5 s for 600 MB here), and staging is what an asynchronous save blocks on.
+    The buffers stay allocated: one CPU copy of the state, for as long as the writer lives.
+    """
+    return _StagingWriter(".")
+
+
+@final
+class _StagingWriter(FileSystemWriter):
+    """Stages into one set of CPU buffers, reused by every save.
+
+    DCP's own ``cache_staged_state_dict`` pins its buffers, which fails without CUDA; these are
+    pinned only where CUDA is (not run here: with CUDA, the copy is a device-to-host transfer
+    into pinned memory, as DCP does it).
+    """
+
+    _buffers: dict[str, Any] | None = None
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        self.per_thread_copy_ahead = 0  # as FileSystemWriter.stage: the data is on the CPU now
+        if self._buffers is None:
+            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+        staged: dict[str, Any] = _copy_state_dict(state_dict, self._buffers)
+        return staged
 
 
 @final

@@ -20,7 +20,7 @@ import io
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Final, Protocol, cast, final
+from typing import Any, BinaryIO, Final, Protocol, final
 
 from checkpoint.errors import CheckpointError
 
@@ -114,15 +114,13 @@ class HashingStream(io.RawIOBase):
         self._on_close(FileDigest(self._size, self._hasher.hexdigest()))
 
 
-def save_hashed(obj: Any, file: Path) -> FileDigest:
-    """``torch.save`` ``obj`` to ``file``, fsynced, and return the digest of what was written."""
+def write_hashed(data: Any, file: Path) -> FileDigest:
+    """Write the bytes of ``data`` to ``file``, fsynced; return the digest of what was written."""
     import os
-
-    import torch
 
     digests: list[FileDigest] = []
     with HashingStream(file.open("wb"), on_close=digests.append) as stream:
-        torch.save(obj, cast(BinaryIO, stream))
+        stream.write(data)
         stream.flush()
         os.fsync(stream.fileno())
     return digests[0]

@@ -128,38 +128,42 @@ class CheckpointManager:
             model_state, optim_state = get_state_dicts(model, optimizer)
             if async_checkpoint:
                 self._on_all_ranks(
-                    "stage the model and optimizer",
-                    lambda: pending.uploads.extend(
-                        [
-                            self._storage.async_save(model_state, tmp_dir / "model", writer_nr=0),
-                            self._storage.async_save(
-                                optim_state, tmp_dir / "optimizer", writer_nr=1
-                            ),
-                        ]
-                    ),
+                    "stage the checkpoint",
+                    lambda: self._stage(pending, model_state, optim_state, trainer_state),
                 )
-            else:
-                self._on_all_ranks(
-                    "save the model",
-                    lambda: pending.add(
-                        "model", self._storage.save(model_state, tmp_dir / "model")
-                    ),
-                )
-                self._on_all_ranks(
-                    "save the optimizer",
-                    lambda: pending.add(
-                        "optimizer", self._storage.save(optim_state, tmp_dir / "optimizer")
-                    ),
-                )
+                self._pending = pending
+                log.info("Checkpoint of step %d staged; writing it in the background.", step_nr)
+                return
+            self._on_all_ranks(
+                "save the model",
+                lambda: pending.add("model", self._storage.save(model_state, tmp_dir / "model")),
+            )
+            self._on_all_ranks(
+                "save the optimizer",
+                lambda: pending.add(
+                    "optimizer", self._storage.save(optim_state, tmp_dir / "optimizer")
+                ),
+            )
             self._on_all_ranks(
                 "save the trainer state",
                 lambda: pending.save_trainer(trainer_state, rank=self._root.rank),
             )
-            if async_checkpoint:
-                self._pending = pending
-                log.info("Checkpoint of step %d staged; writing it in the background.", step_nr)
-            else:
-                self._commit(pending)
+            self._commit(pending)
+
+    def _stage(
+        self,
+        pending: PendingSave,
+        model_state: dict[str, Any],
+        optim_state: dict[str, Any],
+        trainer_state: Mapping[str, Any],
+    ) -> None:
+        """Copy the state to CPU memory and start writing it in the background, on this rank."""
+        for writer_nr, (subdir, state) in enumerate(
+            (("model", model_state), ("optimizer", optim_state))
+        ):
+            path = pending.tmp_dir / subdir
+            pending.start_upload(subdir, self._storage.async_save(state, path, writer_nr=writer_nr))
+        pending.save_trainer(trainer_state, rank=self._root.rank, background=True)
 
     def finish_pending_save(self) -> int | None:
         """Wait for the asynchronous save in flight, if any, and commit it; return its step.

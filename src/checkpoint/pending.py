@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import shutil
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, final
 
+import torch
+
 from checkpoint.errors import CheckpointError
-from checkpoint.integrity import FileDigest, save_hashed
+from checkpoint.integrity import FileDigest, write_hashed
 from gangs import Gang
 
 
@@ -28,20 +31,39 @@ class PendingSave:
     digests: dict[str, FileDigest] = field(default_factory=dict)
     """What this rank wrote, by path below the step directory."""
     uploads: list[Future[dict[str, FileDigest]]] = field(default_factory=list)
-    """Background writes in flight, of the model and the optimizer."""
+    """Background writes in flight, each giving the digests of the files it wrote."""
+    upload_dirs: list[str] = field(default_factory=list)
+    """The subdirectory each of ``uploads`` writes into."""
 
     def add(self, subdir: str, digests: dict[str, FileDigest]) -> None:
         self.digests.update({f"{subdir}/{name}": digest for name, digest in digests.items()})
 
-    def save_trainer(self, trainer_state: Mapping[str, Any], *, rank: int) -> None:
-        name = f"trainer/rank_{rank}.pt"
-        self.digests[name] = save_hashed(dict(trainer_state), self.tmp_dir / name)
+    def start_upload(self, subdir: str, upload: Future[dict[str, FileDigest]]) -> None:
+        self.uploads.append(upload)
+        self.upload_dirs.append(subdir)
+
+    def save_trainer(
+        self, trainer_state: Mapping[str, Any], *, rank: int, background: bool = False
+    ) -> None:
+        """Write ``trainer/rank_R.pt``; with ``background``, only its serialization waits."""
+        name = f"rank_{rank}.pt"
+        buffer = io.BytesIO()
+        torch.save(dict(trainer_state), buffer)  # the state as it is now, while the loop goes on
+        file = self.tmp_dir / "trainer" / name
+        if not background:
+            self.add("trainer", {name: write_hashed(buffer.getbuffer(), file)})
+            return
+        writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-trainer-state")
+        self.start_upload(
+            "trainer", writer.submit(lambda: {name: write_hashed(buffer.getbuffer(), file)})
+        )
+        writer.shutdown(wait=False)
 
     def collect_uploads(self) -> None:
         """Wait for the background writes and take their digests; raise if one failed."""
         # Every write ends before a failure is reported, so the .tmp can then be removed.
         wait(self.uploads)
-        for subdir, upload in zip(("model", "optimizer"), self.uploads, strict=True):
+        for subdir, upload in zip(self.upload_dirs, self.uploads, strict=True):
             self.add(subdir, upload.result())
 
 

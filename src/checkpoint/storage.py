@@ -19,6 +19,7 @@ from gangs import Gang
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.nn import Module
     from torch.optim import Optimizer
 
@@ -59,6 +60,7 @@ class DcpStorage:
     def __init__(self, gang: Gang) -> None:
         self._gang = gang
         self._async_groups: list[ProcessGroup] = []
+        self._staging: dict[int, tuple[FileSystemWriter, list[Any]]] = {}
 
     def save(self, state: StateDict, path: Path) -> dict[str, FileDigest]:
         """Write ``state`` to ``path``; return the digest of each file this rank wrote there."""
@@ -89,7 +91,7 @@ class DcpStorage:
 
         from checkpoint.dcp_files import hashing_writer
 
-        writer, digests = hashing_writer(path)
+        writer, digests = hashing_writer(path, reuse=self._staging_writer(writer_nr, state))
         if self._gang.size == 1:
             # The warning comes from the writer thread, outside any catch_warnings block here.
             warnings.filterwarnings(
@@ -113,6 +115,21 @@ class DcpStorage:
 
         result.add_done_callback(pass_on)
         return done
+
+    def _staging_writer(self, writer_nr: int, state: StateDict) -> FileSystemWriter:
+        """The ``writer_nr``-th writer of asynchronous saves, whose staging buffers fit ``state``.
+
+        The caller must have waited for that writer's previous save: its buffers are reused.
+        """
+        from checkpoint.dcp_files import staging_writer
+
+        layout = _layout_of(state)
+        cached = self._staging.get(writer_nr)
+        if cached is None or cached[1] != layout:
+            # A new layout (an optimizer that gained its state, say) needs buffers of its own.
+            cached = (staging_writer(), layout)
+            self._staging[writer_nr] = cached
+        return cached[0]
 
     def _async_group(self, writer_nr: int) -> ProcessGroup:
         """A gloo group of the gang's ranks for the ``writer_nr``-th concurrent background write.
@@ -139,6 +156,25 @@ class DcpStorage:
                 operation(state, process_group=self._gang.as_process_group(), **storage)
         except CheckpointException as ex:
             raise _as_error(ex)  # noqa: B904 - its __cause__ is the failure on the rank
+
+
+def _layout_of(state: Any) -> list[Any]:
+    """Keys, shapes and dtypes of a (nested) state dict: what its staging buffers must match."""
+    import torch
+
+    layout: list[Any] = []
+    pending: list[tuple[str, Any]] = [("", state)]
+    while pending:
+        key, value = pending.pop()
+        if isinstance(value, dict):
+            pending.extend((f"{key}/{k}", v) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            pending.extend((f"{key}/{i}", v) for i, v in enumerate(value))
+        elif isinstance(value, torch.Tensor):
+            layout.append((key, tuple(value.shape), value.dtype, value.device))
+        else:
+            layout.append((key, type(value).__name__))
+    return layout
 
 
 def _as_error(error: BaseException) -> BaseException:
