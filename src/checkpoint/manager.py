@@ -6,10 +6,11 @@ A checkpoint of step N lives in ``step_N/``::
       model/          torch.distributed.checkpoint of the model (any DDP/FSDP2/TP layout)
       optimizer/      the same for the optimizer (absent in a model-only checkpoint)
       trainer/rank_R.pt   per-rank trainer state (step, data position, RNG, scheduler, ...)
-      manifest.json   written last: files, sizes, checksums, step, score, world layout, versions
+      manifest.json   written last: files, sizes, digests, step, score, world layout, versions
 
-Every rank writes into ``step_N.tmp/``; once all ranks have finished, rank 0 writes the manifest
-and renames the directory to ``step_N`` in one atomic step. A directory without a manifest, or
+Every rank writes into ``step_N.tmp/`` and hashes its files as it writes them; once all ranks
+have finished, rank 0 gathers the digests, writes the manifest and renames the directory to
+``step_N`` in one atomic step: a commit reads nothing back. A directory without a manifest, or
 with a ``.tmp`` suffix, is never loaded and is removed when the next run starts.
 
 With ``async_checkpoint=True`` the model and optimizer are staged (copied to CPU memory) while the
@@ -17,7 +18,8 @@ caller waits, then written by background threads over process groups of their ow
 happens in :meth:`CheckpointManager.finish_pending_save`, once every rank's write is durable.
 Until then the checkpoint is only a ``.tmp`` directory, so a crash loses it but never exposes it.
 
-A committed checkpoint that fails verification when the run resumes is skipped in favour of the
+Verification is shared: each rank reads its part of the files once (split by size), and all agree
+on the verdict. A committed checkpoint that fails verification when the run resumes is skipped in favour of the
 one before it and renamed to ``step_N.damaged`` (kept for inspection, never loaded), so that the
 resumed run can write ``step_N`` again.
 """

@@ -27,12 +27,10 @@ def check_shared_directory(gang: Gang, checkpoint_dir: Path) -> None:
         return
     probe: list[object] = [None]
     if gang.rank == 0:
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        token = secrets.token_hex(16)
-        file = checkpoint_dir / f"{_PROBE_PREFIX}{token}"
-        file.write_text(token)
-        probe[0] = (str(checkpoint_dir.resolve()), file.name, token)
+        probe[0] = _write_probe(checkpoint_dir)
     gang.broadcast_objects(probe)
+    if isinstance(probe[0], str):  # rank 0 could not write; no rank may wait for it
+        raise CheckpointDirectoryError(probe[0])
     resolved, name, token = cast(tuple[str, str, str], probe[0])
     problems = gang.all_gather_objects(_problem(checkpoint_dir, resolved, name, token))
     if gang.rank == 0:
@@ -57,3 +55,15 @@ def _problem(checkpoint_dir: Path, resolved: str, name: str, token: str) -> str 
     except OSError:
         pass
     return f"does not see the file {name} that rank 0 wrote there"
+
+
+def _write_probe(checkpoint_dir: Path) -> tuple[str, str, str] | str:
+    """Rank 0's probe (resolved directory, file name, token), or why it cannot write one."""
+    token = secrets.token_hex(16)
+    file = checkpoint_dir / f"{_PROBE_PREFIX}{token}"
+    try:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        file.write_text(token)
+    except OSError as ex:
+        return f"Rank 0 cannot write into the checkpoint directory {checkpoint_dir}: {ex}"
+    return (str(checkpoint_dir.resolve()), file.name, token)
