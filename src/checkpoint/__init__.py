@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from checkpoint.catalog import CheckpointChoice
-from checkpoint.errors import CheckpointError, CheckpointLayoutError, CheckpointNotFoundError
+from checkpoint.errors import (
+    CheckpointDirectoryError,
+    CheckpointError,
+    CheckpointLayoutError,
+    CheckpointNotFoundError,
+)
 from checkpoint.layout import WorldLayout
 from checkpoint.manager import CheckpointManager, LoadedCheckpoint
 from checkpoint.retention import (
@@ -17,6 +22,7 @@ from checkpoint.retention import (
 
 __all__ = [
     "CheckpointChoice",
+    "CheckpointDirectoryError",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointLayoutError",

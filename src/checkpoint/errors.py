@@ -13,3 +13,7 @@ class CheckpointNotFoundError(CheckpointError):
 
 class CheckpointLayoutError(CheckpointError):
     """An intact checkpoint was saved by another world layout (world, DP or TP size)."""
+
+
+class CheckpointDirectoryError(CheckpointError):
+    """The ranks do not share one checkpoint directory (no shared filesystem)."""

@@ -6,10 +6,11 @@ A checkpoint of step N lives in ``step_N/``::
       model/          torch.distributed.checkpoint of the model (any DDP/FSDP2/TP layout)
       optimizer/      the same for the optimizer (absent in a model-only checkpoint)
       trainer/rank_R.pt   per-rank trainer state (step, data position, RNG, scheduler, ...)
-      manifest.json   written last: files, sizes, checksums, step, score, world layout, versions
+      manifest.json   written last: files, sizes, digests, step, score, world layout, versions
 
-Every rank writes into ``step_N.tmp/``; once all ranks have finished, rank 0 writes the manifest
-and renames the directory to ``step_N`` in one atomic step. A directory without a manifest, or
+Every rank writes into ``step_N.tmp/`` and hashes its files as it writes them; once all ranks
+have finished, rank 0 gathers the digests, writes the manifest and renames the directory to
+``step_N`` in one atomic step: a commit reads nothing back. A directory without a manifest, or
 with a ``.tmp`` suffix, is never loaded and is removed when the next run starts.
 
 With ``async_checkpoint=True`` the model and optimizer are staged (copied to CPU memory) while the
@@ -17,7 +18,8 @@ caller waits, then written by background threads over process groups of their ow
 happens in :meth:`CheckpointManager.finish_pending_save`, once every rank's write is durable.
 Until then the checkpoint is only a ``.tmp`` directory, so a crash loses it but never exposes it.
 
-A committed checkpoint that fails verification when the run resumes is skipped in favour of the
+Verification is shared: each rank reads its part of the files once (split by size), and all agree
+on the verdict. A committed checkpoint that fails verification when the run resumes is skipped in favour of the
 one before it and renamed to ``step_N.damaged`` (kept for inspection, never loaded), so that the
 resumed run can write ``step_N`` again.
 """
@@ -28,8 +30,7 @@ import logging
 import os
 import shutil
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, final
 
@@ -39,8 +40,9 @@ from torch.optim import Optimizer
 
 from checkpoint import catalog, directory
 from checkpoint.catalog import CheckpointChoice
-from checkpoint.durable import fsync_dir, torch_save_durably
+from checkpoint.durable import fsync_dir
 from checkpoint.errors import CheckpointError, CheckpointLayoutError, CheckpointNotFoundError
+from checkpoint.integrity import FileDigest
 from checkpoint.layout import WorldLayout, needs_reshard
 from checkpoint.manifest import (
     make_manifest,
@@ -49,7 +51,9 @@ from checkpoint.manifest import (
     verify_files,
     write_manifest,
 )
+from checkpoint.pending import PendingSave, removing_on_failure
 from checkpoint.retention import CheckpointInfo, RetentionPolicy, plan_retention
+from checkpoint.shared import check_shared_directory
 from checkpoint.storage import (
     DcpStorage,
     get_model_state,
@@ -57,7 +61,7 @@ from checkpoint.storage import (
     set_model_state,
     set_state_dicts,
 )
-from gangs import Gangs, decide_on_rank_zero, run_on_all_ranks
+from gangs import Gangs, run_on_all_ranks
 
 log = logging.getLogger(__name__)
 
@@ -74,18 +78,6 @@ class LoadedCheckpoint:
 
 
 @final
-@dataclass
-class _PendingSave:
-    """An asynchronous save whose files are still being written; committed by its manager."""
-
-    step_nr: int
-    tmp_dir: Path
-    final_dir: Path
-    score: float | None
-    uploads: list[Future[Any]] = field(default_factory=list)
-
-
-@final
 class CheckpointManager:
     """Owns one checkpoint directory; every rank of ``gangs.root`` must make the same calls."""
 
@@ -94,7 +86,7 @@ class CheckpointManager:
         self._gangs = gangs
         self._root = gangs.root
         self._storage = DcpStorage(gangs.root)
-        self._pending: _PendingSave | None = None
+        self._pending: PendingSave | None = None
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -133,58 +125,76 @@ class CheckpointManager:
             (tmp_dir / "trainer").mkdir(parents=True)
         self._root.barrier()
 
-        model_state, optim_state = get_state_dicts(model, optimizer)
-        pending = _PendingSave(step_nr, tmp_dir, final_dir, score)
-        if async_checkpoint:
+        pending = PendingSave(step_nr, tmp_dir, final_dir, score)
+        with removing_on_failure(self._root, pending):
+            model_state, optim_state = get_state_dicts(model, optimizer)
+            if async_checkpoint:
+                self._on_all_ranks(
+                    "stage the checkpoint",
+                    lambda: self._stage(pending, model_state, optim_state, trainer_state),
+                )
+                self._pending = pending
+                log.info("Checkpoint of step %d staged; writing it in the background.", step_nr)
+                return
             self._on_all_ranks(
-                "stage the model and optimizer",
-                lambda: pending.uploads.extend(
-                    [
-                        self._storage.async_save(model_state, tmp_dir / "model", writer_nr=0),
-                        self._storage.async_save(optim_state, tmp_dir / "optimizer", writer_nr=1),
-                    ]
-                ),
-            )
-        else:
-            self._on_all_ranks(
-                "save the model", lambda: self._storage.save(model_state, tmp_dir / "model")
+                "save the model",
+                lambda: pending.add("model", self._storage.save(model_state, tmp_dir / "model")),
             )
             self._on_all_ranks(
                 "save the optimizer",
-                lambda: self._storage.save(optim_state, tmp_dir / "optimizer"),
+                lambda: pending.add(
+                    "optimizer", self._storage.save(optim_state, tmp_dir / "optimizer")
+                ),
             )
-        self._on_all_ranks(
-            "save the trainer state",
-            lambda: torch_save_durably(dict(trainer_state), tmp_dir / "trainer" / self._rank_file),
-        )
-        if async_checkpoint:
-            self._pending = pending
-            log.info("Checkpoint of step %d staged; writing it in the background.", step_nr)
-        else:
+            self._on_all_ranks(
+                "save the trainer state",
+                lambda: pending.save_trainer(trainer_state, rank=self._root.rank),
+            )
             self._commit(pending)
+
+    def _stage(
+        self,
+        pending: PendingSave,
+        model_state: dict[str, Any],
+        optim_state: dict[str, Any],
+        trainer_state: Mapping[str, Any],
+    ) -> None:
+        """Copy the state to CPU memory and start writing it in the background, on this rank."""
+        for writer_nr, (subdir, state) in enumerate(
+            (("model", model_state), ("optimizer", optim_state))
+        ):
+            path = pending.tmp_dir / subdir
+            pending.start_upload(subdir, self._storage.async_save(state, path, writer_nr=writer_nr))
+        pending.save_trainer(trainer_state, rank=self._root.rank, background=True)
 
     def finish_pending_save(self) -> int | None:
         """Wait for the asynchronous save in flight, if any, and commit it; return its step.
 
-        Every rank must call it. If the write failed on any rank, the checkpoint stays an
-        invisible ``.tmp`` directory and this raises :class:`CheckpointError` on every rank.
+        Every rank must call it. If the write failed on any rank (a full disk, say), its ``.tmp``
+        directory is removed, the earlier checkpoints stay, and this raises
+        :class:`CheckpointError` on every rank.
         """
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        self._on_all_ranks(
-            f"write the checkpoint of step {pending.step_nr}",
-            lambda: [upload.result() for upload in pending.uploads],
-        )
-        self._commit(pending)
+        with removing_on_failure(self._root, pending):
+            self._on_all_ranks(
+                f"write the checkpoint of step {pending.step_nr}",
+                pending.collect_uploads,
+            )
+            self._commit(pending)
         return pending.step_nr
 
-    def _commit(self, pending: _PendingSave) -> None:
+    def _commit(self, pending: PendingSave) -> None:
+        # Each rank hashed what it wrote; rank 0 only gathers the digests, and reads nothing.
+        rank_digests: list[dict[str, FileDigest]] = self._root.all_gather_objects(pending.digests)
+
         def commit() -> None:
             if self._root.rank != 0:
                 return
+            files = {name: digest for digests in rank_digests for name, digest in digests.items()}
             manifest = make_manifest(
-                pending.tmp_dir,
+                files,
                 step_nr=pending.step_nr,
                 score=pending.score,
                 layout=WorldLayout.of(self._gangs).as_dict(),
@@ -282,7 +292,7 @@ class CheckpointManager:
         gets the trainer state of rank 0 (``resharded`` is set on the result).
         """
         path = directory.step_dir(self._dir, step_nr)
-        manifest = self._verified_manifest(step_nr)
+        manifest = self.verify(step_nr)
         if manifest["kind"] != "full":
             raise CheckpointError(
                 f"The checkpoint of step {step_nr} holds only the model (its optimizer and "
@@ -317,28 +327,46 @@ class CheckpointManager:
     def load_model(self, step_nr: int, *, model: Module) -> None:
         """Load only the model of the checkpoint of ``step_nr`` (full or model-only)."""
         path = directory.step_dir(self._dir, step_nr)
-        self._verified_manifest(step_nr)
+        self.verify(step_nr)
         state = get_model_state(model)
         self._on_all_ranks("load the model", lambda: self._storage.load(state, path / "model"))
         set_model_state(model, state)
 
-    def verify(self, step_nr: int) -> dict[str, Any]:
-        """Check sizes and checksums of the checkpoint of ``step_nr``; return its manifest."""
-        path = directory.step_dir(self._dir, step_nr)
-        if not (path / directory.MANIFEST_NAME).is_file():
-            raise CheckpointNotFoundError(
-                f"There is no committed checkpoint of step {step_nr} in {self._dir}."
-            )
-        manifest = read_manifest(path)
-        verify_files(path, manifest, step_nr)
-        return manifest
+    def read_model_state(self, step_nr: int) -> dict[str, Any]:
+        """The verified model of the checkpoint of ``step_nr`` as a plain state dict (one process;
+        for export)."""
+        from checkpoint.dcp_files import load_whole
 
-    def _verified_manifest(self, step_nr: int) -> dict[str, Any]:
-        # Rank 0 reads every byte once; the others learn the verdict.
-        manifest: dict[str, Any] = decide_on_rank_zero(
-            self._root, lambda: self.verify(step_nr), on_failure=CheckpointError
-        )
-        return manifest
+        self.verify(step_nr)
+        return load_whole(directory.step_dir(self._dir, step_nr) / "model")
+
+    def verify(self, step_nr: int) -> dict[str, Any]:
+        """Check sizes and digests of the checkpoint of ``step_nr``; return its manifest.
+
+        Every rank must call it: each reads its share of the files once, and all agree on the
+        verdict (CheckpointError on every rank if any share is damaged).
+        """
+        path = directory.step_dir(self._dir, step_nr)
+
+        def verify_share() -> dict[str, Any]:
+            if not (path / directory.MANIFEST_NAME).is_file():
+                raise CheckpointNotFoundError(
+                    f"There is no committed checkpoint of step {step_nr} in {self._dir}."
+                )
+            manifest = read_manifest(path)
+            verify_files(path, manifest, step_nr, rank=self._root.rank, world_size=self._root.size)
+            return manifest
+
+        if self._root.size == 1:
+            return verify_share()  # the error as it is, without a rank prefix
+        return self._on_all_ranks(f"verify the checkpoint of step {step_nr}", verify_share)
+
+    def check_shared_directory(self) -> None:
+        """Make sure every rank sees rank 0's checkpoint directory; every rank must call it.
+
+        Raises :class:`CheckpointDirectoryError` on every rank if not, before any training.
+        """
+        check_shared_directory(self._root, self._dir)
 
     # --------------------------------------------------------------- retention
 

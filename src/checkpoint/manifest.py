@@ -1,16 +1,17 @@
-"""The manifest of a checkpoint: what it holds, and the checksums that prove it is intact.
+"""The manifest of a checkpoint: what it holds, and the digests that prove it is intact.
 
 ``manifest.json`` is written last, by rank 0, into the directory before its rename: a directory
 with a manifest is committed. It records the step, the score, the kind (``full``, or ``model``
 once retention pruned the optimizer and trainer state), the world layout, and the size and
-sha256 of every file.
+digest of every file. Format 2 names its digest ``algorithm`` (xxh3-128) and stores each file's
+as ``digest``; format 1 stored sha256 sums as ``sha256``, and still verifies.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -19,31 +20,38 @@ import torch
 from checkpoint.directory import MANIFEST_NAME
 from checkpoint.durable import write_json_durably
 from checkpoint.errors import CheckpointError
+from checkpoint.integrity import ALGORITHM, FileDigest, share_of, verify_file
 
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 2
 
 
 def make_manifest(
-    step_dir: Path, *, step_nr: int, score: float | None, layout: dict[str, int]
+    files: Mapping[str, FileDigest],
+    *,
+    step_nr: int,
+    score: float | None,
+    layout: dict[str, int],
 ) -> dict[str, Any]:
+    """The manifest of a checkpoint whose ranks wrote ``files`` (by path below its directory)."""
     return {
         "format_version": FORMAT_VERSION,
+        "algorithm": ALGORITHM,
         "step_nr": step_nr,
         "score": score,
         "kind": "full",
         **layout,
         "torch_version": torch.__version__,
         "created_at": time.time(),
-        "files": checksum_files(step_dir),
+        "files": {name: files[name].as_entry() for name in sorted(files)},
     }
 
 
 def read_manifest(step_dir: Path) -> dict[str, Any]:
     try:
         manifest = json.loads((step_dir / MANIFEST_NAME).read_text())
-    except (OSError, json.JSONDecodeError) as ex:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as ex:
         raise CheckpointError(f"The manifest of {step_dir} cannot be read: {ex}") from ex
-    if not isinstance(manifest, dict) or "files" not in manifest:
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"The manifest of {step_dir} is not a checkpoint manifest.")
     return manifest
 
@@ -58,37 +66,41 @@ def prune_manifest_to_model(manifest: dict[str, Any]) -> dict[str, Any]:
     return {**manifest, "kind": "model", "files": files}
 
 
-def checksum_files(root: Path) -> dict[str, dict[str, Any]]:
-    """Size and sha256 of every file below ``root``, by path relative to it."""
-    return {
-        file.relative_to(root).as_posix(): {"size": file.stat().st_size, "sha256": sha256_of(file)}
-        for file in sorted(p for p in root.rglob("*") if p.is_file())
-    }
+def verify_files(
+    step_dir: Path, manifest: dict[str, Any], step_nr: int, *, rank: int = 0, world_size: int = 1
+) -> int:
+    """Raise CheckpointError unless ``rank``'s share of the files of ``manifest`` is intact.
 
-
-def verify_files(step_dir: Path, manifest: dict[str, Any], step_nr: int) -> None:
-    """Raise CheckpointError unless every file of ``manifest`` is there with its size and sum."""
-    for name, entry in manifest["files"].items():
+    The files are split by size between ``world_size`` ranks (all of them for one), and each is
+    read once. Returns the number of bytes this rank checked.
+    """
+    algorithm, digest_key = _digest_scheme(manifest, step_dir)
+    try:
+        sizes = {name: int(entry["size"]) for name, entry in manifest["files"].items()}
+        digests = {name: str(entry[digest_key]) for name, entry in manifest["files"].items()}
+    except (KeyError, TypeError, ValueError) as ex:
+        raise CheckpointError(
+            f"The manifest of {step_dir} has a malformed file entry: {ex}"
+        ) from ex
+    checked = 0
+    for name in share_of(sizes, rank=rank, world_size=world_size):
         file = step_dir / name
+        if not file.resolve().is_relative_to(step_dir.resolve()):
+            raise CheckpointError(f"The manifest of {step_dir} names a file outside it: {name}")
         if not file.is_file():
             raise CheckpointError(f"{file} is missing from the checkpoint of step {step_nr}.")
-        try:
-            size = file.stat().st_size
-            if size != entry["size"]:
-                raise CheckpointError(
-                    f"{file} has {size} bytes, but the manifest says {entry['size']}: it is "
-                    "truncated or altered."
-                )
-            digest = sha256_of(file)
-        except OSError as ex:
-            raise CheckpointError(f"{file} cannot be read: {ex}") from ex
-        if digest != entry["sha256"]:
-            raise CheckpointError(f"{file} does not match its checksum: it is damaged or altered.")
+        verify_file(file, size=sizes[name], digest=digests[name], algorithm=algorithm)
+        checked += sizes[name]
+    return checked
 
 
-def sha256_of(file: Path) -> str:
-    digest = hashlib.sha256()
-    with file.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
+def _digest_scheme(manifest: dict[str, Any], step_dir: Path) -> tuple[str, str]:
+    version = manifest.get("format_version")
+    if version == 1:
+        return "sha256", "sha256"
+    if version == FORMAT_VERSION:
+        return str(manifest.get("algorithm")), "digest"
+    raise CheckpointError(
+        f"The manifest of {step_dir} has format_version {version!r}, but this version of the "
+        f"project reads 1 and {FORMAT_VERSION}: upgrade it to load this checkpoint."
+    )

@@ -13,10 +13,13 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, final
 
+from checkpoint.errors import CheckpointError
+from checkpoint.integrity import FileDigest
 from gangs import Gang
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.nn import Module
     from torch.optim import Optimizer
 
@@ -57,37 +60,76 @@ class DcpStorage:
     def __init__(self, gang: Gang) -> None:
         self._gang = gang
         self._async_groups: list[ProcessGroup] = []
+        self._staging: dict[int, tuple[FileSystemWriter, list[Any]]] = {}
 
-    def save(self, state: StateDict, path: Path) -> None:
+    def save(self, state: StateDict, path: Path) -> dict[str, FileDigest]:
+        """Write ``state`` to ``path``; return the digest of each file this rank wrote there."""
         from torch.distributed.checkpoint.state_dict_saver import save
 
-        self._run(save, state, path)
+        from checkpoint.dcp_files import hashing_writer
+
+        writer, digests = hashing_writer(path)
+        self._run(save, state, storage_writer=writer)
+        return digests
 
     def load(self, state: StateDict, path: Path) -> None:
         from torch.distributed.checkpoint.state_dict_loader import load
 
-        self._run(load, state, path)
+        from checkpoint.dcp_files import safe_reader
 
-    def async_save(self, state: StateDict, path: Path, *, writer_nr: int) -> Future[Any]:
-        """Stage ``state`` in CPU memory, then write it on a background thread; returns its future.
+        self._run(load, state, storage_reader=safe_reader(path))
 
-        Concurrent writes must differ in ``writer_nr``: each gets a process group of its own.
+    def async_save(
+        self, state: StateDict, path: Path, *, writer_nr: int
+    ) -> Future[dict[str, FileDigest]]:
+        """Stage ``state`` in CPU memory, then write it on a background thread.
+
+        The future gives the digest of each file this rank wrote. Concurrent writes must differ in
+        ``writer_nr``: each gets a process group of its own.
         """
         from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
 
+        from checkpoint.dcp_files import hashing_writer
+
+        writer, digests = hashing_writer(path, reuse=self._staging_writer(writer_nr, state))
         if self._gang.size == 1:
             # The warning comes from the writer thread, outside any catch_warnings block here.
             warnings.filterwarnings(
                 "ignore", message="torch.distributed is disabled", category=UserWarning
             )
-            result = async_save(state, checkpoint_id=path, no_dist=True)
+            result = async_save(state, storage_writer=writer, no_dist=True)
         else:
             group = self._async_group(writer_nr)
-            result = async_save(state, checkpoint_id=path, process_group=group)
+            result = async_save(state, storage_writer=writer, process_group=group)
         if isinstance(result, AsyncSaveResponse):
             result.staging_completion.result()
-            return result.upload_completion
-        return result
+            result = result.upload_completion
+        done: Future[dict[str, FileDigest]] = Future()
+
+        def pass_on(upload: Future[Any]) -> None:
+            error = upload.exception()
+            if error is None:
+                done.set_result(digests)
+            else:
+                done.set_exception(_as_error(error))
+
+        result.add_done_callback(pass_on)
+        return done
+
+    def _staging_writer(self, writer_nr: int, state: StateDict) -> FileSystemWriter:
+        """The ``writer_nr``-th writer of asynchronous saves, whose staging buffers fit ``state``.
+
+        The caller must have waited for that writer's previous save: its buffers are reused.
+        """
+        from checkpoint.dcp_files import staging_writer
+
+        layout = _layout_of(state)
+        cached = self._staging.get(writer_nr)
+        if cached is None or cached[1] != layout:
+            # A new layout (an optimizer that gained its state, say) needs buffers of its own.
+            cached = (staging_writer(), layout)
+            self._staging[writer_nr] = cached
+        return cached[0]
 
     def _async_group(self, writer_nr: int) -> ProcessGroup:
         """A gloo group of the gang's ranks for the ``writer_nr``-th concurrent background write.
@@ -103,12 +145,52 @@ class DcpStorage:
             self._async_groups.append(dist.new_group(ranks, backend="gloo"))
         return self._async_groups[writer_nr]
 
-    def _run(self, operation: Callable[..., object], state: StateDict, path: Path) -> None:
-        if self._gang.size == 1:
-            with _single_process_dcp():
-                operation(state, checkpoint_id=path, no_dist=True)
+    def _run(self, operation: Callable[..., object], state: StateDict, **storage: Any) -> None:
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            if self._gang.size == 1:
+                with _single_process_dcp():
+                    operation(state, no_dist=True, **storage)
+            else:
+                operation(state, process_group=self._gang.as_process_group(), **storage)
+        except CheckpointException as ex:
+            raise _as_error(ex)  # noqa: B904 - its __cause__ is the failure on the rank
+
+
+def _layout_of(state: Any) -> list[Any]:
+    """Keys, shapes and dtypes of a (nested) state dict: what its staging buffers must match."""
+    import torch
+
+    layout: list[Any] = []
+    pending: list[tuple[str, Any]] = [("", state)]
+    while pending:
+        key, value = pending.pop()
+        if isinstance(value, dict):
+            pending.extend((f"{key}/{k}", v) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            pending.extend((f"{key}/{i}", v) for i, v in enumerate(value))
+        elif isinstance(value, torch.Tensor):
+            layout.append((key, tuple(value.shape), value.dtype, value.device))
         else:
-            operation(state, checkpoint_id=path, process_group=self._gang.as_process_group())
+            layout.append((key, type(value).__name__))
+    return layout
+
+
+def _as_error(error: BaseException) -> BaseException:
+    """DCP's CheckpointException, which is no Exception, as a CheckpointError naming its cause.
+
+    Left as it is, it would escape the ``except Exception`` of the agreement helpers, and the
+    ranks that did not fail would wait for the failed one forever.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(error, CheckpointException):
+        return error
+    rank, (cause, _) = next(iter(error.failures.items()))
+    wrapped = CheckpointError(f"{type(cause).__name__} on rank {rank}: {cause}")
+    wrapped.__cause__ = cause
+    return wrapped
 
 
 @contextlib.contextmanager

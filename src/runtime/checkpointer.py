@@ -70,7 +70,9 @@ class Checkpointer:
         )
 
     def load_last(self) -> LoadedCheckpoint | None:
-        """Remove leftovers of interrupted saves, then load the newest intact checkpoint."""
+        """Check that all ranks share the checkpoint directory, remove leftovers of interrupted
+        saves, then load the newest intact checkpoint."""
+        self._manager.check_shared_directory()
         self._manager.remove_leftovers()
         loaded = self._manager.load_last_checkpoint(
             model=self._model, optimizer=self._optimizer, reshard=self._reshard_on_resume

@@ -17,7 +17,12 @@ from typing import NoReturn, Protocol, TypeVar, final
 
 import torch.distributed as dist
 
-from checkpoint import CheckpointChoice, CheckpointError, CheckpointLayoutError
+from checkpoint import (
+    CheckpointChoice,
+    CheckpointDirectoryError,
+    CheckpointError,
+    CheckpointLayoutError,
+)
 from checkpoint.durable import write_text_atomically
 from gangs import GangError
 from runtime.config import ConfigError, dump_config, load_config
@@ -96,8 +101,8 @@ def main(
 
         try:
             code = runnable.run()
-        except CheckpointLayoutError as ex:
-            # Relaunching a run with another world layout is a launch mistake, not a crash.
+        except (CheckpointLayoutError, CheckpointDirectoryError) as ex:
+            # Another world layout, or ranks without a shared directory: a launch mistake.
             log.exception("The run cannot resume: %s", ex, extra=_FILE_ONLY)
             _fail(str(ex))
         except Exception:

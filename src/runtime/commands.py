@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from checkpoint import CheckpointChoice, CheckpointError, CheckpointManager
 from gangs import Gangs
@@ -51,10 +50,10 @@ def export_model(
     manager = CheckpointManager(output_dir / "checkpoints", Gangs.single())
     which: CheckpointChoice = step_nr if step_nr is not None else "best" if best else "last"
     step_nr = manager.select_checkpoint(which, lower_better=lower_better)
-    manager.verify(step_nr)
+    state = manager.read_model_state(step_nr)
     destination.parent.mkdir(parents=True, exist_ok=True)
     partial = destination.with_name(destination.name + ".partial")
-    dcp_to_torch_save(manager.checkpoint_dir / f"step_{step_nr}" / "model", partial)
+    torch.save(state, partial)
     # Checked before it replaces anything: the file must load with weights_only=True.
     torch.load(partial, weights_only=True)
     partial.replace(destination)

@@ -60,7 +60,8 @@ def test_manifest_describes_the_checkpoint(manager: CheckpointManager) -> None:
     assert manifest["world_size"] == 1 and manifest["tp_size"] == 1
     assert "trainer/rank_0.pt" in manifest["files"]
     assert any(name.startswith("model/") for name in manifest["files"])
-    assert all(len(entry["sha256"]) == 64 for entry in manifest["files"].values())
+    assert manifest["format_version"] == 2 and manifest["algorithm"] == "xxh3_128"
+    assert all(len(entry["digest"]) == 32 for entry in manifest["files"].values())
 
 
 def test_no_checkpoint_means_a_fresh_start(manager: CheckpointManager) -> None:

@@ -111,10 +111,11 @@ class _Faults(TrainerCallback):
             storage = manager._storage
             dcp_save = storage.save
 
-            def save_then_die(state: dict[str, Any], path: Path) -> None:
-                dcp_save(state, path)
+            def save_then_die(state: dict[str, Any], path: Path) -> Any:
+                digests = dcp_save(state, path)
                 if path == target / "model":
                     os.kill(os.getpid(), signal.SIGKILL)
+                return digests
 
             storage.save = save_then_die  # type: ignore[method-assign]
         else:
