@@ -21,6 +21,7 @@ from checkpoint import CheckpointChoice, CheckpointError, CheckpointLayoutError
 from checkpoint.durable import write_text_atomically
 from gangs import GangError
 from runtime.config import ConfigError, dump_config, load_config
+from runtime.init_weights import InitialWeightsError
 
 ConfigT = TypeVar("ConfigT")
 
@@ -96,8 +97,9 @@ def main(
 
         try:
             code = runnable.run()
-        except CheckpointLayoutError as ex:
-            # Relaunching a run with another world layout is a launch mistake, not a crash.
+        except (CheckpointLayoutError, InitialWeightsError) as ex:
+            # Relaunching a run with another world layout, or init_from weights that do not fit
+            # the model, is a launch mistake, not a crash.
             log.exception("The run cannot resume: %s", ex, extra=_FILE_ONLY)
             _fail(str(ex))
         except Exception:

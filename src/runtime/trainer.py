@@ -98,6 +98,7 @@ class Trainer(Generic[BatchT]):
         seed: int = 2,
         callbacks: Sequence[TrainerCallback] = (),
         progress: bool = True,
+        init_from: Path | None = None,
     ) -> None:
         gangs = _resolve_gangs(gangs, root_gang, dp_gang, tp_gang)
         self._limits = Limits(max_num_steps, max_num_data_epochs)
@@ -154,7 +155,7 @@ class Trainer(Generic[BatchT]):
             valid_units, valid_data_readers, score_metric_name, early_stopper, train_step
         )
         checkpointer = self._make_checkpointer(
-            optimizer, retention, async_checkpoint, reshard_on_resume
+            optimizer, retention, async_checkpoint, reshard_on_resume, init_from
         )
         self._loop = self._make_loop(data_reader, train_step, checkpointer, schedules, seed)
 
@@ -185,6 +186,7 @@ class Trainer(Generic[BatchT]):
         retention: RetentionPolicy,
         async_checkpoint: bool,
         reshard_on_resume: bool,
+        init_from: Path | None,
     ) -> Checkpointer:
         return Checkpointer(
             manager=self._checkpoint_manager,
@@ -194,6 +196,8 @@ class Trainer(Generic[BatchT]):
             async_checkpoint=async_checkpoint,
             reshard_on_resume=reshard_on_resume,
             callbacks=self._callbacks,
+            gangs=self._gangs,
+            init_from=init_from,
         )
 
     def _make_loop(
