@@ -84,7 +84,9 @@ def test_materialized_weights_follow_reset_parameters_over_the_full_shape() -> N
     with torch.device("meta"):
         again = ByteTransformer(config, 8)
     materialize_model(again, device=torch.device("cpu"), seed=3)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True)
+    )
     materialize_model(again, device=torch.device("cpu"), seed=4)
     assert not torch.equal(model.embed.weight, again.embed.weight)
 

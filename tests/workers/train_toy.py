@@ -97,7 +97,9 @@ class ToyUnit(TrainUnit[ToyBatch]):
 
 
 def main(output_dir: Path, options: dict[str, Any]) -> None:
-    gangs = setup_gangs(tp_size=options.get("tp_size", 1))
+    gangs = setup_gangs(
+        tp_size=options.get("tp_size", 1), dp_shard_size=options.get("dp_shard_size")
+    )
     torch.manual_seed(0)
     model: nn.Module = ToyModel()
     model = apply_tensor_parallel(
