@@ -12,8 +12,14 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from gangs import Gangs
 from recipes.char_lm import Block, ByteTransformer, ModelSection
-from runtime import apply_activation_checkpointing, has_meta_tensors, materialize_model
+from runtime import (
+    apply_activation_checkpointing,
+    apply_data_parallel,
+    has_meta_tensors,
+    materialize_model,
+)
 from tests.conftest import RunTorch, assert_ok, torchrun
 
 WORKER = "tests/workers/large_model.py"
@@ -145,6 +151,27 @@ def test_activation_checkpointing_gives_the_same_gradients(
     assert result["num_checkpointed"] == 2
     assert_close_dicts(result["checkpointed"], result["plain"])
     assert any(grad.abs().sum() > 0 for grad in result["plain"].values())
+
+
+# -------------------------------------------------------------------- mixed precision
+
+
+@pytest.mark.distributed
+def test_fsdp2_mixed_precision_computes_in_bf16_and_keeps_fp32_weights(
+    run_torchrun: RunTorch, tmp_path: Path
+) -> None:
+    seen = run_worker(run_torchrun, tmp_path, 2, mode="mixed_precision", data_parallel="fsdp")
+    assert seen == {
+        "forward_weight": "torch.bfloat16",
+        "forward_output": "torch.bfloat16",
+        "sharded_param": "torch.float32",
+        "grad": "torch.float32",
+    }
+
+
+def test_mixed_precision_is_rejected_with_ddp() -> None:
+    with pytest.raises(ValueError, match="are FSDP2 options, but kind is 'ddp'"):
+        apply_data_parallel(nn.Linear(2, 2), Gangs.single(), kind="ddp", param_dtype=torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------- compile

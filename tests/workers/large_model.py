@@ -7,6 +7,9 @@ Usage: ``large_model.py OUTPUT_DIR JSON_OPTIONS``. Options: ``mode`` (below), ``
 - ``ac_grads``: one forward and backward on rank-dependent tokens, without and then with
   activation checkpointing on every block; rank 0 writes both full gradient sets to
   ``grads.pt`` as ``{"plain": ..., "checkpointed": ..., "num_checkpointed": n}``.
+- ``mixed_precision``: FSDP2 with ``param_dtype`` bfloat16 and ``reduce_dtype`` float32, one
+  forward and backward; rank 0 writes the dtypes it saw to ``mixed_precision.pt``: of the
+  sharded parameters, of a weight during the forward, of the loss and of the gradients.
 - ``compile``: ``num_steps`` AdamW steps, eager and then with every block and the loss compiled;
   rank 0 writes both full state dicts to ``compiled.pt`` as ``{"eager": ..., "compiled": ...}``.
 """
@@ -89,6 +92,24 @@ def ac_grads(config: CharLMConfig, gangs: Gangs) -> dict[str, Any]:
     }
 
 
+def mixed_precision(config: CharLMConfig, gangs: Gangs) -> dict[str, str]:
+    config.fsdp.param_dtype, config.fsdp.reduce_dtype = "bfloat16", "float32"
+    model = build_model(config, gangs)
+    seen: dict[str, str] = {}
+    wq = model.blocks[0].attn.wq  # type: ignore[index, union-attr]
+
+    def record(module: nn.Module, args: Any, output: Tensor) -> None:
+        seen["forward_weight"] = str(module.weight.dtype)
+        seen["forward_output"] = str(output.dtype)
+
+    wq.register_forward_hook(record)
+    backward(model, gangs, 0)
+    seen["sharded_param"] = str(wq.weight.dtype)
+    assert wq.weight.grad is not None
+    seen["grad"] = str(wq.weight.grad.dtype)
+    return seen
+
+
 def train(config: CharLMConfig, gangs: Gangs, num_steps: int) -> dict[str, Tensor]:
     model = build_model(config, gangs)
     loss_fn = compile_loss(summed_nll_loss) if config.compile else summed_nll_loss
@@ -109,6 +130,8 @@ def main(output_dir: Path, options: dict[str, Any]) -> None:
         result = full_state(build_model(config, gangs))
     elif mode == "ac_grads":
         result = ac_grads(config, gangs)
+    elif mode == "mixed_precision":
+        result = mixed_precision(config, gangs)
     else:
         num_steps = options.get("num_steps", 3)
         eager = train(config, gangs, num_steps)
