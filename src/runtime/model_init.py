@@ -93,7 +93,13 @@ def _initialize_module(name: str, module: Module, seed: int, init_fn: InitFn | N
         )
     shards = dict(_own_tensors(module))
     full = {n: torch.empty(t.shape, dtype=t.dtype, device="cpu") for n, t in shards.items()}
-    _swap_tensors(module, {n: Parameter(t, requires_grad=False) for n, t in full.items()})
+    _swap_tensors(
+        module,
+        {
+            n: Parameter(t, requires_grad=False) if n in module._parameters else t
+            for n, t in full.items()
+        },
+    )
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(module_seed(seed, name))

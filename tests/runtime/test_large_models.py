@@ -40,11 +40,11 @@ def assert_close_dicts(actual: dict[str, Tensor], expected: dict[str, Tensor]) -
 
 
 @pytest.fixture(scope="module")
-def single_process_init(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tensor]:
-    weights: dict[str, Tensor] = run_worker(
+def single_process_init(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    result: dict[str, Any] = run_worker(
         torchrun, tmp_path_factory.mktemp("init_dp1"), 1, mode="init"
     )
-    return weights
+    return result
 
 
 INIT_LAYOUTS = {
@@ -62,14 +62,17 @@ INIT_LAYOUTS = {
 def test_initial_weights_depend_on_the_seed_alone(
     run_torchrun: RunTorch,
     tmp_path: Path,
-    single_process_init: dict[str, Tensor],
+    single_process_init: dict[str, Any],
     layout: str,
 ) -> None:
     nproc, options = INIT_LAYOUTS[layout]
-    weights = run_worker(run_torchrun, tmp_path, nproc, mode="init", **options)
-    assert weights.keys() == single_process_init.keys()
-    different = [k for k in weights if not torch.equal(weights[k], single_process_init[k])]
+    result = run_worker(run_torchrun, tmp_path, nproc, mode="init", **options)
+    weights, expected = result["weights"], single_process_init["weights"]
+    assert weights.keys() == expected.keys()
+    different = [k for k in weights if not torch.equal(weights[k], expected[k])]
     assert not different, f"{layout}: not bit-identical to DP=1: {different}"
+    # The sharded model computes with those weights (TP sums partial results: float tolerance).
+    assert result["loss"] == pytest.approx(single_process_init["loss"], rel=1e-5)
 
 
 def test_materialized_weights_follow_reset_parameters_over_the_full_shape() -> None:

@@ -3,7 +3,9 @@
 Usage: ``large_model.py OUTPUT_DIR JSON_OPTIONS``. Options: ``mode`` (below), ``tp_size``,
 ``dp_shard_size``, ``data_parallel`` (``auto``, ``ddp``, ``fsdp``, ``hsdp``), ``meta_init``.
 
-- ``init``: build and materialize the model; rank 0 writes the full state dict to ``init.pt``.
+- ``init``: build and materialize the model; rank 0 writes ``init.pt``: ``{"weights": the full
+  state dict, "loss": the loss of one forward on the same tokens on every rank}`` (the forward
+  shows that the parallel wrappers compute with the materialized values).
 - ``ac_grads``: one forward and backward on rank-dependent tokens, without and then with
   activation checkpointing on every block; rank 0 writes both full gradient sets to
   ``grads.pt`` as ``{"plain": ..., "checkpointed": ..., "num_checkpointed": n}``.
@@ -127,7 +129,11 @@ def main(output_dir: Path, options: dict[str, Any]) -> None:
     mode = options["mode"]
     result: Any
     if mode == "init":
-        result = full_state(build_model(config, gangs))
+        model = build_model(config, gangs)
+        batch = torch.randint(0, 256, (2, SEQ_LEN + 1), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            loss = summed_nll_loss(model(batch[:, :-1]), batch[:, 1:])
+        result = {"weights": full_state(model), "loss": loss.item()}
     elif mode == "ac_grads":
         result = ac_grads(config, gangs)
     elif mode == "mixed_precision":
