@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -25,15 +25,20 @@ from torcheval.metrics import Mean, Perplexity
 from checkpoint import CheckpointManager
 from gangs import Gangs, setup_gangs
 from runtime import (
+    DataParallelKind,
     DataReader,
     MapDataReader,
     PatienceEarlyStopper,
     SyncMode,
     TorchProfiler,
     Trainer,
+    apply_activation_checkpointing,
     apply_data_parallel,
     apply_tensor_parallel,
+    compile_blocks,
+    compile_loss,
     main,
+    materialize_model,
 )
 from units import EvalUnit, TrainUnit
 
@@ -46,6 +51,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class GangSection:
     tp_size: int = 1
+    dp_shard_size: int | None = None
+    """HSDP: shard over this many DP ranks (a node), replicate across the groups of them."""
     timeout_minutes: int = 15
 
 
@@ -70,6 +77,22 @@ class ModelSection:
     num_heads: int = 4
     ffn_dim: int = 512
     dropout: float = 0.0
+    meta_init: bool = True
+    """Build on the meta device and materialize each rank's shards only (false: build whole)."""
+    activation_checkpointing: bool = False
+    """Recompute the blocks' activations in the backward pass: less memory, more compute."""
+    activation_checkpointing_every_n: int = 1
+    """With activation_checkpointing: checkpoint every n-th block only."""
+
+
+@dataclass
+class FsdpSection:
+    """FSDP2/HSDP mixed precision; ignored by DDP. None: the parameters' own dtype."""
+
+    param_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """The dtype the blocks' parameters are gathered and computed in."""
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """The dtype gradients are reduced in across the DP gang."""
 
 
 @dataclass
@@ -114,8 +137,13 @@ class CharLMConfig:
     model: ModelSection = field(default_factory=ModelSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
-    data_parallel: Literal["auto", "ddp", "fsdp"] = "auto"
-    """``auto`` is DDP without tensor parallelism and FSDP2 with it."""
+    fsdp: FsdpSection = field(default_factory=FsdpSection)
+    data_parallel: Literal["auto", "ddp", "fsdp", "hsdp"] = "auto"
+    """``auto``: HSDP with gang.dp_shard_size, else FSDP2 with TP, else DDP."""
+    compile: bool = False
+    """torch.compile each block and the loss (slow first steps; on CPU it needs a C++ compiler)."""
+    init_from: Path | None = None
+    """Start a fresh run from these weights: an export file or another run's checkpoint dir."""
     wandb_project: str | None = None
 
     def validate(self) -> None:
@@ -128,6 +156,17 @@ class CharLMConfig:
             raise ValueError(
                 f"model.num_heads ({self.model.num_heads}) must be a multiple of gang.tp_size "
                 f"({self.gang.tp_size}), since each TP rank computes whole heads."
+            )
+        if self.data_parallel == "hsdp" and self.gang.dp_shard_size is None:
+            raise ValueError(
+                "data_parallel is 'hsdp', but gang.dp_shard_size is not set. Set it to the number "
+                "of DP ranks that shard one replica (e.g. the processes per node)."
+            )
+        mixed_precision = self.fsdp.param_dtype is not None or self.fsdp.reduce_dtype is not None
+        if mixed_precision and self.data_parallel == "ddp":
+            raise ValueError(
+                "fsdp.param_dtype and fsdp.reduce_dtype need data_parallel 'fsdp' or 'hsdp', "
+                "but it is 'ddp'. Use trainer.amp=true for mixed precision with DDP."
             )
 
 
@@ -297,16 +336,21 @@ def tensor_parallel_plan(model: ByteTransformer) -> dict[str, ParallelStyle]:
 # ----------------------------------------------------------------------------- units
 
 
+def summed_nll_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Cross entropy summed over the targets, computed in float32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+
 class CharLMTrainUnit(TrainUnit[LMBatch]):
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(
+        self, model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor] = summed_nll_loss
+    ) -> None:
         super().__init__(model)
+        self._loss_fn = loss_fn
         self.metric_bag.register_metric("nll_loss", Mean(), persistent=False)
 
     def __call__(self, batch: LMBatch) -> tuple[Tensor, int | None]:
-        logits = self.model(batch.inputs)
-        loss = F.cross_entropy(
-            logits.flatten(0, 1).float(), batch.targets.flatten(), reduction="sum"
-        )
+        loss = self._loss_fn(self.model(batch.inputs), batch.targets)
         self.metric_bag.nll_loss.update(loss.detach() / batch.num_targets, weight=batch.num_targets)
         return loss, batch.num_targets
 
@@ -328,14 +372,48 @@ class CharLMEvalUnit(EvalUnit[LMBatch]):
 
 
 def build_model(config: CharLMConfig, gangs: Gangs) -> nn.Module:
-    # The same seed on every rank: FSDP2 and TP shard the weights each rank initialized itself.
-    torch.manual_seed(config.trainer.seed)
-    model = ByteTransformer(config.model, config.data.seq_len).to(gangs.root.device)
+    """Build on meta, then TP, activation checkpointing, FSDP2/HSDP, materialize, DDP, compile.
+
+    The initial weights depend on ``trainer.seed`` alone, not on the layout: every module is
+    initialized from a generator seeded by the seed and its name (see ``materialize_model``).
+    """
+    device = gangs.root.device
+    with torch.device("meta" if config.model.meta_init else device):
+        model = ByteTransformer(config.model, config.data.seq_len)
     model = apply_tensor_parallel(model, gangs, tensor_parallel_plan(model))
-    kind = config.data_parallel
-    if kind == "auto":
-        kind = "fsdp" if gangs.tp.size > 1 else "ddp"
-    return apply_data_parallel(model, gangs, kind=kind, fsdp_units=(Block,))
+    if config.model.activation_checkpointing:
+        apply_activation_checkpointing(
+            model, block_types=(Block,), every_n=config.model.activation_checkpointing_every_n
+        )
+    kind = data_parallel_kind(config, gangs)
+    if kind != "ddp":
+        # FSDP2 shards the meta parameters, so each rank allocates only its shards below.
+        model = apply_data_parallel(
+            model,
+            gangs,
+            kind=kind,
+            fsdp_units=(Block,),
+            param_dtype=_dtype(config.fsdp.param_dtype),
+            reduce_dtype=_dtype(config.fsdp.reduce_dtype),
+        )
+    materialize_model(model, device=device, seed=config.trainer.seed)
+    if kind == "ddp":
+        model = apply_data_parallel(model, gangs, kind="ddp")
+    if config.compile:
+        compile_blocks(model, block_types=(Block,))
+    return model
+
+
+def data_parallel_kind(config: CharLMConfig, gangs: Gangs) -> DataParallelKind:
+    if config.data_parallel != "auto":
+        return config.data_parallel
+    if config.gang.dp_shard_size is not None:
+        return "hsdp"
+    return "fsdp" if gangs.tp.size > 1 else "ddp"
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else cast(torch.dtype, getattr(torch, name))
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
@@ -352,7 +430,9 @@ def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]
 
 def recipe(config: CharLMConfig, output_dir: Path) -> Trainer[LMBatch]:
     gangs = setup_gangs(
-        tp_size=config.gang.tp_size, timeout=timedelta(minutes=config.gang.timeout_minutes)
+        tp_size=config.gang.tp_size,
+        dp_shard_size=config.gang.dp_shard_size,
+        timeout=timedelta(minutes=config.gang.timeout_minutes),
     )
     train_bytes, valid_bytes = load_corpus(config.data)
     log.info("Corpus: %d train bytes, %d valid bytes.", train_bytes.numel(), valid_bytes.numel())
@@ -394,7 +474,9 @@ def recipe(config: CharLMConfig, output_dir: Path) -> Trainer[LMBatch]:
         else None
     )
     return Trainer(
-        unit=CharLMTrainUnit(model),
+        unit=CharLMTrainUnit(
+            model, compile_loss(summed_nll_loss) if config.compile else summed_nll_loss
+        ),
         data_reader=train_reader,
         optimizer=optimizer,
         checkpoint_manager=CheckpointManager(output_dir / "checkpoints", gangs),
@@ -429,6 +511,7 @@ def recipe(config: CharLMConfig, output_dir: Path) -> Trainer[LMBatch]:
             else None
         ),
         seed=t.seed,
+        init_from=config.init_from,
     )
 
 

@@ -18,7 +18,9 @@ class Gangs:
 
     Ranks are laid out as ``root_rank = dp_rank * tp.size + tp_rank``: a TP gang is a run of
     consecutive ranks (on one machine when ``tp.size`` divides the processes per node), and a DP
-    gang strides across them.
+    gang strides across them. With HSDP the DP ranks are further laid out as
+    ``dp_rank = replicate_rank * dp_shard_size + shard_rank``: a shard group is a run of
+    consecutive DP ranks (one node), and replicas stride across nodes.
     """
 
     def __init__(
@@ -28,6 +30,7 @@ class Gangs:
         self._dp = dp
         self._tp = tp
         self._device_mesh = device_mesh
+        self._dp_mesh = None if device_mesh is None else _flat_dp_mesh(device_mesh)
 
     @property
     def root(self) -> Gang:
@@ -35,7 +38,7 @@ class Gangs:
 
     @property
     def dp(self) -> Gang:
-        """The data-parallel gang: the ranks that see different data."""
+        """The data-parallel gang: the ranks that see different data (all of them with HSDP)."""
         return self._dp
 
     @property
@@ -45,7 +48,7 @@ class Gangs:
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The ``("dp", "tp")`` mesh, for ``fully_shard`` and ``parallelize_module``."""
+        """The ``("dp", "tp")`` mesh, or ``("dp_replicate", "dp_shard", "tp")`` with HSDP."""
         if self._device_mesh is None:
             raise GangError(
                 "A DeviceMesh needs torch.distributed, but this process runs alone (WORLD_SIZE is 1). "
@@ -58,8 +61,39 @@ class Gangs:
         """Whether the gangs span processes, so that :attr:`device_mesh` exists."""
         return self._device_mesh is not None
 
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the whole DP gang (HSDP's two DP dims flattened into one)."""
+        mesh = self.device_mesh
+        assert self._dp_mesh is not None, mesh
+        return self._dp_mesh
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.device_mesh["tp"]
+
+    @property
+    def dp_shard_size(self) -> int | None:
+        """How many DP ranks shard one replica with HSDP; ``None`` without HSDP."""
+        if self._device_mesh is None or _HSDP_DIMS[1] not in (
+            self._device_mesh.mesh_dim_names or ()
+        ):
+            return None
+        return self._device_mesh[_HSDP_DIMS[1]].size()
+
+    @property
+    def hsdp_mesh(self) -> DeviceMesh:
+        """The 2-D ``("dp_replicate", "dp_shard")`` mesh that HSDP's ``fully_shard`` takes."""
+        if self.dp_shard_size is None:
+            raise GangError(
+                "HSDP needs a (dp_replicate, dp_shard) mesh, but these gangs have none. Pass "
+                "dp_shard_size to setup_gangs (e.g. the number of processes per node)."
+            )
+        return self.device_mesh[_HSDP_DIMS]
+
     def __repr__(self) -> str:
-        return f"Gangs(root={self.root.size}, dp={self.dp.size}, tp={self.tp.size})"
+        shard = "" if self.dp_shard_size is None else f", dp_shard={self.dp_shard_size}"
+        return f"Gangs(root={self.root.size}, dp={self.dp.size}{shard}, tp={self.tp.size})"
 
     @staticmethod
     def single(device: torch.device | None = None) -> Gangs:
@@ -77,6 +111,17 @@ class Gangs:
                 f"the root gang ({gangs.root.size})."
             )
         return gangs
+
+
+_HSDP_DIMS = ("dp_replicate", "dp_shard")
+
+
+def _flat_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The DP dims of ``mesh`` as one dim named ``dp``."""
+    if _HSDP_DIMS[0] in (mesh.mesh_dim_names or ()):
+        # Kept by Gangs rather than sliced from the root mesh later, which torch deprecates.
+        return mesh[_HSDP_DIMS]._flatten("dp")
+    return mesh["dp"]
 
 
 def default_device() -> torch.device:
@@ -105,39 +150,62 @@ def setup_root_gang(
     return ProcessGroupGang.init_default(device=device, timeout=timeout)
 
 
-def setup_parallel_gangs(root: Gang, *, tp_size: int = 1) -> Gangs:
-    """Split ``root`` into DP and TP gangs with a ``("dp", "tp")`` DeviceMesh over them."""
+def setup_parallel_gangs(
+    root: Gang, *, tp_size: int = 1, dp_shard_size: int | None = None
+) -> Gangs:
+    """Split ``root`` into DP and TP gangs with a DeviceMesh over them.
+
+    The mesh is ``("dp", "tp")``; with ``dp_shard_size`` (HSDP) it is ``("dp_replicate",
+    "dp_shard", "tp")`` and :attr:`Gangs.dp` is still the whole DP gang.
+    """
     if tp_size <= 0:
         raise GangError(f"tp_size must be greater than zero, but is {tp_size} instead.")
     if root.size % tp_size != 0:
         raise GangError(
             f"tp_size must divide the number of processes ({root.size}), but is {tp_size} instead."
         )
+    dp_size = root.size // tp_size
+    if dp_shard_size is not None and (dp_shard_size <= 0 or dp_size % dp_shard_size != 0):
+        raise GangError(
+            f"dp_shard_size must be greater than zero and divide the DP size ({dp_size} = "
+            f"{root.size} processes / tp_size {tp_size}), but is {dp_shard_size} instead."
+        )
     if root.size == 1:
         return Gangs(root=root, dp=root, tp=root)
 
-    dp_size = root.size // tp_size
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    if dp_shard_size is None:
+        shape, names = (dp_size, tp_size), ("dp", "tp")
+    else:
+        shape = (dp_size // dp_shard_size, dp_shard_size, tp_size)
+        names = ("dp_replicate", "dp_shard", "tp")
     try:
-        mesh = init_device_mesh(root.device.type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(root.device.type, shape, mesh_dim_names=names)
     except (RuntimeError, ValueError) as ex:
-        raise GangError(f"The ({dp_size}, {tp_size}) device mesh cannot be made: {ex}") from ex
+        raise GangError(f"The {shape} device mesh cannot be made: {ex}") from ex
 
-    def gang_of(dim: str, size: int) -> Gang:
-        if size == 1:
+    def gang_of(dim_mesh: DeviceMesh) -> Gang:
+        if dim_mesh.size() == 1:
             return FakeGang(device=root.device)
-        return ProcessGroupGang(mesh.get_group(dim), device=root.device)
+        return ProcessGroupGang(dim_mesh.get_group(), device=root.device)
 
-    return Gangs(root=root, dp=gang_of("dp", dp_size), tp=gang_of("tp", tp_size), device_mesh=mesh)
+    return Gangs(
+        root=root, dp=gang_of(_flat_dp_mesh(mesh)), tp=gang_of(mesh["tp"]), device_mesh=mesh
+    )
 
 
 def setup_gangs(
     *,
     tp_size: int = 1,
+    dp_shard_size: int | None = None,
     device: torch.device | None = None,
     timeout: timedelta = timedelta(minutes=15),
 ) -> Gangs:
     """:func:`setup_root_gang` and :func:`setup_parallel_gangs` in one call."""
-    return setup_parallel_gangs(setup_root_gang(device, timeout), tp_size=tp_size)
+    return setup_parallel_gangs(
+        setup_root_gang(device, timeout), tp_size=tp_size, dp_shard_size=dp_shard_size
+    )
 
 
 def _int_env(name: str, default: int) -> int:

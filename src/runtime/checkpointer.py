@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, final
 
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from checkpoint import CheckpointManager, LoadedCheckpoint, RetentionPolicy
+from gangs import Gangs
 from runtime.callbacks import TrainerCallback
+from runtime.init_weights import load_initial_weights
 
 
 @final
@@ -27,8 +30,12 @@ class Checkpointer:
         async_checkpoint: bool,
         reshard_on_resume: bool,
         callbacks: TrainerCallback,
+        gangs: Gangs,
+        init_from: Path | None = None,
     ) -> None:
         self._manager = manager
+        self._gangs = gangs
+        self._init_from = init_from
         self._retention = retention
         self._model = model
         self._optimizer = optimizer
@@ -80,3 +87,8 @@ class Checkpointer:
         if loaded is not None:
             self.last_saved_step = loaded.step_nr
         return loaded
+
+    def load_initial_weights(self) -> None:
+        """Load the model weights of ``init_from``, if given (a fresh run: nothing to resume)."""
+        if self._init_from is not None:
+            load_initial_weights(self._model, self._init_from, gangs=self._gangs)

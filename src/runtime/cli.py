@@ -26,6 +26,7 @@ from checkpoint import (
 from checkpoint.durable import write_text_atomically
 from gangs import GangError
 from runtime.config import ConfigError, dump_config, load_config
+from runtime.init_weights import InitialWeightsError
 
 ConfigT = TypeVar("ConfigT")
 
@@ -101,8 +102,9 @@ def main(
 
         try:
             code = runnable.run()
-        except (CheckpointLayoutError, CheckpointDirectoryError) as ex:
-            # Another world layout, or ranks without a shared directory: a launch mistake.
+        except (CheckpointLayoutError, CheckpointDirectoryError, InitialWeightsError) as ex:
+            # Another world layout, ranks without a shared directory, or init_from weights that
+            # do not fit the model: a launch mistake, not a crash.
             log.exception("The run cannot resume: %s", ex, extra=_FILE_ONLY)
             _fail(str(ex))
         except Exception:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from checkpoint import CheckpointChoice, CheckpointError, CheckpointManager
 from gangs import Gangs
@@ -42,22 +43,51 @@ def list_checkpoints(output_dir: Path) -> str:
 
 def export_model(
     output_dir: Path, destination: Path, *, step_nr: int | None, best: bool, lower_better: bool
-) -> int:
+) -> tuple[int, list[Path]]:
     """Write the model of a checkpoint as one ``state_dict`` file for plain ``torch.load``.
 
-    Returns the step exported: ``step_nr``, the best scored one, or by default the last one.
+    When the ``safetensors`` package is importable, a ``.safetensors`` file (the format other
+    tools read) is written beside it; a ``destination`` ending in ``.safetensors`` gets only
+    that. Returns the step exported (``step_nr``, the best scored one, or by default the last)
+    and the files written.
     """
     manager = CheckpointManager(output_dir / "checkpoints", Gangs.single())
     which: CheckpointChoice = step_nr if step_nr is not None else "best" if best else "last"
     step_nr = manager.select_checkpoint(which, lower_better=lower_better)
     state = manager.read_model_state(step_nr)
     destination.parent.mkdir(parents=True, exist_ok=True)
-    partial = destination.with_name(destination.name + ".partial")
-    torch.save(state, partial)
+    save_file = _safetensors_writer(required=destination.suffix == ".safetensors")
+    torch_file = destination.with_name(destination.name + ".partial")
+    torch.save(state, torch_file)
     # Checked before it replaces anything: the file must load with weights_only=True.
-    torch.load(partial, weights_only=True)
-    partial.replace(destination)
-    return step_nr
+    state = torch.load(torch_file, weights_only=True)
+    written = []
+    if destination.suffix != ".safetensors":
+        torch_file.replace(destination)
+        written.append(destination)
+    else:
+        torch_file.unlink()
+    if save_file is not None:
+        safetensors_path = destination.with_suffix(".safetensors")
+        partial = safetensors_path.with_name(safetensors_path.name + ".partial")
+        save_file({key: value.contiguous() for key, value in state.items()}, str(partial))
+        partial.replace(safetensors_path)
+        written.append(safetensors_path)
+    return step_nr, written
+
+
+def _safetensors_writer(*, required: bool) -> Callable[[dict[str, Tensor], str], None] | None:
+    try:
+        from safetensors.torch import save_file  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        if required:
+            raise ValueError(
+                "The destination ends in .safetensors, but the safetensors package is not "
+                "installed. Install it (pip install safetensors) or export to a .pt file."
+            ) from None
+        return None
+    writer: Callable[[dict[str, Tensor], str], None] = save_file
+    return writer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -82,14 +112,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "checkpoints":
             print(list_checkpoints(args.output_dir))
         else:
-            step_nr = export_model(
+            step_nr, written = export_model(
                 args.output_dir,
                 args.destination,
                 step_nr=args.step,
                 best=args.best,
                 lower_better=not args.higher_better,
             )
-            print(f"Exported the model of step {step_nr} to {args.destination}.")
+            files = " and ".join(str(path) for path in written)
+            print(f"Exported the model of step {step_nr} to {files}.")
     except (CheckpointError, ValueError) as ex:
         print(f"error: {ex}", file=sys.stderr)
         return 2

@@ -120,10 +120,14 @@ class TrainLoop(Generic[BatchT]):
     # ----------------------------------------------------------------- resume
 
     def resume(self) -> None:
-        """Seed this rank, then load the newest intact checkpoint if there is one."""
+        """Seed this rank, then load the newest intact checkpoint if there is one.
+
+        A fresh run (no checkpoint) starts from the Trainer's ``init_from`` weights, if given.
+        """
         self._seed_rngs(step_nr=0)
         loaded = self.checkpointer.load_last()
         if loaded is None:
+            self.checkpointer.load_initial_weights()
             return
         self.load_state_dict(loaded.trainer_state, resharded=loaded.resharded)
         log.info("Resumed from the checkpoint of step %d.", self.state.step_nr)

@@ -5,21 +5,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Literal
 
-from torch.distributed.fsdp import fully_shard
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gangs import Gangs
 
-DataParallelKind = Literal["ddp", "fsdp"]
+DataParallelKind = Literal["ddp", "fsdp", "hsdp"]
 
 
 def apply_tensor_parallel(model: Module, gangs: Gangs, plan: Mapping[str, ParallelStyle]) -> Module:
     """Shard the submodules named in ``plan`` over the TP gang; a no-op when TP is off."""
     if gangs.tp.size == 1:
         return model
-    return parallelize_module(model, gangs.device_mesh["tp"], dict(plan))
+    return parallelize_module(model, gangs.tp_mesh, dict(plan))
 
 
 def apply_data_parallel(
@@ -28,23 +29,37 @@ def apply_data_parallel(
     *,
     kind: DataParallelKind = "ddp",
     fsdp_units: tuple[type[Module], ...] = (),
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> Module:
-    """Replicate (DDP) or shard (FSDP2) ``model`` over the DP gang; a no-op when DP is off.
+    """Replicate (DDP), shard (FSDP2) or shard-and-replicate (HSDP) ``model`` over the DP gang.
 
-    With FSDP2, each submodule whose type is in ``fsdp_units`` becomes its own shard unit (its
-    parameters are gathered only around its own forward and backward), then the whole model.
-    Apply tensor parallelism first; only FSDP2 composes with it.
+    A no-op when DP is off. With FSDP2 and HSDP, each submodule whose type is in ``fsdp_units``
+    becomes its own shard unit (its parameters are gathered only around its own forward and
+    backward), then the whole model. HSDP shards within ``dp_shard`` and replicates across
+    ``dp_replicate`` (``setup_gangs(dp_shard_size=...)``). Apply tensor parallelism first; only
+    FSDP2 and HSDP compose with it.
+
+    ``param_dtype`` and ``reduce_dtype`` are FSDP2's mixed precision (``MixedPrecisionPolicy``):
+    the dtype parameters are gathered in and the forward and backward compute in, and the dtype
+    gradients are reduced in. The sharded parameters and the optimizer stay in their own dtype.
     """
-    if kind not in ("ddp", "fsdp"):
-        raise ValueError(f"kind must be 'ddp' or 'fsdp', but is '{kind}' instead.")
+    if kind not in ("ddp", "fsdp", "hsdp"):
+        raise ValueError(f"kind must be 'ddp', 'fsdp' or 'hsdp', but is '{kind}' instead.")
+    if kind == "ddp" and (param_dtype is not None or reduce_dtype is not None):
+        raise ValueError(
+            f"param_dtype ({param_dtype}) and reduce_dtype ({reduce_dtype}) are FSDP2 options, "
+            "but kind is 'ddp'. Use kind='fsdp' or 'hsdp', or autocast (Trainer amp=True)."
+        )
     if gangs.dp.size == 1:
         return model
-    if kind == "fsdp":
-        dp_mesh = gangs.device_mesh["dp"]
+    if kind != "ddp":
+        mesh = gangs.hsdp_mesh if kind == "hsdp" else gangs.dp_mesh
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         for module in model.modules():
             if isinstance(module, fsdp_units):
-                fully_shard(module, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
+                fully_shard(module, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
     if gangs.tp.size > 1:
         # DDP does not handle DTensor parameters (their state dict entries are lost).

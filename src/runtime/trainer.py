@@ -105,6 +105,7 @@ class Trainer(Generic[BatchT]):
         gc_every_n_steps: int | None = None,
         flops_per_target: float | None = None,
         device_peak_flops: float | None = None,
+        init_from: Path | None = None,
     ) -> None:
         gangs = _resolve_gangs(gangs, root_gang, dp_gang, tp_gang)
         schedules = _make_schedules(
@@ -124,9 +125,7 @@ class Trainer(Generic[BatchT]):
             keep_best_n_models=keep_best_n_models,
             lower_better=lower_better,
         )
-        _check_validation_is_configured(
-            valid_units, schedules, retention, early_stopper, score_metric_name
-        )
+        _check_validation(valid_units, schedules, retention, early_stopper, score_metric_name)
         train_step = TrainStep(
             unit=unit,
             optimizer=optimizer,
@@ -152,12 +151,13 @@ class Trainer(Generic[BatchT]):
         self._validator = self._make_validator(
             valid_units, valid_data_readers, score_metric_name, lower_better, early_stopper
         )
+        checkpointer = self._make_checkpointer(
+            checkpoint_manager, optimizer, retention, async_checkpoint, reshard_on_resume, init_from
+        )
         self._loop = self._make_loop(
             data_reader=data_reader,
             train_step=train_step,
-            checkpointer=self._make_checkpointer(
-                checkpoint_manager, optimizer, retention, async_checkpoint, reshard_on_resume
-            ),
+            checkpointer=checkpointer,
             schedules=schedules,
             limits=Limits(max_num_steps, max_num_data_epochs),
             throughput=Throughput(flops_per_target, device_peak_flops),
@@ -235,6 +235,7 @@ class Trainer(Generic[BatchT]):
         retention: RetentionPolicy,
         async_checkpoint: bool,
         reshard_on_resume: bool,
+        init_from: Path | None,
     ) -> Checkpointer:
         return Checkpointer(
             manager=checkpoint_manager,
@@ -244,6 +245,8 @@ class Trainer(Generic[BatchT]):
             async_checkpoint=async_checkpoint,
             reshard_on_resume=reshard_on_resume,
             callbacks=self._callbacks,
+            gangs=self._gangs,
+            init_from=init_from,
         )
 
     @property
@@ -350,7 +353,7 @@ def _make_schedules(
     )
 
 
-def _check_validation_is_configured(
+def _check_validation(
     valid_units: Sequence[EvalUnit[Any]] | None,
     schedules: Schedules,
     retention: RetentionPolicy,

@@ -45,6 +45,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "dp1": (1, ["batch_size=8"]),
     "dp2": (2, ["batch_size=4"]),
     "dp2_tp2": (4, ["batch_size=4", "tp_size=2", "kind=fsdp"]),
+    "hsdp2x2": (4, ["batch_size=2", "kind=hsdp", "dp_shard_size=2"]),
+    "dp4": (4, ["batch_size=2"]),
 }
 
 
@@ -193,7 +195,7 @@ def resumed_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
 # ------------------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("layout", ["dp1", "dp2", "dp2_tp2"])
+@pytest.mark.parametrize("layout", ["dp1", "dp2", "dp2_tp2", "hsdp2x2"])
 def test_resume_after_sigterm_is_bit_identical(resumed_run: Any, layout: str) -> None:
     run: ResumedRun = resumed_run(layout)
     assert run.first.returncode != 0, output(run.first)
@@ -411,6 +413,22 @@ def test_reshard_on_resume_continues_the_data_and_the_math(
     log_text = rank_log(tmp_path, 0)
     assert "Resharding the checkpoint of step 2, saved by 2 processes" in log_text
     assert "Resumed from the checkpoint of step 2." in log_text
+    expected = load_params(source)
+    actual = load_params(tmp_path)
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_hsdp_checkpoint_loads_into_ddp(resumed_run: Any, tmp_path: Path) -> None:
+    # HSDP 2x2 and DDP on 4 have the same DP gang, so the data position carries over as is;
+    # DCP stores global tensors, so the HSDP shards load into DDP's whole replicas.
+    source = resumed_run("hsdp2x2").reference
+    shutil.copytree(source / "checkpoints" / "step_2", tmp_path / "checkpoints" / "step_2")
+
+    result = launch("dp4", tmp_path, "reshard_on_resume=true")
+    assert_ok(result)
+    assert "Resumed from the checkpoint of step 2." in rank_log(tmp_path, 0)
     expected = load_params(source)
     actual = load_params(tmp_path)
     assert actual.keys() == expected.keys()

@@ -9,16 +9,23 @@ from typing import Any
 import pytest
 import torch
 
-from gangs import FakeGang, GangError, ReduceOperation, setup_gangs, setup_parallel_gangs
+from gangs import (
+    FakeGang,
+    GangError,
+    Gangs,
+    ReduceOperation,
+    setup_gangs,
+    setup_parallel_gangs,
+)
 from tests.conftest import RunTorch, assert_ok
 
 WORKER = "tests/workers/gang_check.py"
 
 
 def run_gang_check(
-    run_torchrun: RunTorch, tmp_path: Path, nproc: int, tp_size: int
+    run_torchrun: RunTorch, tmp_path: Path, nproc: int, tp_size: int, *extra: str
 ) -> list[dict[str, Any]]:
-    assert_ok(run_torchrun(nproc, WORKER, str(tmp_path), str(tp_size)))
+    assert_ok(run_torchrun(nproc, WORKER, str(tmp_path), str(tp_size), *extra))
     return [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(nproc)]
 
 
@@ -73,6 +80,37 @@ def test_four_processes_dp_x_tp_layout(run_torchrun: RunTorch, tmp_path: Path) -
         assert report["dp_sum"] == sum(dp_members) + 2
         assert report["root_sum"] == 10.0
         assert report["mesh"] == [["dp", "tp"], [[0, 1], [2, 3]]]
+
+
+@pytest.mark.distributed
+def test_four_processes_hsdp_layout_keeps_the_whole_dp_gang(
+    run_torchrun: RunTorch, tmp_path: Path
+) -> None:
+    reports = run_gang_check(run_torchrun, tmp_path, 4, 1, "2")
+    for rank, report in enumerate(reports):
+        # Data sharding, metrics and normalization still see all 4 DP ranks.
+        assert report["dp"] == [rank, 4]
+        assert report["dp_members"] == [0.0, 1.0, 2.0, 3.0]
+        assert report["tp_fake"]
+        assert report["mesh"] == [["dp_replicate", "dp_shard", "tp"], [[[0], [1]], [[2], [3]]]]
+        assert report["dp_shard_size"] == 2
+        # Shard groups are consecutive ranks (a node); replicas stride across them.
+        assert report["hsdp_mesh"] == [[0, 1], [2, 3]]
+        assert report["dp_mesh"] == [0, 1, 2, 3]
+
+
+def test_dp_shard_size_must_divide_the_dp_size() -> None:
+    with pytest.raises(
+        GangError,
+        match=r"dp_shard_size must be greater than zero and divide the DP size \(1 = 1 processes "
+        r"/ tp_size 1\), but is 3 instead.",
+    ):
+        setup_parallel_gangs(FakeGang(), dp_shard_size=3)
+
+
+def test_hsdp_mesh_without_dp_shard_size_is_a_clear_error() -> None:
+    with pytest.raises(GangError, match="Pass dp_shard_size to setup_gangs"):
+        _ = Gangs.single().hsdp_mesh
 
 
 def test_fake_gang_collectives_are_identity() -> None:

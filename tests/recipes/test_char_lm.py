@@ -140,3 +140,50 @@ def test_tp_size_that_does_not_divide_the_world_exits_2_with_one_line(tmp_path: 
     assert result.stderr.strip().splitlines() == [
         "error: tp_size must divide the number of processes (1), but is 2 instead."
     ]
+
+
+def test_hsdp_with_activation_checkpointing_starts_from_another_runs_weights(
+    run_torchrun: RunTorch, tmp_path: Path
+) -> None:
+    source = tmp_path / "source"
+    steps = [
+        "trainer.max_num_steps=10",
+        "trainer.validate_every_n_steps=10",
+        "trainer.checkpoint_every_n_steps=10",
+    ]
+    assert_ok(run_python("-m", "recipes.char_lm", str(source), "--config", *TINY, *steps))
+    out = tmp_path / "run"
+    result = run_torchrun(
+        4,
+        "-m",
+        "recipes.char_lm",
+        str(out),
+        "--config",
+        *TINY,
+        *steps,
+        "gang.dp_shard_size=2",
+        "model.activation_checkpointing=true",
+        f"init_from={source}",
+        timeout=300,
+    )
+    assert_ok(result)
+    log = (out / "logs" / "rank_0.log").read_text()
+    assert f"Initialized 17 model tensors from {source / 'checkpoints' / 'step_10'}" in log
+    # Trained on from the source's weights, not from scratch.
+    assert read_jsonl(out / "metrics" / "train.jsonl")[0]["loss"] < (
+        read_jsonl(source / "metrics" / "train.jsonl")[0]["loss"] - 0.3
+    )
+    manifest = json.loads((out / "checkpoints" / "step_10" / "manifest.json").read_text())
+    assert (manifest["world_size"], manifest["dp_size"]) == (4, 4)
+
+
+def test_large_model_options_are_checked() -> None:
+    config = CharLMConfig()
+    config.data_parallel = "hsdp"
+    with pytest.raises(ValueError, match=r"gang\.dp_shard_size is not set"):
+        config.validate()
+    config = CharLMConfig()
+    config.data_parallel = "ddp"
+    config.fsdp.param_dtype = "bfloat16"
+    with pytest.raises(ValueError, match="need data_parallel 'fsdp' or 'hsdp', but it is 'ddp'"):
+        config.validate()

@@ -91,3 +91,22 @@ def test_dp2_x_tp2_matches_dp1(
         run_torchrun, tmp_path, 4, batch_size=4, max_gradient_norm=0.5, tp_size=2, kind="fsdp"
     )
     assert_same_params(params, single_process_reference)
+
+
+def test_hsdp_2x2_matches_ddp_on_4_and_dp1(
+    run_torchrun: RunTorch, tmp_path: Path, single_process_reference: dict[str, Tensor]
+) -> None:
+    (tmp_path / "hsdp").mkdir()
+    (tmp_path / "ddp").mkdir()
+    hsdp = train(
+        run_torchrun,
+        tmp_path / "hsdp",
+        4,
+        batch_size=2,
+        max_gradient_norm=0.5,
+        kind="hsdp",
+        dp_shard_size=2,
+    )
+    assert_same_params(hsdp, single_process_reference)
+    ddp = train(run_torchrun, tmp_path / "ddp", 4, batch_size=2, max_gradient_norm=0.5)
+    assert_same_params(ddp, single_process_reference)

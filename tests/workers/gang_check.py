@@ -11,8 +11,8 @@ import torch
 from gangs import FakeGang, GangError, ReduceOperation, setup_gangs
 
 
-def main(output_dir: Path, tp_size: int) -> None:
-    gangs = setup_gangs(tp_size=tp_size)
+def main(output_dir: Path, tp_size: int, dp_shard_size: int | None) -> None:
+    gangs = setup_gangs(tp_size=tp_size, dp_shard_size=dp_shard_size)
     root, dp, tp = gangs.root, gangs.dp, gangs.tp
     report: dict[str, object] = {
         "root": [root.rank, root.size],
@@ -52,10 +52,14 @@ def main(output_dir: Path, tp_size: int) -> None:
 
     mesh = gangs.device_mesh if gangs.has_device_mesh else None
     report["mesh"] = None if mesh is None else [list(mesh.mesh_dim_names or ()), mesh.mesh.tolist()]
+    if gangs.dp_shard_size is not None:
+        report["dp_shard_size"] = gangs.dp_shard_size
+        report["hsdp_mesh"] = gangs.hsdp_mesh.mesh.tolist()
+        report["dp_mesh"] = gangs.dp_mesh.mesh.tolist()
     root.barrier()
     (output_dir / f"rank_{root.rank}.json").write_text(json.dumps(report))
     root.close()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]))
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None)

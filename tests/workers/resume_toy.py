@@ -16,6 +16,9 @@ Faults, each on rank ``fault_rank`` (``-1``: the last rank) only:
 - ``sigkill_in_save``: ``"after_model"`` (the model of step ``sigkill_save_step`` is written, the
   rest of the save not) or ``"after_manifest"`` (the manifest is written, the rename not);
 - ``raise_at_step``: the rank raises after that step, on the first torchrun attempt only.
+
+With ``save_initial_params=true`` the run also writes the parameters its first step starts from
+to ``OUTPUT_DIR/initial_params.pt`` (to check ``init_from``).
 """
 
 from __future__ import annotations
@@ -52,7 +55,10 @@ class ResumeToyConfig:
     dataset_size: int = 40
     max_num_steps: int = 10
     tp_size: int = 1
-    kind: Literal["ddp", "fsdp"] = "ddp"
+    dp_shard_size: int | None = None
+    kind: Literal["ddp", "fsdp", "hsdp"] = "ddp"
+    init_from: Path | None = None
+    save_initial_params: bool = False
     checkpoint_every: int | None = 2
     publish_every: int = 2
     async_checkpoint: bool = False
@@ -129,6 +135,28 @@ class _Faults(TrainerCallback):
             manifest_module.write_json_durably = write_then_die  # type: ignore[assignment]
 
 
+def save_full_params(model: nn.Module, gangs: Gangs, file: Path) -> None:
+    """Gather the full parameters (every rank must call it); rank 0 writes them to ``file``."""
+    state = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if gangs.root.rank == 0:
+        torch.save({k.removeprefix("module."): v for k, v in state.items()}, file)
+
+
+@final
+class _SaveInitialParams(TrainerCallback):
+    """Writes the parameters the first step starts from (after a resume or ``init_from``)."""
+
+    def __init__(self, model: nn.Module, gangs: Gangs, file: Path) -> None:
+        self._model = model
+        self._gangs = gangs
+        self._file = file
+
+    def on_train_begin(self, *, step_nr: int) -> None:
+        save_full_params(self._model, self._gangs, self._file)
+
+
 @final
 class _ToyRun:
     def __init__(
@@ -146,17 +174,13 @@ class _ToyRun:
             raise RuntimeError("The reference run did not finish.")
         code = self._trainer.run()
         if code == 0:
-            state = get_model_state_dict(
-                self._model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-            )
-            if self._gangs.root.rank == 0:
-                params = {k.removeprefix("module."): v for k, v in state.items()}
-                torch.save(params, self._output_dir / "params.pt")
+            save_full_params(self._model, self._gangs, self._output_dir / "params.pt")
         return code
 
 
 def recipe(config: ResumeToyConfig, output_dir: Path) -> _ToyRun:
-    return _ToyRun(config, setup_gangs(tp_size=config.tp_size), output_dir, faults=True)
+    gangs = setup_gangs(tp_size=config.tp_size, dp_shard_size=config.dp_shard_size)
+    return _ToyRun(config, gangs, output_dir, faults=True)
 
 
 def _build(
@@ -178,7 +202,9 @@ def _build(
         seed=3,
     )
     manager = CheckpointManager(output_dir / "checkpoints", gangs)
-    callbacks = []
+    callbacks: list[TrainerCallback] = []
+    if config.save_initial_params:
+        callbacks.append(_SaveInitialParams(model, gangs, output_dir / "initial_params.pt"))
     if faults:
         fault_injector = _Faults(config, gangs, output_dir)
         fault_injector.install_save_faults(manager)
@@ -199,6 +225,7 @@ def _build(
         reshard_on_resume=config.reshard_on_resume,
         callbacks=callbacks,
         progress=False,
+        init_from=config.init_from,
     )
     if faults:
         fault_injector.trainer = trainer

@@ -162,7 +162,9 @@ def make_unit(model: nn.Module, options: dict[str, Any], rank: int) -> ToyUnit:
 
 
 def main(output_dir: Path, options: dict[str, Any]) -> None:
-    gangs = setup_gangs(tp_size=options.get("tp_size", 1))
+    gangs = setup_gangs(
+        tp_size=options.get("tp_size", 1), dp_shard_size=options.get("dp_shard_size")
+    )
     torch.manual_seed(0)
     model: nn.Module = ToyModel()
     model = apply_tensor_parallel(

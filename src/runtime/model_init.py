@@ -1,0 +1,134 @@
+"""Materialize a model built on the ``meta`` device: each rank allocates and initializes its own
+shards, and the weights are a function of the seed alone, whatever the world layout.
+
+A recipe builds its model under ``torch.device("meta")`` (no memory), applies tensor parallelism
+and FSDP2, then calls :func:`materialize_model`. Each module that holds parameters or buffers is
+initialized on its own: its tensors are swapped for plain CPU tensors of their *full* (global)
+shape, its ``reset_parameters()`` (or ``init_fn``) runs under a CPU RNG seeded by ``(seed, the
+module's qualified name)``, and each rank copies only its own slice into its shard
+(``distribute_tensor(..., src_data_rank=None)`` slices locally, without communication, for any
+placement: ``Shard``, ``_StridedShard`` of FSDP2 over TP, ``Replicate``).
+
+Why per module and over the full shape: the values do not depend on how the tensor is split, nor
+on which other modules exist or the order they are initialized in, and ``reset_parameters``
+computes fan-in from the full shape (a TP shard would give the wrong fan-in). No seed checkpoint
+(torchtitan's way) is needed. The cost: a rank holds one module's full tensors at a time (the
+largest is usually the embedding or the output projection), and every rank draws every module's
+random numbers (about a second per billion parameters on one CPU core), which is small next to
+training and avoids any communication.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from itertools import chain
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn import Module, Parameter
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+InitFn = Callable[[str, Module], None]
+"""``init_fn(qualified_name, module)``: initializes ``module``'s own tensors in place.
+
+Called with ``module``'s tensors swapped for full-size CPU tensors, under ``torch.no_grad()`` and
+a CPU RNG already seeded for this module, so it may use ``torch.nn.init`` freely.
+"""
+
+# Wrappers that torch inserts into qualified names; the seed must not depend on them.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def materialize_model(
+    model: Module, *, device: torch.device, seed: int, init_fn: InitFn | None = None
+) -> None:
+    """Allocate this rank's shards of a ``meta`` model on ``device`` and initialize them.
+
+    ``init_fn`` defaults to each module's ``reset_parameters()``; a module that holds tensors but
+    has neither is an error. Call it after tensor parallelism and FSDP2 and before DDP.
+    """
+    if isinstance(model, DDP):
+        raise ValueError(
+            "materialize_model needs the model before DDP wraps it (DDP broadcasts the weights at "
+            "construction, which a meta model does not have). Materialize first, then apply DDP."
+        )
+    model.to_empty(device=device)
+    for name, module in model.named_modules():
+        if next(_own_tensors(module), None) is not None:
+            _initialize_module(canonical_name(name), module, seed, init_fn)
+
+
+def has_meta_tensors(model: Module) -> bool:
+    """Whether any parameter or buffer of ``model`` is still on the ``meta`` device."""
+    return any(t.is_meta for t in chain(model.parameters(), model.buffers()))
+
+
+def canonical_name(name: str) -> str:
+    """``name`` without the wrapper modules that activation checkpointing or compile insert."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def module_seed(seed: int, name: str) -> int:
+    """A 63-bit seed derived from the run's seed and a module's qualified name."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def _own_tensors(module: Module) -> Iterator[tuple[str, Tensor]]:
+    for tensor_name, tensor in chain(module._parameters.items(), module._buffers.items()):
+        if tensor is not None:
+            yield tensor_name, tensor
+
+
+def _initialize_module(name: str, module: Module, seed: int, init_fn: InitFn | None) -> None:
+    if init_fn is None and not callable(getattr(module, "reset_parameters", None)):
+        raise ValueError(
+            f"Module '{name}' ({type(module).__name__}) holds parameters or buffers but has no "
+            "reset_parameters() method, so materialize_model cannot initialize it. Give it one, "
+            "or pass init_fn=(lambda name, module: ...) that initializes it."
+        )
+    shards = dict(_own_tensors(module))
+    full = {n: torch.empty(t.shape, dtype=t.dtype, device="cpu") for n, t in shards.items()}
+    _swap_tensors(
+        module,
+        {
+            n: Parameter(t, requires_grad=False) if n in module._parameters else t
+            for n, t in full.items()
+        },
+    )
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(module_seed(seed, name))
+            if init_fn is None:
+                module.reset_parameters()  # type: ignore[operator]
+            else:
+                init_fn(name, module)
+    finally:
+        _swap_tensors(module, shards)
+    with torch.no_grad():
+        for tensor_name, shard in shards.items():
+            copy_own_slice(shard, full[tensor_name])
+
+
+def _swap_tensors(module: Module, tensors: dict[str, Tensor]) -> None:
+    for tensor_name, tensor in tensors.items():
+        if tensor_name in module._parameters:
+            module._parameters[tensor_name] = tensor  # type: ignore[assignment]
+        else:
+            module._buffers[tensor_name] = (
+                tensor.detach() if isinstance(tensor, Parameter) else tensor
+            )
+
+
+def copy_own_slice(shard: Tensor, full: Tensor) -> None:
+    """Copy this rank's part of the full tensor ``full`` into ``shard`` (a DTensor or plain)."""
+    if isinstance(shard, DTensor):
+        # src_data_rank=None: every rank slices the same full tensor itself; no scatter.
+        local = distribute_tensor(full, shard.device_mesh, shard.placements, src_data_rank=None)
+        shard.to_local().copy_(local.to_local())
+    else:
+        shard.copy_(full)

@@ -1,0 +1,201 @@
+"""Large models: meta-device init that does not depend on the layout, activation checkpointing,
+block-wise compilation, under real torchrun processes (tests/workers/large_model.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from gangs import Gangs
+from recipes.char_lm import Block, ByteTransformer, ModelSection
+from runtime import (
+    apply_activation_checkpointing,
+    apply_data_parallel,
+    has_meta_tensors,
+    materialize_model,
+)
+from tests.conftest import RunTorch, assert_ok, torchrun
+
+WORKER = "tests/workers/large_model.py"
+
+
+def run_worker(run_torchrun: RunTorch, out: Path, nproc: int, **options: Any) -> Any:
+    assert_ok(run_torchrun(nproc, WORKER, str(out), json.dumps(options)))
+    return torch.load(out / f"{options['mode']}.pt", weights_only=True)
+
+
+def assert_close_dicts(actual: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ------------------------------------------------------------------- initialization
+
+
+@pytest.fixture(scope="module")
+def single_process_init(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    result: dict[str, Any] = run_worker(
+        torchrun, tmp_path_factory.mktemp("init_dp1"), 1, mode="init"
+    )
+    return result
+
+
+INIT_LAYOUTS = {
+    "ddp2": (2, {"data_parallel": "ddp"}),
+    "fsdp2": (2, {"data_parallel": "fsdp"}),
+    "fsdp2_built_whole": (2, {"data_parallel": "fsdp", "meta_init": False}),
+    "tp2": (2, {"tp_size": 2}),
+    "dp2_x_tp2": (4, {"tp_size": 2}),
+    "hsdp2x2": (4, {"dp_shard_size": 2}),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(INIT_LAYOUTS))
+def test_initial_weights_depend_on_the_seed_alone(
+    run_torchrun: RunTorch,
+    tmp_path: Path,
+    single_process_init: dict[str, Any],
+    layout: str,
+) -> None:
+    nproc, options = INIT_LAYOUTS[layout]
+    result = run_worker(run_torchrun, tmp_path, nproc, mode="init", **options)
+    weights, expected = result["weights"], single_process_init["weights"]
+    assert weights.keys() == expected.keys()
+    different = [k for k in weights if not torch.equal(weights[k], expected[k])]
+    assert not different, f"{layout}: not bit-identical to DP=1: {different}"
+    # The sharded model computes with those weights (TP sums partial results: float tolerance).
+    assert result["loss"] == pytest.approx(single_process_init["loss"], rel=1e-5)
+
+
+def test_materialized_weights_follow_reset_parameters_over_the_full_shape() -> None:
+    config = ModelSection(dim=16, num_heads=4, ffn_dim=24, num_layers=2)
+    with torch.device("meta"):
+        model = ByteTransformer(config, 8)
+    assert has_meta_tensors(model)
+    materialize_model(model, device=torch.device("cpu"), seed=3)
+    assert not has_meta_tensors(model)
+    # nn.Linear's kaiming-uniform bound is 1/sqrt(fan_in): 1/sqrt(16) for wo, 1/sqrt(24) for w2.
+    wo = model.blocks[0].attn.wo.weight
+    assert 0.2 < wo.abs().max().item() <= 0.25
+    assert model.blocks[1].ffn.w2.weight.abs().max().item() <= 24**-0.5
+    assert torch.equal(model.blocks[0].attn_norm.weight, torch.ones(16))
+    # Blocks of the same shape get different values: the seed includes the module's name.
+    assert not torch.equal(model.blocks[0].attn.wq.weight, model.blocks[1].attn.wq.weight)
+
+    with torch.device("meta"):
+        again = ByteTransformer(config, 8)
+    materialize_model(again, device=torch.device("cpu"), seed=3)
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True)
+    )
+    materialize_model(again, device=torch.device("cpu"), seed=4)
+    assert not torch.equal(model.embed.weight, again.embed.weight)
+
+
+def test_a_module_without_reset_parameters_is_a_clear_error() -> None:
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gain = nn.Parameter(torch.empty(3))
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), Scale())
+    with pytest.raises(ValueError, match=r"Module '1' \(Scale\) .* no reset_parameters\(\)"):
+        materialize_model(model, device=torch.device("cpu"), seed=0)
+
+    def init_fn(name: str, module: nn.Module) -> None:
+        if isinstance(module, Scale):
+            nn.init.ones_(module.gain)
+        else:
+            module.reset_parameters()  # type: ignore[operator]
+
+    materialize_model(model, device=torch.device("cpu"), seed=0, init_fn=init_fn)
+    assert torch.equal(model[1].gain, torch.ones(3))
+
+
+# ---------------------------------------------------------------- activation checkpointing
+
+
+def test_activation_checkpointing_keeps_names_and_gradients() -> None:
+    torch.manual_seed(0)
+    config = ModelSection(dim=16, num_heads=4, ffn_dim=24, num_layers=4, dropout=0.1)
+    model = ByteTransformer(config, 8)
+    reference = ByteTransformer(config, 8)
+    reference.load_state_dict(model.state_dict())
+    assert apply_activation_checkpointing(model, block_types=(Block,), every_n=2) == 2
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    tokens = torch.randint(0, 256, (2, 8))
+    for module in (model, reference):
+        torch.manual_seed(5)
+        module(tokens).square().sum().backward()
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert param.grad is not None and ref.grad is not None
+        torch.testing.assert_close(param.grad, ref.grad, msg=name)
+    with pytest.raises(ValueError, match="every_n must be greater than zero, but is 0"):
+        apply_activation_checkpointing(model, block_types=(Block,), every_n=0)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+def test_activation_checkpointing_gives_the_same_gradients(
+    run_torchrun: RunTorch, tmp_path: Path, data_parallel: str
+) -> None:
+    result = run_worker(
+        run_torchrun, tmp_path, 2, mode="ac_grads", data_parallel=data_parallel, dropout=0.1
+    )
+    assert result["num_checkpointed"] == 2
+    assert_close_dicts(result["checkpointed"], result["plain"])
+    assert any(grad.abs().sum() > 0 for grad in result["plain"].values())
+
+
+# -------------------------------------------------------------------- mixed precision
+
+
+@pytest.mark.distributed
+def test_fsdp2_mixed_precision_computes_in_bf16_and_keeps_fp32_weights(
+    run_torchrun: RunTorch, tmp_path: Path
+) -> None:
+    seen = run_worker(run_torchrun, tmp_path, 2, mode="mixed_precision", data_parallel="fsdp")
+    assert seen == {
+        "forward_weight": "torch.bfloat16",
+        "forward_output": "torch.bfloat16",
+        "sharded_param": "torch.float32",
+        "grad": "torch.float32",
+    }
+
+
+def test_mixed_precision_is_rejected_with_ddp() -> None:
+    with pytest.raises(ValueError, match="are FSDP2 options, but kind is 'ddp'"):
+        apply_data_parallel(nn.Linear(2, 2), Gangs.single(), kind="ddp", param_dtype=torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------- compile
+
+
+def _needs_cpp_compiler() -> None:
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("inductor on CPU needs a C++ compiler (g++ or c++), and none is on PATH")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_compiled_ddp_run_matches_eager(run_torchrun: RunTorch, tmp_path: Path) -> None:
+    _needs_cpp_compiler()
+    result = run_worker(run_torchrun, tmp_path, 2, mode="compile", data_parallel="ddp")
+    assert_close_dicts(result["compiled"], result["eager"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_compiled_fsdp2_with_tp_run_matches_eager(run_torchrun: RunTorch, tmp_path: Path) -> None:
+    _needs_cpp_compiler()
+    result = run_worker(run_torchrun, tmp_path, 4, mode="compile", tp_size=2)
+    assert_close_dicts(result["compiled"], result["eager"])
