@@ -12,7 +12,6 @@ from torch.optim import Optimizer
 from checkpoint import CheckpointManager, LoadedCheckpoint, RetentionPolicy
 from gangs import Gangs
 from runtime.callbacks import TrainerCallback
-from runtime.init_weights import load_initial_weights
 
 
 @final
@@ -91,4 +90,6 @@ class Checkpointer:
     def load_initial_weights(self) -> None:
         """Load the model weights of ``init_from``, if given (a fresh run: nothing to resume)."""
         if self._init_from is not None:
+            from runtime.init_weights import load_initial_weights
+
             load_initial_weights(self._model, self._init_from, gangs=self._gangs)

@@ -29,8 +29,6 @@ from typing import (
     get_type_hints,
 )
 
-import yaml
-
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
@@ -89,6 +87,8 @@ def read_config_file(path: Path | str) -> dict[str, object]:
         ) from None
     except (OSError, UnicodeDecodeError) as ex:
         raise ConfigError(f"Config file '{path}' cannot be read: {ex}") from None
+    import yaml  # imported when a config is read: a recipe's --help needs no YAML
+
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as ex:
@@ -116,6 +116,8 @@ def parse_override(override: str) -> tuple[str, object]:
             f"Config override '{override}' has an empty part in its key '{key}'. "
             "Separate the parts with single dots, e.g. gang.tp_size=2."
         )
+    import yaml  # imported when a config is read: a recipe's --help needs no YAML
+
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError as ex:
@@ -140,6 +142,8 @@ def config_to_dict(config: object) -> dict[str, object]:
 
 def dump_config(config: object) -> str:
     """The config as YAML text, in field order; :func:`load_config` reads it back unchanged."""
+    import yaml
+
     return yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=False)
 
 

@@ -26,7 +26,6 @@ from itertools import chain
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn import Module, Parameter
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -126,6 +125,9 @@ def _swap_tensors(module: Module, tensors: dict[str, Tensor]) -> None:
 
 def copy_own_slice(shard: Tensor, full: Tensor) -> None:
     """Copy this rank's part of the full tensor ``full`` into ``shard`` (a DTensor or plain)."""
+    # Imported here: DTensor takes a second to import, and only sharded models need it.
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     if isinstance(shard, DTensor):
         # src_data_rank=None: every rank slices the same full tensor itself; no scatter.
         local = distribute_tensor(full, shard.device_mesh, shard.placements, src_data_rank=None)

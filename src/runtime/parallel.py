@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gangs import Gangs
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+# FSDP2 and tensor parallelism import DTensor, which takes a second: each function imports what
+# it applies, so a run without them never pays for it.
 
 DataParallelKind = Literal["ddp", "fsdp", "hsdp"]
 
@@ -20,6 +24,8 @@ def apply_tensor_parallel(model: Module, gangs: Gangs, plan: Mapping[str, Parall
     """Shard the submodules named in ``plan`` over the TP gang; a no-op when TP is off."""
     if gangs.tp.size == 1:
         return model
+    from torch.distributed.tensor.parallel import parallelize_module
+
     return parallelize_module(model, gangs.tp_mesh, dict(plan))
 
 
@@ -54,6 +60,8 @@ def apply_data_parallel(
     if gangs.dp.size == 1:
         return model
     if kind != "ddp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
         mesh = gangs.hsdp_mesh if kind == "hsdp" else gangs.dp_mesh
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         for module in model.modules():

@@ -6,8 +6,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import final
 
-from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-
 from gangs import Gang
 from runtime.arguments import check_not_negative, check_positive
 
@@ -25,6 +23,9 @@ class TorchProfiler:
     ) -> None:
         check_not_negative("num_skip_steps", num_skip_steps)
         check_positive("num_record_steps", num_record_steps)
+        # Imported here: torch.profiler takes a tenth of a second to import.
+        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
         self._profile_dir = Path(profile_dir)
         activities = [ProfilerActivity.CPU]
         if gang.device.type == "cuda":
