@@ -1,0 +1,159 @@
+"""Count the collectives a training run makes on the root gang; each rank writes JSON.
+
+Usage: ``collective_count.py OUTPUT_DIR``. Six steps of two accumulated micro-batches under DDP,
+publishing every third step, no validation and no checkpoint but the final one is skipped by
+counting only until the last step ends.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, final
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from typing_extensions import override
+
+from checkpoint import CheckpointManager
+from gangs import Gang, Gangs, PendingCollective, ReduceOperation, setup_gangs
+from runtime import MapDataReader, Trainer, TrainerCallback, apply_data_parallel
+from tests.workers.train_toy import ToyDataset, ToyModel, ToyUnit, collate
+
+
+@final
+class CountingGang(Gang):
+    """Delegates to ``gang`` and counts its collectives by name while ``counting``."""
+
+    def __init__(self, gang: Gang) -> None:
+        self._gang = gang
+        self.counting = False
+        self.counts: Counter[str] = Counter()
+
+    def _count(self, name: str) -> None:
+        if self.counting:
+            self.counts[name] += 1
+
+    @property
+    @override
+    def rank(self) -> int:
+        return self._gang.rank
+
+    @property
+    @override
+    def size(self) -> int:
+        return self._gang.size
+
+    @property
+    @override
+    def device(self) -> torch.device:
+        return self._gang.device
+
+    @override
+    def close(self) -> None:
+        self._gang.close()
+
+    @override
+    def make_gang(self, ranks: Sequence[int]) -> Gang | None:
+        return self._gang.make_gang(ranks)
+
+    @override
+    def as_process_group(self) -> ProcessGroup:
+        return self._gang.as_process_group()
+
+    @override
+    def barrier(self) -> None:
+        self._count("barrier")
+        self._gang.barrier()
+
+    @override
+    def all_reduce(self, tensor: Tensor, op: ReduceOperation) -> None:
+        self._count("all_reduce")
+        self._gang.all_reduce(tensor, op)
+
+    @override
+    def all_reduce_async(self, tensor: Tensor, op: ReduceOperation) -> PendingCollective:
+        self._count("all_reduce_async")
+        return self._gang.all_reduce_async(tensor, op)
+
+    @override
+    def all_gather(self, output_tensor: Tensor, input_tensor: Tensor) -> None:
+        self._count("all_gather")
+        self._gang.all_gather(output_tensor, input_tensor)
+
+    @override
+    def all_gather_to_list(self, output_tensors: list[Tensor], input_tensor: Tensor) -> None:
+        self._count("all_gather_to_list")
+        self._gang.all_gather_to_list(output_tensors, input_tensor)
+
+    @override
+    def broadcast(self, tensor: Tensor, source_rank: int = 0) -> None:
+        self._count("broadcast")
+        self._gang.broadcast(tensor, source_rank)
+
+    @override
+    def broadcast_objects(self, objects: list[Any], source_rank: int = 0) -> None:
+        self._count("broadcast_objects")
+        self._gang.broadcast_objects(objects, source_rank)
+
+    @override
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        self._count("all_gather_objects")
+        return self._gang.all_gather_objects(obj)
+
+
+@final
+class CountSteps(TrainerCallback):
+    """Counts from the start of step 1 to the end of step 6 (the final checkpoint comes after)."""
+
+    def __init__(self, root: CountingGang, output_dir: Path) -> None:
+        self._root = root
+        self._output_dir = output_dir
+        self.per_step: list[dict[str, int]] = []
+
+    def on_train_begin(self, *, step_nr: int) -> None:
+        self._root.counting = True
+
+    def on_step_end(self, *, step_nr: int) -> None:
+        self.per_step.append(dict(self._root.counts))
+        self._root.counts.clear()
+
+    def on_metrics_published(self, *, run: str, step_nr: int, values: Any) -> None:
+        self.per_step.append({f"publish:{k}": v for k, v in self._root.counts.items()})
+        self._root.counts.clear()
+        if step_nr == 6:
+            self._root.counting = False
+            path = self._output_dir / f"rank_{self._root.rank}.json"
+            path.write_text(json.dumps(self.per_step))
+
+
+def main(output_dir: Path) -> None:
+    gangs = setup_gangs()
+    root = CountingGang(gangs.root)
+    counted = Gangs(root=root, dp=gangs.dp, tp=gangs.tp, device_mesh=gangs.device_mesh)
+    torch.manual_seed(0)
+    model = apply_data_parallel(ToyModel(), counted, kind="ddp")
+    reader = MapDataReader(
+        dataset=ToyDataset(256), batch_size=2, collate=collate, gang=gangs.dp, num_accumulate=2
+    )
+    trainer = Trainer(
+        unit=ToyUnit(model, mean_loss=False, zero_targets=False),
+        data_reader=reader,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=0.01),
+        checkpoint_manager=CheckpointManager(output_dir / "checkpoints", counted),
+        gangs=counted,
+        max_num_steps=6,
+        publish_metrics_every_n_steps=3,
+        callbacks=[CountSteps(root, output_dir)],
+        progress=False,
+    )
+    trainer.run()
+    gangs.root.close()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
