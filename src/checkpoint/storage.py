@@ -104,11 +104,22 @@ class DcpStorage:
         return self._async_groups[writer_nr]
 
     def _run(self, operation: Callable[..., object], state: StateDict, path: Path) -> None:
-        if self._gang.size == 1:
-            with _single_process_dcp():
-                operation(state, checkpoint_id=path, no_dist=True)
-        else:
-            operation(state, checkpoint_id=path, process_group=self._gang.as_process_group())
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            if self._gang.size == 1:
+                with _single_process_dcp():
+                    operation(state, checkpoint_id=path, no_dist=True)
+            else:
+                operation(state, checkpoint_id=path, process_group=self._gang.as_process_group())
+        except CheckpointException as ex:
+            # A BaseException: it would pass every `except Exception` (the agreement between
+            # ranks, the command line's error handling). Its message is a traceback per rank.
+            causes = "; ".join(
+                f"rank {rank}: {type(error).__name__}: {error}"
+                for rank, (error, _stack) in sorted(ex.failures.items())
+            )
+            raise RuntimeError(causes or str(ex)) from None
 
 
 @contextlib.contextmanager

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from gangs.agreement import agree, decide_on_rank_zero, find_disagreements, run_on_all_ranks
-from gangs.gang import FakeGang, Gang, GangError, ProcessGroupGang, ReduceOperation
+from gangs.gang import (
+    FakeGang,
+    Gang,
+    GangError,
+    ProcessGroupGang,
+    ReduceOperation,
+    is_collective_timeout,
+)
 from gangs.setup import Gangs, default_device, setup_gangs, setup_parallel_gangs, setup_root_gang
 
 __all__ = [
@@ -17,6 +24,7 @@ __all__ = [
     "decide_on_rank_zero",
     "default_device",
     "find_disagreements",
+    "is_collective_timeout",
     "run_on_all_ranks",
     "setup_gangs",
     "setup_parallel_gangs",

@@ -122,10 +122,12 @@ def setup_parallel_gangs(root: Gang, *, tp_size: int = 1) -> Gangs:
     except (RuntimeError, ValueError) as ex:
         raise GangError(f"The ({dp_size}, {tp_size}) device mesh cannot be made: {ex}") from ex
 
+    timeout = root.timeout if isinstance(root, ProcessGroupGang) else None
+
     def gang_of(dim: str, size: int) -> Gang:
         if size == 1:
             return FakeGang(device=root.device)
-        return ProcessGroupGang(mesh.get_group(dim), device=root.device)
+        return ProcessGroupGang(mesh.get_group(dim), device=root.device, timeout=timeout)
 
     return Gangs(root=root, dp=gang_of("dp", dp_size), tp=gang_of("tp", tp_size), device_mesh=mesh)
 
