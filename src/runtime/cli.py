@@ -13,6 +13,7 @@ import logging
 import logging.handlers
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -111,7 +112,11 @@ def main(
             _evaluate(runnable, args.evaluate)
             sys.exit(0)
         startup_signals.disarm()
-        code = run.train(runnable)
+        try:
+            code = run.train(runnable)
+        except BaseException as ex:
+            _let_the_launcher_see_the_vanished_peer(ex)
+            raise
         log.info("The recipe finished with exit status %s.", code)
         sys.exit(code)
 
@@ -222,6 +227,30 @@ def _claim(output_dir: Path) -> Iterator[RunLock]:
         yield lock
     finally:
         lock.release()
+
+
+_PEER_FAILURE_GRACE = 3.0
+"""Seconds a rank whose peer vanished waits before it fails too (see below)."""
+
+
+def _let_the_launcher_see_the_vanished_peer(ex: BaseException) -> None:
+    """Under torchrun, wait a little before failing because a peer rank died.
+
+    A killed rank's sockets close before the kernel reports it dead, so this rank's own failure
+    can reach torchrun first; torchrun then reports it as the root cause and never mentions the
+    rank that was killed. Waiting lets the real root cause come first (torchrun stops this rank
+    with SIGTERM meanwhile).
+    """
+    if not LauncherWatchdog.wanted():
+        return
+    chain: BaseException | None = ex
+    while chain is not None:
+        text = str(chain).lower()
+        if "closed by peer" in text or "reset by peer" in text:
+            log.warning("A peer rank vanished; waiting for the launcher to notice it first.")
+            time.sleep(_PEER_FAILURE_GRACE)
+            return
+        chain = chain.__cause__ or chain.__context__
 
 
 def _world_group() -> dist.ProcessGroup:

@@ -90,4 +90,7 @@ class StartupSignals:
         self._previous = {}
 
     def _raise(self, signum: int, _frame: FrameType | None) -> None:
+        # More signals of the storm must not interrupt the unwinding this one starts.
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
         raise StartupInterrupted(signum)
