@@ -114,12 +114,13 @@ class DcpStorage:
                 operation(state, checkpoint_id=path, process_group=self._gang.as_process_group())
         except CheckpointException as ex:
             # A BaseException: it would pass every `except Exception` (the agreement between
-            # ranks, the command line's error handling). Its message is a traceback per rank.
+            # ranks, the command line's error handling). Its message is a traceback per rank, so
+            # the message here is each rank's error, and the cause keeps the tracebacks.
             causes = "; ".join(
                 f"rank {rank}: {type(error).__name__}: {error}"
                 for rank, (error, _stack) in sorted(ex.failures.items())
             )
-            raise RuntimeError(causes or str(ex)) from None
+            raise RuntimeError(causes or str(ex)) from ex
 
 
 @contextlib.contextmanager
