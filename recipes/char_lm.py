@@ -40,6 +40,7 @@ from runtime import (
     main,
     materialize_model,
 )
+from runtime.arguments import check_not_negative, check_positive
 from units import EvalUnit, TrainUnit
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,21 @@ class CharLMConfig:
     wandb_project: str | None = None
 
     def validate(self) -> None:
+        # Checked here, before any division by them and before the corpus is read.
+        for name, value in (
+            ("gang.tp_size", self.gang.tp_size),
+            ("gang.timeout_minutes", self.gang.timeout_minutes),
+            ("data.seq_len", self.data.seq_len),
+            ("data.valid_every_nth_file", self.data.valid_every_nth_file),
+            ("model.dim", self.model.dim),
+            ("model.num_layers", self.model.num_layers),
+            ("model.num_heads", self.model.num_heads),
+            ("model.ffn_dim", self.model.ffn_dim),
+        ):
+            check_positive(name, value)
+        check_not_negative("optimizer.warmup_steps", self.optimizer.warmup_steps)
+        check_not_negative("data.max_train_bytes", self.data.max_train_bytes)
+        check_not_negative("data.max_valid_bytes", self.data.max_valid_bytes)
         if self.model.dim % self.model.num_heads != 0:
             raise ValueError(
                 f"model.dim ({self.model.dim}) must be a multiple of model.num_heads "

@@ -187,9 +187,13 @@ def _as_error(error: BaseException) -> BaseException:
 
     if not isinstance(error, CheckpointException):
         return error
-    rank, (cause, _) = next(iter(error.failures.items()))
-    wrapped = CheckpointError(f"{type(cause).__name__} on rank {rank}: {cause}")
-    wrapped.__cause__ = cause
+    failures = sorted(error.failures.items())
+    wrapped = CheckpointError(
+        "; ".join(
+            f"{type(cause).__name__} on rank {rank}: {cause}" for rank, (cause, _) in failures
+        )
+    )
+    wrapped.__cause__ = failures[0][1][0]
     return wrapped
 
 

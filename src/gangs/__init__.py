@@ -10,6 +10,7 @@ from gangs.gang import (
     PendingCollective,
     ProcessGroupGang,
     ReduceOperation,
+    is_collective_timeout,
 )
 from gangs.setup import Gangs, default_device, setup_gangs, setup_parallel_gangs, setup_root_gang
 
@@ -25,6 +26,7 @@ __all__ = [
     "decide_on_rank_zero",
     "default_device",
     "find_disagreements",
+    "is_collective_timeout",
     "run_on_all_ranks",
     "setup_gangs",
     "setup_parallel_gangs",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import atexit
+import os
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -189,11 +191,19 @@ T = TypeVar("T")
 class ProcessGroupGang(Gang):
     """A gang over a ``torch.distributed`` process group."""
 
-    def __init__(self, process_group: ProcessGroup, *, device: torch.device) -> None:
+    def __init__(
+        self,
+        process_group: ProcessGroup,
+        *,
+        device: torch.device,
+        timeout: timedelta | None = None,
+    ) -> None:
+        """``timeout`` is the group's collective timeout, if known; it only shapes error messages."""
         self._pg = process_group
         self._rank = dist.get_rank(process_group)
         self._size = dist.get_world_size(process_group)
         self._device = device
+        self._timeout = timeout
 
     @classmethod
     def init_default(cls, *, device: torch.device, timeout: timedelta) -> ProcessGroupGang:
@@ -211,7 +221,7 @@ class ProcessGroupGang(Gang):
             ) from ex
         default_group = dist.group.WORLD
         assert default_group is not None
-        return cls(default_group, device=device)
+        return cls(default_group, device=device, timeout=timeout)
 
     @property
     @override
@@ -227,6 +237,11 @@ class ProcessGroupGang(Gang):
     @override
     def device(self) -> torch.device:
         return self._device
+
+    @property
+    def timeout(self) -> timedelta | None:
+        """The collective timeout of the group, when the gang was made knowing it."""
+        return self._timeout
 
     @override
     def close(self) -> None:
@@ -245,7 +260,7 @@ class ProcessGroupGang(Gang):
             return None
         if len(ranks) == 1:
             return FakeGang(device=self._device)
-        return ProcessGroupGang(group, device=self._device)
+        return ProcessGroupGang(group, device=self._device, timeout=self._timeout)
 
     @override
     def as_process_group(self) -> ProcessGroup:
@@ -319,9 +334,63 @@ class ProcessGroupGang(Gang):
         try:
             return collective()
         except (RuntimeError, ValueError) as ex:
+            if is_collective_timeout(ex):
+                raise self.timeout_error(f"The {name} collective", ex) from ex
             raise GangError(
                 f"The {name} collective failed on rank {self._rank} of a gang of {self._size}: {ex}"
             ) from ex
+
+    def timeout_error(self, what: str, ex: BaseException) -> GangError:
+        """A :class:`GangError` for the timeout ``ex`` of ``what``, naming the ranks that hung.
+
+        Every rank whose collective timed out must call it (``_run`` does): the ranks that do not
+        are reported as the ones that never reached the collective.
+        """
+        after = f" after {self._timeout}" if self._timeout is not None else ""
+        return GangError(
+            f"{what} timed out on rank {self._rank} of a gang of {self._size}{after}: "
+            f"{self._stalled(what)} {ex}"
+        )
+
+    def _stalled(self, name: str) -> str:
+        """Which ranks never reached the collective, as far as the rendezvous store can tell.
+
+        Every rank whose collective timed out says so in the store; after a grace period the
+        ranks that did not are the ones that hung (or left). Best effort: without a store, or
+        when a store call fails, the ranks are not named.
+        """
+        global_ranks = [dist.get_global_rank(self._pg, r) for r in range(self._size)]
+        prefix = f"trainkit/collective_timeout/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        grace = _TIMEOUT_REPORT_GRACE
+        if self._timeout is not None:
+            grace = min(grace, self._timeout.total_seconds() / 2)
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"{prefix}/{dist.get_rank()}", name)
+            deadline = time.monotonic() + grace
+            while True:
+                reported = [store.check([f"{prefix}/{r}"]) for r in global_ranks]
+                if all(reported) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        except (RuntimeError, ValueError, AttributeError):
+            return "the ranks that did not reach it are unknown."
+        missing = [r for r, ok in zip(range(self._size), reported, strict=True) if not ok]
+        if not missing:
+            return "every rank reached it, so the network or a peer's backend stalled."
+        return (
+            f"rank {', '.join(map(str, missing))} of the gang did not reach it "
+            f"(hung, or busy outside collectives for longer than the timeout)."
+        )
+
+
+_TIMEOUT_REPORT_GRACE = 10.0
+"""The most seconds a timed-out rank waits for the others to report their own timeouts."""
+
+
+def is_collective_timeout(ex: BaseException) -> bool:
+    """Whether ``ex`` is a backend's collective timeout (gloo and nccl word it this way)."""
+    return isinstance(ex, RuntimeError) and "timed out" in str(ex).lower()
 
 
 @final

@@ -185,10 +185,12 @@ def setup_parallel_gangs(
     except (RuntimeError, ValueError) as ex:
         raise GangError(f"The {shape} device mesh cannot be made: {ex}") from ex
 
+    timeout = root.timeout if isinstance(root, ProcessGroupGang) else None
+
     def gang_of(dim_mesh: DeviceMesh) -> Gang:
         if dim_mesh.size() == 1:
             return FakeGang(device=root.device)
-        return ProcessGroupGang(dim_mesh.get_group(), device=root.device)
+        return ProcessGroupGang(dim_mesh.get_group(), device=root.device, timeout=timeout)
 
     return Gangs(
         root=root, dp=gang_of(_flat_dp_mesh(mesh)), tp=gang_of(mesh["tp"]), device_mesh=mesh

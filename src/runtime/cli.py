@@ -8,13 +8,18 @@ saved checkpoint of OUTPUT_DIR instead of training (see :func:`main`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import logging.handlers
 import os
 import sys
-from collections.abc import Callable, Sequence
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import NoReturn, Protocol, TypeVar, final
+from typing import Any, NoReturn, Protocol, TypeVar, final
 
+import torch
 import torch.distributed as dist
 
 from checkpoint import (
@@ -24,9 +29,11 @@ from checkpoint import (
     CheckpointLayoutError,
 )
 from checkpoint.durable import write_text_atomically
-from gangs import GangError
-from runtime.config import ConfigError, dump_config, load_config
+from gangs import GangError, ProcessGroupGang, is_collective_timeout
+from runtime.config import ConfigError, config_changes, dump_config, load_config
 from runtime.init_weights import InitialWeightsError
+from runtime.run_lock import LauncherWatchdog, RunLock, RunLockError
+from runtime.signals import PREEMPTED_EXIT_CODE, StartupInterrupted, StartupSignals
 
 ConfigT = TypeVar("ConfigT")
 
@@ -50,8 +57,20 @@ def main(
     """Parse the command line, build the config, set up the output directory, run the recipe.
 
     A bad command line or config, and a ``ValueError`` or ``GangError`` raised while the recipe
-    builds its trainer, print one ``error: ...`` line to stderr and exit with status 2. Errors from
-    ``run()`` itself propagate with their traceback.
+    builds its trainer, print one ``error: ...`` line to stderr and exit with status 2, leaving no
+    ``config.yaml`` and no checkpoints behind (only ``logs/`` with the error). Errors from
+    ``run()`` itself propagate with their traceback, except a collective that failed or timed
+    out (one ``error:`` line naming the collective and the step, exit status 1) and a checkpoint
+    this config cannot resume from (exit status 2, see below).
+
+    Rank 0 holds ``OUTPUT_DIR/run.lock`` while training (see :mod:`runtime.run_lock`): a second
+    run on a directory in use exits with status 2 and a message naming the holder, before it
+    writes anything. Under ``torchrun`` every worker exits soon after its launcher dies.
+
+    When OUTPUT_DIR holds the ``config.yaml`` of an earlier run, the log lists what changed. A
+    change the checkpoints cannot follow (a model shape, a world layout) fails the resume with
+    status 2, a message saying how to start fresh or resume anyway, and the old ``config.yaml``
+    kept.
 
     With ``--evaluate WHICH`` (``last``, ``best`` or a step number) the recipe's trainer is built
     the same way, but instead of ``run()`` its ``evaluate_checkpoint(WHICH)`` loads that
@@ -77,46 +96,211 @@ def main(
     except OSError as ex:
         _fail(f"The output directory '{output_dir}' cannot be created: {ex}")
 
-    setup_logging(output_dir, rank)
-    try:
-        config_text = dump_config(config)
-        log.info("Effective config:\n%s", config_text.rstrip(), extra=_FILE_ONLY)
+    logs = _RankLogs(output_dir, rank)
+    with contextlib.ExitStack() as stack:
+        # A process that exits with its process group alive aborts instead of exiting cleanly.
+        stack.callback(_destroy_process_group)
+        startup_signals = stack.enter_context(StartupSignals())
+        stack.enter_context(_exit_on_startup_signal())
         if rank == 0 and args.evaluate is None:
-            write_text_atomically(output_dir / "config.yaml", config_text)
-            log.info(
-                "Wrote the effective config to %s", output_dir / "config.yaml", extra=_FILE_ONLY
-            )
-
+            stack.enter_context(_claim(output_dir))
+        # Other ranks reach the log files once the recipe built their gangs, so only after rank 0
+        # holds the lock: a refused launch leaves the logs of the run it collided with alone.
+        if rank == 0:
+            logs.attach()
+        if LauncherWatchdog.wanted():
+            watchdog = LauncherWatchdog()
+            watchdog.start()
+            stack.callback(watchdog.stop)
+        run = _Run(config, output_dir, rank, logs)
+        runnable = run.build(recipe)
+        if args.evaluate is not None:
+            _evaluate(runnable, args.evaluate)
+            sys.exit(0)
+        startup_signals.disarm()
         try:
-            runnable = recipe(config, output_dir)
+            code = run.train(runnable)
+        except BaseException as ex:
+            _let_the_launcher_see_the_vanished_peer(ex)
+            raise
+        log.info("The recipe finished with exit status %s.", code)
+        sys.exit(code)
+
+
+@final
+class _Run:
+    """The steps of :func:`main` between the lock and the exit."""
+
+    def __init__(self, config: object, output_dir: Path, rank: int, logs: _RankLogs) -> None:
+        self._config = config
+        self._output_dir = output_dir
+        self._rank = rank
+        self._logs = logs
+        self._config_text = dump_config(config)
+        self._previous_text = _read_previous_config(output_dir / "config.yaml")
+        self._changes = config_changes(self._previous_text, config)
+
+    def build(self, recipe: Callable[[Any, Path], Runnable]) -> Runnable:
+        log.info("Effective config:\n%s", self._config_text.rstrip(), extra=_FILE_ONLY)
+        try:
+            runnable = recipe(self._config, self._output_dir)
         except (ValueError, GangError) as ex:
             # Bad values the config types cannot express (e.g. a negative step count, a tp_size
             # that does not divide the world) surface here; the traceback goes to the rank log in
             # case the error is a bug, not a bad value.
+            self._logs.attach()
             log.exception("The recipe rejected the config: %s", ex, extra=_FILE_ONLY)
             _fail(str(ex))
+        self._logs.attach()
+        return runnable
 
-        if args.evaluate is not None:
-            _evaluate(runnable, args.evaluate)
-            sys.exit(0)
-
+    def train(self, runnable: Runnable) -> int:
+        config_file = self._output_dir / "config.yaml"
+        if self._changes:
+            log.info(
+                "The config differs from %s, written by the run here before: %s.",
+                config_file,
+                "; ".join(self._changes),
+            )
+        if self._rank == 0:
+            write_text_atomically(config_file, self._config_text)
+            log.info("Wrote the effective config to %s", config_file, extra=_FILE_ONLY)
         try:
-            code = runnable.run()
-        except (CheckpointLayoutError, CheckpointDirectoryError, InitialWeightsError) as ex:
-            # Another world layout, ranks without a shared directory, or init_from weights that
-            # do not fit the model: a launch mistake, not a crash.
-            log.exception("The run cannot resume: %s", ex, extra=_FILE_ONLY)
+            return runnable.run() or 0
+        except (CheckpointDirectoryError, InitialWeightsError) as ex:
+            # Ranks without a shared directory, or init_from weights that do not fit the model:
+            # a launch mistake, not a crash.
+            log.exception("The run cannot start: %s", ex, extra=_FILE_ONLY)
             _fail(str(ex))
+        except CheckpointError as ex:
+            if isinstance(ex, CheckpointLayoutError) or self._changes:
+                self._refuse_resume(ex)
+            log.exception("The run failed.", extra=_FILE_ONLY)
+            raise
+        except GangError as ex:
+            self._collective_failed(runnable, str(ex))
+        except RuntimeError as ex:
+            # A collective inside torch (DDP's gradient all-reduce, FSDP, DCP) that timed out.
+            if not (is_collective_timeout(ex) and dist.is_initialized()):
+                log.exception("The run failed.", extra=_FILE_ONLY)
+                raise
+            world = ProcessGroupGang(_world_group(), device=torch.device("cpu"))
+            self._collective_failed(runnable, str(world.timeout_error(_origin(ex), ex)))
         except Exception:
             # The traceback reaches stderr too, but for ranks above 0 only via torchrun's output.
             log.exception("The run failed.", extra=_FILE_ONLY)
             raise
-        log.info("The recipe finished with exit status %s.", code or 0)
-        sys.exit(code or 0)
+
+    def _collective_failed(self, runnable: Runnable, message: str) -> NoReturn:
+        """One ``error:`` line with the step and exit 1: the stack of a hung peer helps nobody."""
+        step_nr = getattr(runnable, "step_nr", None)
+        at_step = f" at step {step_nr}" if isinstance(step_nr, int) else ""
+        log.exception("The run failed%s: %s", at_step, message, extra=_FILE_ONLY)
+        print(f"error: The run failed{at_step}: {_one_line(message)}", file=sys.stderr)
+        sys.exit(1)
+
+    def _refuse_resume(self, ex: CheckpointError) -> NoReturn:
+        """Keep the old config.yaml and say how to start fresh or resume anyway."""
+        if self._rank == 0 and self._previous_text is not None:
+            write_text_atomically(self._output_dir / "config.yaml", self._previous_text)
+        message = str(ex)
+        if self._changes:
+            message += (
+                f" The config differs from the run in {self._output_dir}: "
+                f"{'; '.join(self._changes)}. To start fresh, pass another OUTPUT_DIR (or move "
+                f"{self._output_dir / 'checkpoints'} away); to resume, run with the old values "
+                f"again (in {self._output_dir / 'config.yaml'})."
+            )
+        # Relaunching a run with another world layout or model is a launch mistake, not a crash.
+        log.exception("The run cannot resume: %s", message, extra=_FILE_ONLY)
+        _fail(message)
+
+
+@contextlib.contextmanager
+def _exit_on_startup_signal() -> Iterator[None]:
+    try:
+        yield
+    except StartupInterrupted as ex:
+        log.warning("%s Exiting without training; launch again to start.", ex)
+        sys.exit(PREEMPTED_EXIT_CODE)
+
+
+@contextlib.contextmanager
+def _claim(output_dir: Path) -> Iterator[RunLock]:
+    lock = RunLock(output_dir)
+    try:
+        lock.acquire()
+    except RunLockError as ex:
+        _fail(str(ex))
+    except OSError as ex:
+        _fail(f"The output directory '{output_dir}' is not writable: {ex}")
+    try:
+        yield lock
     finally:
-        # A process that exits with its process group alive aborts instead of exiting cleanly.
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        lock.release()
+
+
+_PEER_FAILURE_GRACE = 3.0
+"""Seconds a rank whose peer vanished waits before it fails too (see below)."""
+
+
+def _let_the_launcher_see_the_vanished_peer(ex: BaseException) -> None:
+    """Under torchrun, wait a little before failing because a peer rank died.
+
+    A killed rank's sockets close before the kernel reports it dead, so this rank's own failure
+    can reach torchrun first; torchrun then reports it as the root cause and never mentions the
+    rank that was killed. Waiting lets the real root cause come first (torchrun stops this rank
+    with SIGTERM meanwhile).
+    """
+    if not LauncherWatchdog.wanted():
+        return
+    chain: BaseException | None = ex
+    while chain is not None:
+        text = str(chain).lower()
+        if "closed by peer" in text or "reset by peer" in text:
+            log.warning("A peer rank vanished; waiting for the launcher to notice it first.")
+            time.sleep(_PEER_FAILURE_GRACE)
+            return
+        chain = chain.__cause__ or chain.__context__
+
+
+def _world_group() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    assert group is not None
+    return group
+
+
+def _origin(ex: BaseException) -> str:
+    """Where ``ex`` was raised, for a collective that is not a gang's: the innermost frames."""
+    frames = traceback.extract_tb(ex.__traceback__)
+    ours = [f for f in frames if "/torch/" not in f.filename]
+    theirs = [f for f in frames if "/torch/" in f.filename]
+    where = "A collective"
+    if theirs:
+        module = theirs[-1].filename.rsplit("/torch/", 1)[1].removesuffix(".py").replace("/", ".")
+        where += f" in torch.{module}.{theirs[-1].name}"
+    if ours:
+        where += f" (called from {Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].name})"
+    return where
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _read_previous_config(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as ex:
+        log.warning("Cannot read the config of the earlier run, %s: %s", path, ex)
+        return None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _evaluate(runnable: Runnable, which: CheckpointChoice) -> None:
@@ -136,24 +320,53 @@ def _evaluate(runnable: Runnable, which: CheckpointChoice) -> None:
 
 def setup_logging(output_dir: Path, rank: int) -> None:
     """Log every rank to ``output_dir/logs/rank_N.log`` and rank 0 also to stderr, at INFO."""
-    log_dir = output_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    logs = _RankLogs(output_dir, rank)
+    logs.attach()
 
-    file_handler = logging.FileHandler(log_dir / f"rank_{rank}.log", encoding="utf-8")
-    file_handler.setFormatter(
-        logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
-    )
-    handlers: list[logging.Handler] = [file_handler]
-    if rank == 0:
-        console_handler = logging.StreamHandler(sys.stderr)
-        console_handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+@final
+class _RankLogs:
+    """The root logger of one rank: stderr (rank 0) at once; the rank's log file from attach().
+
+    Records logged before :meth:`attach` wait in memory and reach the file when it is attached,
+    so a launch that stops before then writes nothing to OUTPUT_DIR.
+    """
+
+    def __init__(self, output_dir: Path, rank: int) -> None:
+        self._output_dir = output_dir
+        self._rank = rank
+        self._buffer = logging.handlers.MemoryHandler(
+            capacity=100_000, flushLevel=logging.CRITICAL + 1
         )
-        console_handler.addFilter(_skip_file_only)
-        handlers.append(console_handler)
+        self._buffer.setFormatter(_file_formatter(rank))
+        handlers: list[logging.Handler] = [self._buffer]
+        if rank == 0:
+            console_handler = logging.StreamHandler(sys.stderr)
+            console_handler.setFormatter(
+                logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+            )
+            console_handler.addFilter(_skip_file_only)
+            handlers.append(console_handler)
+        # force: a library may have configured the root logger on import; ours must win.
+        logging.basicConfig(level=logging.INFO, handlers=handlers, force=True)
 
-    # force: a library may have configured the root logger on import; ours must win.
-    logging.basicConfig(level=logging.INFO, handlers=handlers, force=True)
+    def attach(self) -> None:
+        """Start writing ``logs/rank_N.log``, beginning with the records held so far."""
+        if self._buffer.target is not None:
+            return
+        log_dir = self._output_dir / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(log_dir / f"rank_{self._rank}.log", encoding="utf-8")
+        file_handler.setFormatter(_file_formatter(self._rank))
+        self._buffer.setTarget(file_handler)
+        self._buffer.flush()
+        root = logging.getLogger()
+        root.removeHandler(self._buffer)
+        root.addHandler(file_handler)
+
+
+def _file_formatter(rank: int) -> logging.Formatter:
+    return logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
 
 
 # The console stays quiet about what is already in config.yaml and the log files, so that a

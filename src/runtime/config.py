@@ -147,6 +147,48 @@ def dump_config(config: object) -> str:
     return yaml.safe_dump(config_to_dict(config), sort_keys=False, default_flow_style=False)
 
 
+def config_changes(previous_text: str | None, config: object) -> list[str]:
+    """``key: old -> new`` for each value ``config`` changes from the YAML ``previous_text``.
+
+    ``previous_text`` is the ``config.yaml`` an earlier run wrote (``None``: there was none).
+    """
+    if previous_text is None:
+        return []
+    import yaml
+
+    try:
+        previous = yaml.safe_load(previous_text)
+    except yaml.YAMLError:
+        return ["config.yaml of the earlier run is not valid YAML"]
+    if not isinstance(previous, dict):
+        return ["config.yaml of the earlier run is not a mapping"]
+    old, new = _flatten(previous), _flatten(config_to_dict(config))
+    missing = object()
+    return [
+        f"{key}: {_brief(old.get(key, missing))} -> {_brief(new.get(key, missing))}"
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key, missing) != new.get(key, missing)
+    ]
+
+
+def _flatten(data: dict[Any, Any], prefix: str = "") -> dict[str, object]:
+    flat: dict[str, object] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _brief(value: object) -> str:
+    return "(absent)" if not isinstance(value, _Plain) else repr(value)
+
+
+_Plain = (type(None), bool, int, float, str, list, dict)
+
+
 # --------------------------------------------------------------------------- merging
 
 

@@ -48,3 +48,49 @@ class StopSignals:
     def _request(self, signum: int, _frame: FrameType | None) -> None:
         log.warning("Received %s: stopping at the next step boundary.", signal.Signals(signum).name)
         self.requested = True
+
+
+class StartupInterrupted(Exception):
+    """A stop signal arrived before training started."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"Received {signal.Signals(signum).name} before training started.")
+        self.signum = signum
+
+
+@final
+class StartupSignals:
+    """Until :meth:`disarm`, a stop signal raises :class:`StartupInterrupted` where the process is.
+
+    Before the training loop there is no step boundary to stop at, so start-up (building the
+    gangs, the model, the trainer) is abandoned instead: the command line exits with
+    :data:`PREEMPTED_EXIT_CODE` before anything of the run is written. :class:`StopSignals` takes
+    over once training starts; after :meth:`disarm` the default handlers are back.
+    """
+
+    def __init__(self) -> None:
+        self._previous: dict[signal.Signals, object] = {}
+
+    def __enter__(self) -> StartupSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._raise) for sig in STOP_SIGNALS}
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.disarm()
+
+    def disarm(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous = {}
+
+    def _raise(self, signum: int, _frame: FrameType | None) -> None:
+        # More signals of the storm must not interrupt the unwinding this one starts.
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        raise StartupInterrupted(signum)

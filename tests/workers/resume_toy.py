@@ -15,7 +15,19 @@ Faults, each on rank ``fault_rank`` (``-1``: the last rank) only:
 - ``sigkill_at_step``: the rank SIGKILLs itself after that step;
 - ``sigkill_in_save``: ``"after_model"`` (the model of step ``sigkill_save_step`` is written, the
   rest of the save not) or ``"after_manifest"`` (the manifest is written, the rename not);
-- ``raise_at_step``: the rank raises after that step, on the first torchrun attempt only.
+- ``raise_at_step``: the rank raises after that step, on the first torchrun attempt only;
+- ``hang_at_step``: after that step the rank sleeps for good, calling no more collectives.
+
+Pacing, for tests that strike at random moments (on every rank):
+
+- ``step_sleep``: seconds to sleep after each step;
+- ``save_sleep``: seconds to sleep before and after each DCP write of a save and before its
+  manifest is written, so that a save lasts long enough to be hit;
+- ``valid_sleep``: seconds each validation batch takes (validation runs with ``validate_every``);
+- ``mark_steps``: write ``OUTPUT_DIR/progress/step_N`` after each step (rank 0), for a test to
+  wait on.
+
+``hidden_size`` changes the model shape and ``gang_timeout_seconds`` the collective timeout.
 
 With ``save_initial_params=true`` the run also writes the parameters its first step starts from
 to ``OUTPUT_DIR/initial_params.pt`` (to check ``init_from``).
@@ -23,10 +35,12 @@ to ``OUTPUT_DIR/initial_params.pt`` (to check ``init_from``).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, final
 
@@ -46,7 +60,8 @@ from runtime import (
     apply_tensor_parallel,
     main,
 )
-from tests.workers.train_toy import ToyDataset, ToyModel, ToyUnit, collate
+from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit, collate
+from tests.workers.valid_toy import ToyEvalUnit, make_valid_reader
 
 
 @dataclass
@@ -70,6 +85,14 @@ class ResumeToyConfig:
     sigkill_in_save: Literal["after_model", "after_manifest"] | None = None
     sigkill_save_step: int | None = None
     raise_at_step: int | None = None
+    hang_at_step: int | None = None
+    step_sleep: float = 0.0
+    save_sleep: float = 0.0
+    valid_sleep: float = 0.0
+    validate_every: int | None = None
+    mark_steps: bool = False
+    hidden_size: int = 16
+    gang_timeout_seconds: float = 900.0
     reference_first: bool = False
 
 
@@ -85,16 +108,32 @@ class _Faults(TrainerCallback):
 
     def on_step_end(self, *, step_nr: int) -> None:
         config = self._config
+        if config.step_sleep:
+            time.sleep(config.step_sleep)
+        if config.mark_steps and self._rank == 0:
+            progress = self._output_dir / "progress"
+            progress.mkdir(exist_ok=True)
+            (progress / f"step_{step_nr}").touch()
         if step_nr == config.wait_for_sigterm_at_step:
             self._wait_for_sigterm()
         if not self._is_fault_rank:
             return
+        if step_nr == config.hang_at_step:
+            self._hang(step_nr)
         if step_nr == config.sigterm_at_step:
             os.kill(os.getpid(), signal.SIGTERM)
         if step_nr == config.sigkill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
         if step_nr == config.raise_at_step and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
             raise RuntimeError(f"Injected failure at step {step_nr} on rank {self._rank}.")
+
+    def _hang(self, step_nr: int) -> None:
+        logging.getLogger(__name__).warning("Hanging after step %d on purpose.", step_nr)
+        assert self.trainer is not None
+        # Stuck, but not deaf: the launcher's SIGTERM ends it at once instead of 30 s later.
+        while not self.trainer.stop_requested:
+            time.sleep(0.1)
+        os._exit(1)
 
     def _wait_for_sigterm(self) -> None:
         ready = self._output_dir / "ready"
@@ -106,6 +145,33 @@ class _Faults(TrainerCallback):
             if time.monotonic() > deadline:
                 raise RuntimeError("No SIGTERM arrived within 60 seconds.")
             time.sleep(0.01)
+
+    def slow_down_saves(self, manager: CheckpointManager) -> None:
+        """Sleep ``save_sleep`` around each DCP write and before each manifest write."""
+        pause = self._config.save_sleep
+        if not pause:
+            return
+        storage = manager._storage
+        dcp_save, dcp_async_save = storage.save, storage.async_save
+
+        def slow_save(state: dict[str, Any], path: Path) -> None:
+            time.sleep(pause)
+            dcp_save(state, path)
+            time.sleep(pause)
+
+        def slow_async_save(state: dict[str, Any], path: Path, *, writer_nr: int) -> Any:
+            time.sleep(pause)
+            return dcp_async_save(state, path, writer_nr=writer_nr)
+
+        storage.save = slow_save  # type: ignore[method-assign]
+        storage.async_save = slow_async_save  # type: ignore[method-assign]
+        write_json = manifest_module.write_json_durably
+
+        def slow_write_json(obj: Any, file: Path) -> None:
+            time.sleep(pause)
+            write_json(obj, file)
+
+        manifest_module.write_json_durably = slow_write_json  # type: ignore[assignment]
 
     def install_save_faults(self, manager: CheckpointManager) -> None:
         """SIGKILL this rank midway through the save of ``sigkill_save_step``."""
@@ -158,6 +224,19 @@ class _SaveInitialParams(TrainerCallback):
 
 
 @final
+class _SlowEvalUnit(ToyEvalUnit):
+    """The toy validation, ``pause`` seconds a batch: a window for signals during validation."""
+
+    def __init__(self, model: nn.Module, *, pause: float) -> None:
+        super().__init__(model)
+        self._pause = pause
+
+    def __call__(self, batch: ToyBatch) -> None:
+        time.sleep(self._pause)
+        super().__call__(batch)
+
+
+@final
 class _ToyRun:
     def __init__(
         self, config: ResumeToyConfig, gangs: Gangs, output_dir: Path, *, faults: bool
@@ -169,6 +248,10 @@ class _ToyRun:
         if config.reference_first and faults:
             self._reference = _ToyRun(config, gangs, output_dir / "reference", faults=False)
 
+    @property
+    def step_nr(self) -> int:
+        return self._trainer.step_nr
+
     def run(self) -> int:
         if self._reference is not None and self._reference.run() != 0:
             raise RuntimeError("The reference run did not finish.")
@@ -179,7 +262,11 @@ class _ToyRun:
 
 
 def recipe(config: ResumeToyConfig, output_dir: Path) -> _ToyRun:
-    gangs = setup_gangs(tp_size=config.tp_size, dp_shard_size=config.dp_shard_size)
+    gangs = setup_gangs(
+        tp_size=config.tp_size,
+        dp_shard_size=config.dp_shard_size,
+        timeout=timedelta(seconds=config.gang_timeout_seconds),
+    )
     return _ToyRun(config, gangs, output_dir, faults=True)
 
 
@@ -187,7 +274,7 @@ def _build(
     config: ResumeToyConfig, gangs: Gangs, output_dir: Path, *, faults: bool
 ) -> tuple[Trainer[Any], nn.Module]:
     torch.manual_seed(0)
-    model: nn.Module = ToyModel()
+    model: nn.Module = ToyModel(hidden_size=config.hidden_size)
     model = apply_tensor_parallel(
         model, gangs, {"up": ColwiseParallel(), "down": RowwiseParallel()}
     )
@@ -207,8 +294,16 @@ def _build(
         callbacks.append(_SaveInitialParams(model, gangs, output_dir / "initial_params.pt"))
     if faults:
         fault_injector = _Faults(config, gangs, output_dir)
+        fault_injector.slow_down_saves(manager)
         fault_injector.install_save_faults(manager)
         callbacks.append(fault_injector)
+    validation: dict[str, Any] = {}
+    if config.validate_every is not None:
+        validation = {
+            "valid_units": [_SlowEvalUnit(model, pause=config.valid_sleep)],
+            "valid_data_readers": [make_valid_reader(gangs.dp, size=8)],
+            "validate_every_n_steps": config.validate_every,
+        }
     trainer = Trainer(
         unit=ToyUnit(model, mean_loss=False, zero_targets=False),
         data_reader=reader,
@@ -226,6 +321,7 @@ def _build(
         callbacks=callbacks,
         progress=False,
         init_from=config.init_from,
+        **validation,
     )
     if faults:
         fault_injector.trainer = trainer

@@ -72,11 +72,11 @@ def collate(examples: list[dict[str, Tensor]]) -> ToyBatch:
 
 
 class ToyModel(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, *, hidden_size: int = 16) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(8)
-        self.up = nn.Linear(8, 16)
-        self.down = nn.Linear(16, NUM_TARGETS)
+        self.up = nn.Linear(8, hidden_size)
+        self.down = nn.Linear(hidden_size, NUM_TARGETS)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(torch.tanh(self.up(self.norm(x))))
