@@ -129,6 +129,13 @@ class TrainerSection:
     """Trace ``profile_record_steps`` steps after ``profile_skip_steps`` to OUTPUT_DIR/profile."""
     profile_skip_steps: int = 10
     profile_record_steps: int = 3
+    nan_policy: Literal["error", "skip"] = "error"
+    """``error`` stops at a NaN or infinite loss or gradient norm; ``skip`` skips such steps."""
+    max_consecutive_skipped_steps: int = 10
+    gc_every_n_steps: int | None = 50
+    """Python's garbage collection runs on every rank after the same steps (None: automatic)."""
+    device_peak_flops: float | None = None
+    """The device's peak FLOP/s in the training dtype, to publish ``mfu`` (e.g. 312e12: A100 bf16)."""
 
 
 @dataclass
@@ -528,7 +535,20 @@ def recipe(config: CharLMConfig, output_dir: Path) -> Trainer[LMBatch]:
         ),
         seed=t.seed,
         init_from=config.init_from,
+        nan_policy=t.nan_policy,
+        max_consecutive_skipped_steps=t.max_consecutive_skipped_steps,
+        gc_every_n_steps=t.gc_every_n_steps,
+        flops_per_target=flops_per_target(model, config) if t.device_peak_flops else None,
+        device_peak_flops=t.device_peak_flops,
     )
+
+
+def flops_per_target(model: nn.Module, config: CharLMConfig) -> float:
+    """Forward and backward FLOPs per predicted byte: 6 per parameter, plus attention's scores
+    and weighted sum (12 * layers * dim * seq_len)."""
+    num_params = sum(p.numel() for p in model.parameters())
+    m = config.model
+    return 6.0 * num_params + 12.0 * m.num_layers * m.dim * config.data.seq_len
 
 
 if __name__ == "__main__":

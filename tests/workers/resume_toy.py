@@ -154,10 +154,11 @@ class _Faults(TrainerCallback):
         storage = manager._storage
         dcp_save, dcp_async_save = storage.save, storage.async_save
 
-        def slow_save(state: dict[str, Any], path: Path) -> None:
+        def slow_save(state: dict[str, Any], path: Path) -> Any:
             time.sleep(pause)
-            dcp_save(state, path)
+            digests = dcp_save(state, path)
             time.sleep(pause)
+            return digests
 
         def slow_async_save(state: dict[str, Any], path: Path, *, writer_nr: int) -> Any:
             time.sleep(pause)
