@@ -24,12 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from benchmarks.probe import emit, use_one_thread
+from benchmarks.probe import emit, exit_now, use_one_thread
 from checkpoint import CheckpointManager
 from gangs import Gangs, setup_gangs
 from runtime import apply_data_parallel
@@ -120,8 +119,7 @@ def main() -> None:
     bench = bench_dcp if args.tool == "dcp" else bench_project
     figures = bench(gangs, model, optimizer, scratch)
     emit(figures, with_rss=False)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    exit_now()
 
 
 if __name__ == "__main__":

@@ -42,6 +42,19 @@ def emit(figures: dict[str, float], *, with_rss: bool = True) -> None:
     print(RESULT_PREFIX + json.dumps(record), flush=True)
 
 
+def exit_now() -> None:
+    """Leave without tearing anything down, once the figures are printed.
+
+    torch 2.13 can deadlock in teardown: a DDP module that outlives its gloo process group
+    destroys the group when it is collected, and ``~ProcessGroupGloo`` joins gloo's thread while
+    holding the GIL that thread is waiting for. A benchmark has nothing left to clean up (the
+    runner removes its scratch directory), so it skips teardown rather than risk the hang.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 @final
 class StepTimer:
     """Per-step time over the steps after ``num_warmup``: call :meth:`step_end` after every step."""

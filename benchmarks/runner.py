@@ -154,10 +154,17 @@ def run_once(contender: Contender) -> dict[str, float]:
 
 
 def _kill_session(process: subprocess.Popen[str]) -> None:
-    # The session may be gone already: every process in it exited on its own.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.communicate()
+    """SIGTERM first: torchrun starts its workers in sessions of their own and stops them only
+    when it is asked to stop itself; SIGKILL if that does not end the run."""
+    for signum, grace_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+        # The session may be gone already: every process in it exited on its own.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signum)
+        try:
+            process.communicate(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def run_comparison(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from benchmarks.loops import LOOPS, LoopOptions, run_loop
-from benchmarks.probe import emit, use_one_thread
+from benchmarks.probe import emit, exit_now, use_one_thread
 from benchmarks.workloads import WORKLOAD_NAMES, make_workload
 
 
@@ -30,6 +30,7 @@ def main() -> None:
         LoopOptions(num_prefetch=args.num_prefetch),
     )
     emit({"step_time_s": seconds})
+    exit_now()
 
 
 if __name__ == "__main__":

@@ -28,5 +28,4 @@ def run(workload: Workload, plan: StepPlan, options: LoopOptions) -> float:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         timer.step_end()
-    accelerator.end_training()
     return timer.seconds_per_step()

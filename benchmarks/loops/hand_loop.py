@@ -30,6 +30,4 @@ def run(workload: Workload, plan: StepPlan, options: LoopOptions) -> float:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         timer.step_end()
-    if num_ranks > 1:
-        dist.destroy_process_group()
     return timer.seconds_per_step()

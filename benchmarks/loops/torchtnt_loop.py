@@ -63,6 +63,4 @@ def run(workload: Workload, plan: StepPlan, options: LoopOptions) -> float:
         max_steps=plan.num_steps,
         callbacks=[StepClock(timer)],
     )
-    if num_ranks > 1:
-        dist.destroy_process_group()
     return timer.seconds_per_step()
