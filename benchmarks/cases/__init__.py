@@ -10,10 +10,26 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from benchmarks.cases import checkpoint, data_bound, imports, w1_mlp, w2_lm, w3_ddp
+from benchmarks.cases import (
+    checkpoint,
+    data_bound,
+    imports,
+    large_models,
+    w1_mlp,
+    w2_lm,
+    w3_ddp,
+)
 from benchmarks.cases.base import SuiteSettings
 
-CASES: tuple[ModuleType, ...] = (w1_mlp, w2_lm, w3_ddp, data_bound, checkpoint, imports)
+CASES: tuple[ModuleType, ...] = (
+    w1_mlp,
+    w2_lm,
+    w3_ddp,
+    data_bound,
+    checkpoint,
+    imports,
+    large_models,
+)
 CASE_KEYS: tuple[str, ...] = tuple(case.KEY for case in CASES)
 
 __all__ = ["CASES", "CASE_KEYS", "SuiteSettings"]
