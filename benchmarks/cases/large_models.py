@@ -42,7 +42,8 @@ def comparisons(settings: SuiteSettings) -> list[Comparison]:
     return [
         Comparison(
             key="meta-init",
-            title="building a 110M-parameter char-LM under FSDP2, 2 ranks (rank 0)",
+            title="building the char-LM, dim 1024 (512 with --quick), 8 layers, under FSDP2, "
+            "2 ranks (rank 0)",
             baseline="whole",
             metrics=(RSS_GROWTH,),
             contenders=_pair(
