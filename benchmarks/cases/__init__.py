@@ -1,0 +1,35 @@
+"""The suite's cases, in the order they run. Each is one module with a ``KEY`` and
+``comparisons(settings) -> list[Comparison]``.
+
+To add a case (a memory figure of a new runtime feature, say), write one module here that builds
+its :class:`~benchmarks.runner.Comparison` objects (a worker module if no existing worker fits) and
+add it to ``CASES``; the runner, the statistics and the report need nothing else.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from benchmarks.cases import (
+    checkpoint,
+    data_bound,
+    imports,
+    large_models,
+    w1_mlp,
+    w2_lm,
+    w3_ddp,
+)
+from benchmarks.cases.base import SuiteSettings
+
+CASES: tuple[ModuleType, ...] = (
+    w1_mlp,
+    w2_lm,
+    w3_ddp,
+    data_bound,
+    checkpoint,
+    imports,
+    large_models,
+)
+CASE_KEYS: tuple[str, ...] = tuple(case.KEY for case in CASES)
+
+__all__ = ["CASES", "CASE_KEYS", "SuiteSettings"]

@@ -1,0 +1,126 @@
+"""One process (or one rank) of the checkpoint comparison: save, load and async save, timed.
+
+``python -m benchmarks.checkpoint_worker --tool {dcp,project} --params-millions N`` (under
+``torchrun`` for several ranks). The model is a stack of square Linear layers with AdamW state
+after one step, replicated by DDP on several ranks; both tools write it to ``BENCH_SCRATCH``.
+
+- ``dcp``: what a user writes with ``torch.distributed.checkpoint`` alone: one ``dcp.save`` of
+  the model and optimizer state dicts, one ``dcp.load``, and ``dcp.async_save``.
+- ``project``: ``CheckpointManager`` through its public calls only.
+
+``async_blocked_s`` is how long the caller is blocked by an async save: the call itself, plus the
+later wait for (and commit of) the save after the write had time to finish in the background,
+as a training loop sees it at its next checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from benchmarks.probe import emit, exit_now, use_one_thread
+from checkpoint import CheckpointManager
+from gangs import Gangs, setup_gangs
+from runtime import apply_data_parallel
+
+WIDTH = 2048
+
+
+def make_model(params_millions: float) -> nn.Module:
+    num_layers = max(1, math.ceil(params_millions * 1e6 / (WIDTH * WIDTH + WIDTH)))
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(num_layers)))
+
+
+def take_one_step(model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW with its state allocated, as it is in a checkpoint taken during training."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+def timed(gangs: Gangs, action: Callable[[], Any]) -> float:
+    """Seconds until every rank has finished ``action``."""
+    gangs.root.barrier()
+    start = time.perf_counter()
+    action()
+    gangs.root.barrier()
+    return time.perf_counter() - start
+
+
+def bench_dcp(gangs: Gangs, model: nn.Module, optimizer: Any, scratch: Path) -> dict[str, float]:
+    def state() -> dict[str, Any]:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def load() -> None:
+        loaded = state()
+        dcp.load(loaded, checkpoint_id=scratch / "sync")
+        set_state_dict(
+            model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"]
+        )
+
+    futures: list[Any] = []
+    save_s = timed(gangs, lambda: dcp.save(state(), checkpoint_id=scratch / "sync"))
+    load_s = timed(gangs, load)
+    stage_s = timed(
+        gangs, lambda: futures.append(dcp.async_save(state(), checkpoint_id=scratch / "async"))
+    )
+    time.sleep(3 * save_s + 0.5)
+    finish_s = timed(gangs, lambda: futures[0].result())
+    return {"save_s": save_s, "load_s": load_s, "async_blocked_s": stage_s + finish_s}
+
+
+def bench_project(
+    gangs: Gangs, model: nn.Module, optimizer: Any, scratch: Path
+) -> dict[str, float]:
+    manager = CheckpointManager(scratch / "checkpoints", gangs)
+
+    def save(step_nr: int, *, async_checkpoint: bool) -> None:
+        manager.save_checkpoint(
+            step_nr,
+            model=model,
+            optimizer=optimizer,
+            trainer_state={"step_nr": step_nr},
+            async_checkpoint=async_checkpoint,
+        )
+
+    save_s = timed(gangs, lambda: save(1, async_checkpoint=False))
+    load_s = timed(gangs, lambda: manager.load_checkpoint(1, model=model, optimizer=optimizer))
+    stage_s = timed(gangs, lambda: save(2, async_checkpoint=True))
+    time.sleep(3 * save_s + 0.5)
+    finish_s = timed(gangs, manager.finish_pending_save)
+    return {"save_s": save_s, "load_s": load_s, "async_blocked_s": stage_s + finish_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tool", choices=("dcp", "project"), required=True)
+    parser.add_argument("--params-millions", type=float, default=50.0)
+    args = parser.parse_args()
+    use_one_thread()
+    gangs = setup_gangs(tp_size=1)
+    model = apply_data_parallel(make_model(args.params_millions), gangs, kind="ddp")
+    optimizer = take_one_step(model)
+    scratch = Path(os.environ["BENCH_SCRATCH"])
+    bench = bench_dcp if args.tool == "dcp" else bench_project
+    figures = bench(gangs, model, optimizer, scratch)
+    emit(figures, with_rss=False)
+    exit_now()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""The floor: the loop a user writes by hand, fed by slicing tensors already in memory."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from benchmarks.loops.common import rank, world_size
+from benchmarks.loops.registry import LoopOptions
+from benchmarks.probe import StepTimer
+from benchmarks.workloads import StepPlan, Workload
+
+
+def run(workload: Workload, plan: StepPlan, options: LoopOptions) -> float:
+    del options
+    num_ranks, my_rank = world_size(), rank()
+    model = workload.make_model()
+    if num_ranks > 1:
+        dist.init_process_group("gloo")
+        model = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr)
+    timer = StepTimer(num_warmup=plan.num_warmup, num_steps=plan.num_steps)
+    batch_size = workload.batch_size
+    steps_per_epoch = workload.num_examples() // (batch_size * num_ranks)
+    for step_nr in range(plan.num_steps):
+        start = ((step_nr % steps_per_epoch) * num_ranks + my_rank) * batch_size
+        loss, num_targets = workload.loss(model, workload.slice_batch(start, start + batch_size))
+        (loss / num_targets).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        timer.step_end()
+    return timer.seconds_per_step()

@@ -1,0 +1,56 @@
+"""W1: an MLP 32-64-64-10 classifying synthetic points, batch 32."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, final
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import Dataset, TensorDataset
+
+from benchmarks.workloads.base import StepPlan, Workload
+
+
+def make_mlp(widths: tuple[int, ...]) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for width_in, width_out in itertools.pairwise(widths):
+        layers += [nn.Linear(width_in, width_out), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+@final
+class MlpWorkload(Workload):
+    widths = (32, 64, 64, 10)
+    batch_size = 32
+    num_points = 8192
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(self.seed)
+        self._inputs = torch.randn(self.num_points, self.widths[0], generator=generator)
+        self._labels = torch.randint(0, self.widths[-1], (self.num_points,), generator=generator)
+
+    def plan(self, *, quick: bool) -> StepPlan:
+        return StepPlan(num_steps=120, num_warmup=20) if quick else StepPlan(1100, 100)
+
+    def make_model(self) -> nn.Module:
+        torch.manual_seed(self.seed)
+        return make_mlp(self.widths)
+
+    def dataset(self) -> Dataset[Any]:
+        return TensorDataset(self._inputs, self._labels)
+
+    def collate(self, examples: list[Any]) -> tuple[Tensor, Tensor]:
+        inputs, labels = zip(*examples, strict=True)
+        return torch.stack(inputs), torch.stack(labels)
+
+    def num_examples(self) -> int:
+        return self.num_points
+
+    def slice_batch(self, start: int, stop: int) -> tuple[Tensor, Tensor]:
+        return self._inputs[start:stop], self._labels[start:stop]
+
+    def loss(self, model: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, int]:
+        inputs, labels = batch
+        return F.cross_entropy(model(inputs), labels, reduction="sum"), labels.numel()

@@ -1,0 +1,82 @@
+"""The benchmark suite runs end to end and writes its JSON and Markdown (no figure is checked)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO_ROOT, child_env
+
+
+def test_quick_suite_writes_json_and_markdown(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "--quick",
+            "--runs",
+            "1",
+            "--cases",
+            "W1",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        env=child_env(),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["suite"]["runs"] == 1
+    assert results["suite"]["quick"] is True
+    assert {"platform", "cpu_count", "python", "torch", "frameworks"} <= set(results["machine"])
+    [comparison] = results["comparisons"]
+    assert comparison["key"] == "W1"
+    assert comparison["baseline"] == "hand-written"
+    assert [m["key"] for m in comparison["metrics"]] == ["step_time_s", "max_rss_bytes"]
+    contenders = {c["name"]: c for c in comparison["contenders"]}
+    assert list(contenders) == [
+        "hand-written",
+        "Lightning",
+        "torchtnt",
+        "Accelerate",
+        "this project",
+    ]
+    for name in ("hand-written", "this project"):
+        contender = contenders[name]
+        assert contender["status"] == "ok", contender["note"]
+        assert contender["num_runs"] == 1
+        step_time = contender["metrics"]["step_time_s"]
+        assert {"median", "min", "max", "ratio"} == set(step_time)
+        assert step_time["min"] <= step_time["median"] <= step_time["max"]
+        assert contender["metrics"]["max_rss_bytes"]["median"] > 0
+    assert contenders["hand-written"]["metrics"]["step_time_s"]["ratio"] == 1.0
+    for name in ("Lightning", "torchtnt", "Accelerate"):
+        # A framework the environment lacks is skipped and says why, not a failure.
+        assert contenders[name]["status"] in ("ok", "skipped"), contenders[name]["note"]
+
+    table = (tmp_path / "results.md").read_text()
+    assert "### W1: MLP 32-64-64-10, batch 32, 1 process" in table
+    assert "| this project |" in table
+    assert "vs hand-written" in table
+
+
+def test_bad_runs_is_a_usage_error() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--runs", "0"],
+        env=child_env(),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "error: --runs must be at least 1, but is 0 instead." in result.stderr
