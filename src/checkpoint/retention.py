@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from checkpoint.arguments import check_positive
+
 
 @dataclass(frozen=True)
 class CheckpointInfo:
@@ -39,9 +41,7 @@ class RetentionPolicy:
             "keep_last_n_models",
             "keep_best_n_models",
         ):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be greater than zero, but is {value} instead.")
+            check_positive(name, getattr(self, name))
         _check_not_below(
             "keep_last_n_models",
             self.keep_last_n_models,

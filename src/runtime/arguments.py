@@ -1,24 +1,11 @@
-"""Checks of arguments, worded the same everywhere in the runtime."""
+"""Checks of arguments, worded the same everywhere in the runtime.
+
+The numeric checks live in ``checkpoint.arguments``, the lowest package that needs them (its
+retention policy checks its counts), so that both packages word them alike.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sized
+from checkpoint.arguments import check_not_negative, check_positive, check_same_length
 
-
-def check_positive(name: str, value: float | None) -> None:
-    """``value`` must be greater than zero; ``None`` (not set) passes."""
-    if value is not None and value <= 0:
-        raise ValueError(f"{name} must be greater than zero, but is {value} instead.")
-
-
-def check_not_negative(name: str, value: float) -> None:
-    if value < 0:
-        raise ValueError(f"{name} must be zero or more, but is {value} instead.")
-
-
-def check_same_length(name: str, items: Sized, other_name: str, other_items: Sized) -> None:
-    if len(items) != len(other_items):
-        raise ValueError(
-            f"{name} and {other_name} must have the same length, but have {len(items)} and "
-            f"{len(other_items)} elements instead."
-        )
+__all__ = ["check_not_negative", "check_positive", "check_same_length"]

@@ -64,6 +64,23 @@ def test_the_trace_names_each_part_of_the_recorded_steps(tmp_path: Path) -> None
         assert names.count(name) == count, name
 
 
+def test_the_trace_names_the_validation_of_a_recorded_step(tmp_path: Path) -> None:
+    from runtime import tracing
+    from tests.runtime.test_validation import make_trainer
+
+    profiler = TorchProfiler(
+        num_skip_steps=1, num_record_steps=2, profile_dir=tmp_path / "profile", gang=FakeGang()
+    )
+    # Validations after steps 2, 4 and 6: only step 4's is in the recorded steps 3 and 4.
+    trainer = make_trainer(tmp_path, validate_every_n_steps=2, profiler=profiler)
+    assert trainer.run() == 0
+
+    (trace_file,) = (tmp_path / "profile" / "rank_0").glob("*.pt.trace.json*")
+    names = [e.get("name") for e in json.loads(trace_file.read_text())["traceEvents"]]
+    assert names.count(tracing.VALIDATION) == 1
+    assert names.count(tracing.FORWARD) == 2
+
+
 def test_ranges_cost_nothing_without_a_profiler() -> None:
     from runtime import tracing
 
