@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Final, final
 
@@ -31,8 +32,7 @@ class StopSignals:
         self._previous: dict[signal.Signals, object] = {}
 
     def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._request) for sig in STOP_SIGNALS}
+        self._previous = _install(self._request)
         return self
 
     def __exit__(
@@ -41,8 +41,7 @@ class StopSignals:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+        _restore(self._previous)
         self._previous = {}
 
     def _request(self, signum: int, _frame: FrameType | None) -> None:
@@ -72,8 +71,7 @@ class StartupSignals:
         self._previous: dict[signal.Signals, object] = {}
 
     def __enter__(self) -> StartupSignals:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._raise) for sig in STOP_SIGNALS}
+        self._previous = _install(self._raise)
         return self
 
     def __exit__(
@@ -85,8 +83,7 @@ class StartupSignals:
         self.disarm()
 
     def disarm(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+        _restore(self._previous)
         self._previous = {}
 
     def _raise(self, signum: int, _frame: FrameType | None) -> None:
@@ -94,3 +91,16 @@ class StartupSignals:
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         raise StartupInterrupted(signum)
+
+
+def _install(handler: Callable[[int, FrameType | None], None]) -> dict[signal.Signals, object]:
+    """Route the stop signals to ``handler``; return the handlers they had. Python installs
+    handlers only in the main thread: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+
+
+def _restore(previous: dict[signal.Signals, object]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)  # type: ignore[arg-type]

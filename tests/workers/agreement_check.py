@@ -14,6 +14,7 @@ from gangs import (
     run_on_all_ranks,
     setup_gangs,
 )
+from tests.workers.leave import leave
 
 
 def fail_on(rank: int, failing_rank: int) -> str:
@@ -47,7 +48,7 @@ def main(output_dir: Path) -> None:
     except (KeyError, ValueError) as ex:
         report["decision_failure"] = f"{type(ex).__name__}: {ex}"
     (output_dir / f"rank_{rank}.json").write_text(json.dumps(report))
-    gang.close()
+    leave(gang)
 
 
 if __name__ == "__main__":

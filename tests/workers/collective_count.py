@@ -22,6 +22,7 @@ from typing_extensions import override
 from checkpoint import CheckpointManager
 from gangs import Gang, Gangs, PendingCollective, ReduceOperation, setup_gangs
 from runtime import MapDataReader, Trainer, TrainerCallback, apply_data_parallel
+from tests.workers.leave import leave
 from tests.workers.train_toy import ToyDataset, ToyModel, ToyUnit, collate
 
 
@@ -152,7 +153,7 @@ def main(output_dir: Path) -> None:
         progress=False,
     )
     trainer.run()
-    gangs.root.close()
+    leave(gangs.root)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from gangs import FakeGang, GangError, ReduceOperation, setup_gangs
+from tests.workers.leave import leave
 
 
 def main(output_dir: Path, tp_size: int, dp_shard_size: int | None) -> None:
@@ -58,7 +59,7 @@ def main(output_dir: Path, tp_size: int, dp_shard_size: int | None) -> None:
         report["dp_mesh"] = gangs.dp_mesh.mesh.tolist()
     root.barrier()
     (output_dir / f"rank_{root.rank}.json").write_text(json.dumps(report))
-    root.close()
+    leave(root)
 
 
 if __name__ == "__main__":

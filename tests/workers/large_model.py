@@ -19,7 +19,6 @@ Usage: ``large_model.py OUTPUT_DIR JSON_OPTIONS``. Options: ``mode`` (below), ``
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from gangs import Gangs, setup_gangs
 from recipes.char_lm import Block, CharLMConfig, build_model, summed_nll_loss
 from runtime import apply_activation_checkpointing, compile_loss
+from tests.workers.leave import leave
 
 SEQ_LEN = 16
 
@@ -146,10 +146,7 @@ def main(output_dir: Path, options: dict[str, Any]) -> None:
         result = {"eager": eager, "compiled": train(config, gangs, num_steps)}
     if gangs.root.rank == 0:
         torch.save(result, output_dir / f"{mode}.pt")
-    gangs.root.barrier()
-    # torch 2.13 can abort or hang tearing down a gloo group while DDP or FSDP modules that use
-    # it are alive; the results are written, so leave without the teardown.
-    os._exit(0)
+    leave(gangs.root)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ varying number of targets, then rank 0 saves the full parameters to ``OUTPUT_DIR
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from runtime import (
     apply_data_parallel,
     apply_tensor_parallel,
 )
+from tests.workers.leave import leave
 from units import TrainUnit
 
 NUM_TARGETS = 4
@@ -212,11 +212,7 @@ def main(output_dir: Path, options: dict[str, Any]) -> None:
         torch.save(
             {k.removeprefix("module."): v for k, v in state.items()}, output_dir / "params.pt"
         )
-    gangs.root.barrier()
-    # torch 2.13 can abort ("terminate called without an active exception") tearing down gloo
-    # groups while FSDP2 modules that use them are alive; the results are written, so leave
-    # without the teardown.
-    os._exit(0)
+    leave(gangs.root)
 
 
 if __name__ == "__main__":
