@@ -97,9 +97,11 @@ def main(
         _fail(f"The output directory '{output_dir}' cannot be created: {ex}")
 
     logs = _RankLogs(output_dir, rank)
+    finished = False
     with contextlib.ExitStack() as stack:
-        # A process that exits with its process group alive aborts instead of exiting cleanly.
-        stack.callback(_destroy_process_group)
+        # A process that exits with its process group alive aborts instead of exiting cleanly;
+        # a run that finished leaves through _leave instead (see there).
+        stack.callback(lambda: None if finished else _destroy_process_group())
         startup_signals = stack.enter_context(StartupSignals())
         stack.enter_context(_exit_on_startup_signal())
         if rank == 0 and args.evaluate is None:
@@ -124,7 +126,11 @@ def main(
             _let_the_launcher_see_the_vanished_peer(ex)
             raise
         log.info("The recipe finished with exit status %s.", code)
-        sys.exit(code)
+        finished = dist.is_available() and dist.is_initialized()
+        if not finished:
+            sys.exit(code)
+    # The lock is released and the watchdog stopped: the run is over on this rank.
+    _leave(code)
 
 
 @final
@@ -282,6 +288,20 @@ def _origin(ex: BaseException) -> str:
     if ours:
         where += f" (called from {Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].name})"
     return where
+
+
+def _leave(code: int) -> NoReturn:
+    """End a distributed run that finished: flush the logs, exit without the groups' teardown.
+
+    torch 2.13 now and then aborts ("terminate called without an active exception") or hangs
+    while it destroys gloo groups that DDP or FSDP2 modules still use, which makes a run that
+    committed its last checkpoint look failed to torchrun. When run() returns, every collective of
+    the run is done on every rank, so skipping that teardown loses nothing.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _destroy_process_group() -> None:
