@@ -14,12 +14,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from gangs import Gangs, PendingCollective, ReduceOperation
+from gangs import Gangs
 from runtime.arguments import check_positive
 from runtime.errors import TrainerError
 from runtime.gradients import Gradients, skip_gradient_sync
 from runtime.loss_scale import LossScaler
 from runtime.non_finite import NanPolicy, NonFiniteGuard
+from runtime.step_totals import DdpCountCarrier, StepTotals
 from runtime.tracing import BACKWARD, FORWARD, GRADIENT_SYNC, OPTIMIZER_STEP, trace_range
 from runtime.train_state import check_state_keys
 from units import TrainUnit
@@ -110,6 +111,7 @@ class TrainStep(Generic[BatchT]):
             checks_grad_norm=not self._loss_scaler.enabled,
         )
         self._gradients = Gradients(self._model)
+        self._carrier = DdpCountCarrier.attach(self._model, gangs)
 
     def __call__(self, batches: list[BatchT], *, step_nr: int, stop_requested: bool) -> StepOutput:
         self._unit.set_step_nr(step_nr)
@@ -155,7 +157,7 @@ class TrainStep(Generic[BatchT]):
 
     def _forward_backward(
         self, batches: list[BatchT], step_nr: int, stop_requested: bool
-    ) -> tuple[list[Tensor], int, _StepTotals]:
+    ) -> tuple[list[Tensor], int, StepTotals]:
         """Backpropagate each micro-batch's summed loss; return the losses, this rank's target
         count, and the step's totals over the ranks, under way during the last backward."""
         losses: list[Tensor] = []
@@ -163,7 +165,7 @@ class TrainStep(Generic[BatchT]):
         num_examples = 0
         counted_targets: bool | None = None
         last = len(batches) - 1
-        totals: _StepTotals | None = None
+        totals: StepTotals | None = None
         for index, batch in enumerate(batches):
             # DP gradient reduction waits for the last micro-batch.
             with skip_gradient_sync(self._model, index < last):
@@ -176,13 +178,14 @@ class TrainStep(Generic[BatchT]):
                 if index == last:
                     # Everything the totals need is known now: their all-reduce overlaps the
                     # last backward (and DDP's gradient reduction within it).
-                    totals = _StepTotals.start(
+                    totals = StepTotals.start(
                         self._gangs,
-                        num_targets,
-                        num_examples,
-                        stop_requested,
-                        losses,
-                        self.guard.skips,
+                        num_targets=num_targets,
+                        num_examples=num_examples,
+                        stop_requested=stop_requested,
+                        losses=losses,
+                        check_losses=self.guard.skips,
+                        carrier=self._carrier,
                     )
                 with trace_range(BACKWARD, self._trace):
                     scale = self._loss_scaler.scale
@@ -252,61 +255,6 @@ class TrainStep(Generic[BatchT]):
 
 
 _NO_AUTOCAST: Final = contextlib.nullcontext()
-
-
-@final
-class _StepTotals:
-    """The step's target and example counts, stop requests and non-finite losses over all ranks.
-
-    One all-reduce on CPU, the one the normalization needs; a stop request rides along, so every
-    rank stops at the same step at no extra cost. TP ranks of one DP rank see the same batch, so
-    the root-wide sums count each of them tp.size times.
-    """
-
-    def __init__(
-        self,
-        gangs: Gangs,
-        values: list[float],
-        *,
-        loss_finite_here: bool,
-    ) -> None:
-        self.loss_finite_here = loss_finite_here
-        self._values = values
-        self._tp_size = gangs.tp.size
-        self._tensor: Tensor | None = None
-        self._pending: PendingCollective | None = None
-        if gangs.root.size > 1:
-            self._tensor = torch.tensor(values, dtype=torch.float64)
-            self._pending = gangs.root.all_reduce_async(self._tensor, ReduceOperation.SUM)
-
-    @staticmethod
-    def start(
-        gangs: Gangs,
-        num_targets: int,
-        num_examples: int,
-        stop_requested: bool,
-        losses: list[Tensor],
-        check_losses: bool,
-    ) -> _StepTotals:
-        # With nan_policy="skip" every rank must know whether any rank's loss was finite: a
-        # CPU-GPU sync point, which that policy pays every step.
-        loss_finite = not check_losses or bool(torch.isfinite(torch.stack(losses)).all())
-        values = [
-            float(num_targets),
-            float(num_examples),
-            float(stop_requested),
-            float(not loss_finite),
-        ]
-        return _StepTotals(gangs, values, loss_finite_here=loss_finite)
-
-    def wait(self) -> tuple[float, float, float, float]:
-        """Targets and examples of the DP gang, stop votes and non-finite-loss votes."""
-        if self._pending is not None and self._tensor is not None:
-            self._pending.wait()
-            self._values = self._tensor.tolist()
-            self._pending = None
-        targets, examples, stops, non_finite = self._values
-        return targets / self._tp_size, examples / self._tp_size, stops, non_finite
 
 
 def _check_unit_output(output: object, step_nr: int) -> tuple[Tensor, int | None]:

@@ -166,6 +166,74 @@ def test_default_collate_stacks_examples_into_tensors() -> None:
     assert steps == [[[0, 1]], [[2, 3]]]
 
 
+@final
+class ExamplesOf(torch.utils.data.Dataset[Any]):
+    """A map dataset with ``dataset``'s examples that is not a TensorDataset, so the reader must
+    index it example by example."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset[Any], length: int) -> None:
+        self._dataset = dataset
+        self._length = length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> Any:
+        return self._dataset[index]
+
+
+@pytest.mark.parametrize("gang", [FakeGang(), RankGang(rank=1, size=3)], ids=["dp1", "rank1of3"])
+def test_a_tensor_dataset_gives_the_batches_default_collate_makes_of_its_examples(
+    gang: Gang,
+) -> None:
+    generator = torch.Generator().manual_seed(0)
+    dataset = torch.utils.data.TensorDataset(
+        torch.randn(50, 3, generator=generator), torch.randint(0, 9, (50,), generator=generator)
+    )
+
+    def read(source: torch.utils.data.Dataset[Any]) -> list[list[list[Tensor]]]:
+        reader: MapDataReader[Any] = MapDataReader(
+            dataset=source,
+            batch_size=4,
+            gang=gang,
+            num_accumulate=2,
+            seed=3,  # type: ignore[arg-type]
+        )
+        return [batches for batches in reader]
+
+    gathered, collated = read(dataset), read(ExamplesOf(dataset, 50))
+    assert len(gathered) == len(collated) > 0
+    for gathered_step, collated_step in zip(gathered, collated, strict=True):
+        for gathered_batch, collated_batch in zip(gathered_step, collated_step, strict=True):
+            assert isinstance(gathered_batch, list)
+            assert len(gathered_batch) == len(collated_batch) == 2
+            for mine, torchs in zip(gathered_batch, collated_batch, strict=True):
+                assert mine.dtype == torchs.dtype
+                assert torch.equal(mine, torchs)
+
+
+def test_a_dataset_with_getitems_is_asked_once_per_micro_batch() -> None:
+    asked: list[list[int]] = []
+
+    @final
+    class Batched:
+        def __len__(self) -> int:
+            return 9
+
+        def __getitem__(self, index: int) -> int:
+            raise AssertionError("a dataset with __getitems__ is not indexed one by one")
+
+        def __getitems__(self, indices: list[int]) -> list[int]:
+            asked.append(indices)
+            return [10 * index for index in indices]
+
+    reader = MapDataReader(
+        dataset=Batched(), batch_size=2, gang=FakeGang(), collate=as_list, shuffle=False
+    )
+    assert read_epoch(reader) == [[[0, 10]], [[20, 30]], [[40, 50]], [[60, 70]]]
+    assert asked == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
 def test_num_accumulate_groups_micro_batches_into_steps() -> None:
     reader = map_reader(13, batch_size=2, num_accumulate=3, shuffle=False)
     # 6 full micro-batches make 2 steps; the short micro-batch [12] is dropped.

@@ -112,16 +112,34 @@ def test_hsdp_2x2_matches_ddp_on_4_and_dp1(
     assert_same_params(ddp, single_process_reference)
 
 
-def test_a_ddp_step_makes_one_collective_of_its_own_and_does_not_wait_for_it(
-    run_torchrun: RunTorch, tmp_path: Path
-) -> None:
-    assert_ok(run_torchrun(2, "tests/workers/collective_count.py", str(tmp_path)))
+def _collectives_per_step(
+    run_torchrun: RunTorch, tmp_path: Path, kind: str
+) -> list[tuple[list[dict[str, int]], list[dict[str, int]]]]:
+    """Each rank's collectives on the root gang, per step and per publish."""
+    assert_ok(run_torchrun(2, "tests/workers/collective_count.py", str(tmp_path), kind))
+    per_rank = []
     for rank in range(2):
         per_step = json.loads((tmp_path / f"rank_{rank}.json").read_text())
         steps = [counts for counts in per_step if not any(k.startswith("publish:") for k in counts)]
         publishes = [counts for counts in per_step if counts and counts not in steps]
-        # Beyond DDP's gradient reduction (its own process group), a step starts one all-reduce
-        # of the counts before the last backward and never blocks on a collective of its own.
-        assert steps == [{"all_reduce_async": 1}] * 6
+        per_rank.append((steps, publishes))
+    return per_rank
+
+
+def test_a_ddp_step_makes_no_collective_beyond_ddps_own(
+    run_torchrun: RunTorch, tmp_path: Path
+) -> None:
+    for steps, publishes in _collectives_per_step(run_torchrun, tmp_path, "ddp"):
+        # The counts ride in DDP's gradient reduction (its own process group).
+        assert steps == [{}] * 6
         # A publish checks for non-finite values and gathers the peak memory.
+        assert publishes == [{"publish:all_reduce": 2}] * 2
+
+
+def test_an_fsdp_step_makes_one_collective_of_its_own_and_does_not_wait_for_it(
+    run_torchrun: RunTorch, tmp_path: Path
+) -> None:
+    for steps, publishes in _collectives_per_step(run_torchrun, tmp_path, "fsdp"):
+        # One all-reduce of the counts starts before the last backward; no blocking one.
+        assert steps == [{"all_reduce_async": 1}] * 6
         assert publishes == [{"publish:all_reduce": 2}] * 2

@@ -1,7 +1,7 @@
 """Count the collectives a training run makes on the root gang; each rank writes JSON.
 
-Usage: ``collective_count.py OUTPUT_DIR``. Six steps of two accumulated micro-batches under DDP,
-publishing every third step, no validation and no checkpoint but the final one is skipped by
+Usage: ``collective_count.py OUTPUT_DIR KIND``. Six steps of two accumulated micro-batches under
+``KIND`` data parallelism (``ddp`` or ``fsdp``), publishing every third step, no validation and no checkpoint but the final one is skipped by
 counting only until the last step ends.
 """
 
@@ -132,12 +132,12 @@ class CountSteps(TrainerCallback):
             path.write_text(json.dumps(self.per_step))
 
 
-def main(output_dir: Path) -> None:
+def main(output_dir: Path, kind: str) -> None:
     gangs = setup_gangs()
     root = CountingGang(gangs.root)
     counted = Gangs(root=root, dp=gangs.dp, tp=gangs.tp, device_mesh=gangs.device_mesh)
     torch.manual_seed(0)
-    model = apply_data_parallel(ToyModel(), counted, kind="ddp")
+    model = apply_data_parallel(ToyModel(), counted, kind="ddp" if kind == "ddp" else "fsdp")
     reader = MapDataReader(
         dataset=ToyDataset(256), batch_size=2, collate=collate, gang=gangs.dp, num_accumulate=2
     )
@@ -157,4 +157,4 @@ def main(output_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2])

@@ -6,7 +6,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, Generic, Protocol, TypeVar, final, overload
 
 import torch
-from torch.utils.data import default_collate
+from torch import Tensor
+from torch.utils.data import TensorDataset, default_collate
 from typing_extensions import override
 
 from gangs import Gang, find_disagreements
@@ -37,6 +38,12 @@ class MapDataReader(DataReader[BatchT]):
 
     ``drop_remainder`` drops a last micro-batch smaller than ``batch_size`` and a last step with
     fewer than ``num_accumulate`` micro-batches; without it both are kept.
+
+    A micro-batch is fetched the cheapest way the dataset allows: a ``TensorDataset`` with the
+    default collate function is one ``index_select`` per tensor (the same tensors ``default_collate``
+    stacks from single examples, without a Python call per example); a dataset with
+    ``__getitems__`` (torch's batched protocol, which ``DataLoader`` uses too) gets one call per
+    micro-batch; any other dataset is indexed example by example.
 
     A background thread prepares (indexes and collates) up to ``num_prefetch`` steps ahead, so that
     preparing step N+1 overlaps step N; ``num_prefetch=0`` prepares each step in ``__next__``.
@@ -292,7 +299,7 @@ class MapDataReader(DataReader[BatchT]):
             order = torch.randperm(size, generator=generator)
         else:
             order = torch.arange(size)
-        shard: list[int] = order[self._offset + self._gang.rank :: self._gang.size].tolist()
+        shard = order[self._offset + self._gang.rank :: self._gang.size]
         return _StepMaker(
             dataset=self._dataset,
             collate=self._collate,
@@ -328,17 +335,28 @@ class _StepMaker(Generic[BatchT]):
         *,
         dataset: MapDataset,
         collate: Callable[[list[Any]], BatchT],
-        shard: list[int],
+        shard: Tensor,
         batch_size: int,
         num_accumulate: int,
         num_micro_batches: int,
     ) -> None:
         self._dataset = dataset
         self._collate = collate
-        self._shard = shard
         self._batch_size = batch_size
         self._num_accumulate = num_accumulate
         self._num_micro_batches = num_micro_batches
+        self._fetch: Callable[[int, int], BatchT]
+        self._tensors: tuple[Tensor, ...] = ()
+        self._shard = shard
+        self._shard_indices: list[int] = []
+        if isinstance(dataset, TensorDataset) and collate is default_collate:
+            self._tensors = tuple(dataset.tensors)
+            self._fetch = self._gather
+        else:
+            # Python ints: a dataset need not accept a 0-dim tensor as its index.
+            self._shard_indices = shard.tolist()
+            getitems = getattr(dataset, "__getitems__", None)
+            self._fetch = self._fetch_batch if callable(getitems) else self._fetch_examples
 
     def __call__(self, step_nr: int) -> list[BatchT]:
         first = step_nr * self._num_accumulate
@@ -346,9 +364,21 @@ class _StepMaker(Generic[BatchT]):
         batches = []
         for micro_batch_nr in range(first, last):
             start = micro_batch_nr * self._batch_size
-            indices = self._shard[start : start + self._batch_size]
-            batches.append(self._collate([self._dataset[index] for index in indices]))
+            batches.append(self._fetch(start, start + self._batch_size))
         return batches
+
+    def _gather(self, start: int, stop: int) -> BatchT:
+        # What default_collate makes of TensorDataset examples: a list with each field stacked.
+        indices = self._shard[start:stop]
+        return [tensor.index_select(0, indices) for tensor in self._tensors]  # type: ignore[return-value]
+
+    def _fetch_batch(self, start: int, stop: int) -> BatchT:
+        examples = self._dataset.__getitems__(self._shard_indices[start:stop])  # type: ignore[attr-defined]
+        return self._collate(examples)
+
+    def _fetch_examples(self, start: int, stop: int) -> BatchT:
+        dataset = self._dataset
+        return self._collate([dataset[index] for index in self._shard_indices[start:stop]])
 
 
 def _describe(values: Mapping[str, object]) -> str:
