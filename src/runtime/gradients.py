@@ -113,16 +113,19 @@ class Gradients:
                 grouped.append((grads, plain))
         return grouped
 
-    def scale(self, factor: float) -> None:
-        if factor != 1.0:
-            for grads, _ in self._grads():
-                torch._foreach_mul_(grads, factor)
-
     def clip(self, max_norm: float | None) -> Tensor:
         """Return the total norm and clip to ``max_norm`` if given (see :func:`clip_gradient_norm`)."""
+        return self.scale_and_clip(1.0, max_norm)
+
+    def scale_and_clip(self, factor: float, max_norm: float | None) -> Tensor:
+        """Multiply the gradients by ``factor``; then return their total norm, and clip them to
+        ``max_norm`` if given."""
         grouped = self._grads()
         if not grouped:
             return torch.zeros(())
+        if factor != 1.0:
+            for grads, _ in grouped:
+                torch._foreach_mul_(grads, factor)
         norms = [_group_norm(grads, plain) for grads, plain in grouped]
         # With one group, sqrt(norm ** 2) is norm exactly (binary floating point), so skip the ops.
         total_norm = (
@@ -141,7 +144,8 @@ def _group_norm(grads: list[Tensor], plain: bool) -> Tensor:
         # The ops get_total_norm runs for tensors of one device and dtype, so the same bits,
         # without its grouping and checks: these cost more than the norm on a small model.
         norm: Tensor = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
-        return norm.float()
+        # .float() of a float32 tensor is the tensor itself, but its dispatch costs more than this.
+        return norm if norm.dtype == torch.float32 else norm.float()
     norm = torch.nn.utils.get_total_norm(grads)
     full: Tensor = norm.full_tensor() if _is_dtensor(norm) else norm
     return full.float()

@@ -130,8 +130,10 @@ class TrainStep(Generic[BatchT]):
         with trace_range(GRADIENT_SYNC, self._trace):
             # DDP and FSDP average gradients over the DP gang; this turns the average of
             # per-rank sums into the sum over all targets divided by their count.
-            self._gradients.scale(self._gangs.dp.size / (total_targets * self._loss_scaler.scale))
-            grad_norm = self._gradients.clip(self._max_gradient_norm)
+            grad_norm = self._gradients.scale_and_clip(
+                self._gangs.dp.size / (total_targets * self._loss_scaler.scale),
+                self._max_gradient_norm,
+            )
 
         applied = True
         if may_skip:
