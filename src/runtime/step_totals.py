@@ -44,9 +44,9 @@ class StepTotals:
 
     def __init__(
         self,
+        *,
         gangs: Gangs,
         values: list[float],
-        *,
         loss_finite_here: bool,
         carrier: DdpCountCarrier | None,
     ) -> None:
@@ -85,7 +85,7 @@ class StepTotals:
             float(stop_requested),
             float(not loss_finite),
         ]
-        return StepTotals(gangs, values, loss_finite_here=loss_finite, carrier=carrier)
+        return StepTotals(gangs=gangs, values=values, loss_finite_here=loss_finite, carrier=carrier)
 
     def wait(self) -> tuple[float, float, float, float]:
         """Targets and examples of the DP gang, stop votes and non-finite-loss votes."""
@@ -117,7 +117,7 @@ class DdpCountCarrier:
     under DDP a step makes no collective but DDP's own, and the totals arrive with the gradients.
     """
 
-    def __init__(self, process_group: ProcessGroup, group_size: int) -> None:
+    def __init__(self, *, process_group: ProcessGroup, group_size: int) -> None:
         self._process_group = process_group
         self._group_size = group_size
         self._outgoing: Tensor | None = None
@@ -145,7 +145,7 @@ class DdpCountCarrier:
             p.device.type != "cpu" or p.dtype not in (torch.float32, torch.float64) for p in params
         ):
             return None
-        carrier = DdpCountCarrier(model.process_group, num_ranks)
+        carrier = DdpCountCarrier(process_group=model.process_group, group_size=num_ranks)
         # A lambda: DDP compares the hook's annotations with its classes, and this module's
         # annotations are strings.
         model.register_comm_hook(carrier, lambda state, bucket: state.carry(bucket))
