@@ -115,6 +115,8 @@ class DdpCountCarrier:
     The hook does what DDP does without one (scale each bucket by ``1 / world size``, all-reduce
     it), and appends the totals to bucket 0's all-reduce, taking their sums off its result. So
     under DDP a step makes no collective but DDP's own, and the totals arrive with the gradients.
+    Bucket 0 is the first one ready in backward and DDP keeps it small (1 MB), so appending to it
+    copies little.
     """
 
     def __init__(self, *, process_group: ProcessGroup, group_size: int) -> None:
