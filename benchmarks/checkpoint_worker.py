@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -73,11 +74,17 @@ def bench_dcp(gangs: Gangs, model: nn.Module, optimizer: Any, scratch: Path) -> 
             model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"]
         )
 
+    # The background write runs collectives on a thread of its own: on the group of the loop (and
+    # its barriers) they can interleave differently on two ranks and hang, as DCP's docs warn.
+    async_group = dist.new_group(backend="gloo") if gangs.root.size > 1 else None
     futures: list[Any] = []
     save_s = timed(gangs, lambda: dcp.save(state(), checkpoint_id=scratch / "sync"))
     load_s = timed(gangs, load)
     stage_s = timed(
-        gangs, lambda: futures.append(dcp.async_save(state(), checkpoint_id=scratch / "async"))
+        gangs,
+        lambda: futures.append(
+            dcp.async_save(state(), checkpoint_id=scratch / "async", process_group=async_group)
+        ),
     )
     time.sleep(3 * save_s + 0.5)
     finish_s = timed(gangs, lambda: futures[0].result())

@@ -31,6 +31,7 @@ import os
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar, final
 
@@ -41,14 +42,13 @@ from torch.optim import Optimizer
 from checkpoint import catalog, directory
 from checkpoint.catalog import CheckpointChoice
 from checkpoint.durable import fsync_dir
-from checkpoint.errors import CheckpointError, CheckpointLayoutError, CheckpointNotFoundError
+from checkpoint.errors import CheckpointError, CheckpointLayoutError
 from checkpoint.integrity import FileDigest
 from checkpoint.layout import WorldLayout, needs_reshard
 from checkpoint.manifest import (
     make_manifest,
     prune_manifest_to_model,
     read_manifest,
-    verify_files,
     write_manifest,
 )
 from checkpoint.pending import PendingSave, removing_on_failure
@@ -61,6 +61,7 @@ from checkpoint.storage import (
     set_model_state,
     set_state_dicts,
 )
+from checkpoint.verification import LoadCheck, verify_share
 from gangs import Gangs, run_on_all_ranks
 
 log = logging.getLogger(__name__)
@@ -292,7 +293,11 @@ class CheckpointManager:
         gets the trainer state of rank 0 (``resharded`` is set on the result).
         """
         path = directory.step_dir(self._dir, step_nr)
-        manifest = self.verify(step_nr)
+        check = self._verdict(
+            f"check the checkpoint of step {step_nr}",
+            lambda: LoadCheck(path, step_nr, rank=self._root.rank, world_size=self._root.size),
+        )
+        manifest = check.manifest
         if manifest["kind"] != "full":
             raise CheckpointError(
                 f"The checkpoint of step {step_nr} holds only the model (its optimizer and "
@@ -307,18 +312,16 @@ class CheckpointManager:
         )
 
         model_state, optim_state = get_state_dicts(model, optimizer)
-        self._on_all_ranks(
-            "load the model", lambda: self._storage.load(model_state, path / "model")
-        )
-        self._on_all_ranks(
-            "load the optimizer", lambda: self._storage.load(optim_state, path / "optimizer")
-        )
-        set_state_dicts(model, optimizer, model_state, optim_state)
-
+        for subdir, state in (("model", model_state), ("optimizer", optim_state)):
+            load = partial(self._storage.load, state, path / subdir, check.reads(subdir))
+            self._on_all_ranks(f"load the {subdir}", load)
         trainer_file = path / "trainer" / ("rank_0.pt" if resharded else self._rank_file)
         trainer_state = self._on_all_ranks(
             "load the trainer state", lambda: torch.load(trainer_file, weights_only=True)
         )
+        # The digests: a damaged file (of the right size) has loaded by now; see verification.py.
+        self._verdict(f"verify the checkpoint of step {step_nr}", check.finish)
+        set_state_dicts(model, optimizer, model_state, optim_state)
         log.info("Loaded the checkpoint of step %d from %s.", step_nr, path)
         return LoadedCheckpoint(
             step_nr=step_nr, trainer_state=trainer_state, manifest=manifest, resharded=resharded
@@ -347,19 +350,10 @@ class CheckpointManager:
         verdict (CheckpointError on every rank if any share is damaged).
         """
         path = directory.step_dir(self._dir, step_nr)
-
-        def verify_share() -> dict[str, Any]:
-            if not (path / directory.MANIFEST_NAME).is_file():
-                raise CheckpointNotFoundError(
-                    f"There is no committed checkpoint of step {step_nr} in {self._dir}."
-                )
-            manifest = read_manifest(path)
-            verify_files(path, manifest, step_nr, rank=self._root.rank, world_size=self._root.size)
-            return manifest
-
-        if self._root.size == 1:
-            return verify_share()  # the error as it is, without a rank prefix
-        return self._on_all_ranks(f"verify the checkpoint of step {step_nr}", verify_share)
+        return self._verdict(
+            f"verify the checkpoint of step {step_nr}",
+            lambda: verify_share(path, step_nr, rank=self._root.rank, world_size=self._root.size),
+        )
 
     def check_shared_directory(self) -> None:
         """Make sure every rank sees rank 0's checkpoint directory; every rank must call it.
@@ -406,6 +400,11 @@ class CheckpointManager:
 
     def _on_all_ranks(self, what: str, action: Callable[[], T]) -> T:
         return run_on_all_ranks(self._root, action, what=what, error_type=CheckpointError)
+
+    def _verdict(self, what: str, action: Callable[[], T]) -> T:
+        if self._root.size == 1:
+            return action()  # the error as it is, without a rank prefix
+        return self._on_all_ranks(what, action)
 
     @property
     def _rank_file(self) -> str:

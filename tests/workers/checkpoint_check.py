@@ -24,6 +24,7 @@ from torch import nn
 import checkpoint.integrity as integrity
 from checkpoint import CheckpointDirectoryError, CheckpointError, CheckpointManager
 from checkpoint.integrity import share_of
+from checkpoint.manifest import ManifestFiles
 from gangs import setup_gangs
 
 
@@ -37,15 +38,22 @@ def make_model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def count_reads(reads: dict[str, int]) -> None:
-    """Record the bytes of every file read to check its digest (by path)."""
+    """Record the bytes of every file read to check its digest, or hashed as it loaded (by path)."""
     digest_file = integrity.digest_file
+    check = ManifestFiles.check
 
     def counting(file: Path, algorithm: str) -> integrity.FileDigest:
         digest = digest_file(file, algorithm)
         reads[str(file)] = reads.get(str(file), 0) + digest.size
         return digest
 
+    def counting_check(files: ManifestFiles, name: str, actual: integrity.FileDigest) -> None:
+        file = str(files.step_dir / name)
+        reads[file] = reads.get(file, 0) + actual.size
+        check(files, name, actual)
+
     integrity.digest_file = counting  # type: ignore[assignment]
+    ManifestFiles.check = counting_check  # type: ignore[method-assign]
 
 
 def shares(output_dir: Path) -> dict[str, Any]:
