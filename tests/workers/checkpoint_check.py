@@ -2,6 +2,7 @@
 
 ``shares OUT``: save a sync and an async checkpoint over all ranks, then verify, load, and load
 again after damaging a file of rank 1's share. Records the bytes each rank read to verify.
+``staging OUT``: the entries each rank stages for an asynchronous save of replicated state.
 ``dirs OUT``: every rank names a checkpoint directory of its own (no shared filesystem).
 ``diskfull OUT WHERE MODE``: one process; a save (``sync`` or ``async``) runs out of space (a file
 size limit, RLIMIT_FSIZE) while it writes WHERE (``model``, ``optimizer`` or ``trainer``), then
@@ -99,6 +100,22 @@ def shares(output_dir: Path) -> dict[str, Any]:
     return report
 
 
+def staging(output_dir: Path) -> dict[str, Any]:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from checkpoint.dcp_files import own_entries
+
+    gangs = setup_gangs()
+    model, optimizer = make_model(1)  # the same on both ranks, as DDP's
+    report: dict[str, Any] = {}
+    for part, state in zip(("model", "optimizer"), get_state_dict(model, optimizer), strict=True):
+        staged = own_entries(state, rank=gangs.root.rank, gather=gangs.root.all_gather_objects)
+        report[part] = {"staged": sorted(staged), "entries": sorted(flatten_state_dict(state)[0])}
+    gangs.root.close()
+    return report
+
+
 def dirs(output_dir: Path) -> dict[str, Any]:
     gangs = setup_gangs()
     rank = gangs.root.rank
@@ -158,6 +175,6 @@ if __name__ == "__main__":
     if mode == "diskfull":
         result = disk_full(out, sys.argv[3], sys.argv[4])
     else:
-        result = shares(out) if mode == "shares" else dirs(out)
+        result = {"shares": shares, "staging": staging, "dirs": dirs}[mode](out)
     rank_nr = int(os.environ.get("RANK", "0"))
     (out / f"rank_{rank_nr}.json").write_text(json.dumps(result))
