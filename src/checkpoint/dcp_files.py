@@ -13,7 +13,7 @@ import pickle
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeAlias, cast, final
+from typing import Any, Final, TypeAlias, cast, final
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -164,6 +164,26 @@ class StagingWriter(FileSystemWriter):
 
     def _owns(self, name: str) -> bool:
         return self.own_entries is None or name in self.own_entries
+
+
+@final
+class _Staged:
+    """The stager of ``async_save`` for a state staged already (by :class:`StagingWriter`)."""
+
+    _synchronize_after_execute = False
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+STAGED: Final = _Staged()
 
 
 @final

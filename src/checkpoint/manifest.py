@@ -10,6 +10,7 @@ as ``digest``; format 1 stored sha256 sums as ``sha256``, and still verifies.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -65,6 +66,16 @@ def prune_manifest_to_model(manifest: dict[str, Any]) -> dict[str, Any]:
     """The manifest of the same checkpoint once only its ``model/`` files are left."""
     files = {name: entry for name, entry in manifest["files"].items() if name.startswith("model/")}
     return {**manifest, "kind": "model", "files": files}
+
+
+def prune_to_model(step_dir: Path) -> None:
+    """Remove all but the model of the checkpoint in ``step_dir``, and say so in its manifest.
+
+    The smaller manifest is valid before anything is removed, so no crash leaves a lie.
+    """
+    write_manifest(step_dir, prune_manifest_to_model(read_manifest(step_dir)))
+    shutil.rmtree(step_dir / "optimizer", ignore_errors=True)
+    shutil.rmtree(step_dir / "trainer", ignore_errors=True)
 
 
 def verify_files(

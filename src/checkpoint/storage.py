@@ -83,33 +83,47 @@ class DcpStorage:
 
         self._run(load, state, storage_reader=safe_reader(path, digests))
 
-    def async_save(
-        self, state: StateDict, path: Path, *, writer_nr: int
-    ) -> Future[dict[str, FileDigest]]:
-        """Stage ``state`` in CPU memory, then write it on a background thread.
+    def stage(self, state: StateDict, *, writer_nr: int) -> StateDict:
+        """Copy ``state`` (the entries of it this rank writes) into the CPU buffers of the
+        ``writer_nr``-th writer of asynchronous saves; :meth:`async_save` writes what it returns.
 
-        The future gives the digest of each file this rank wrote. Concurrent writes must differ in
-        ``writer_nr``: each gets a process group of its own.
+        Stage everything before the first :meth:`async_save` starts: a writer thread running
+        meanwhile would take the GIL from the copy between its tensors.
         """
-        from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
-
-        from checkpoint.dcp_files import hashing_writer, own_entries
+        from checkpoint.dcp_files import own_entries
 
         staging = self._staging_writer(writer_nr, state)
         if self._gang.size > 1:
             staging.own_entries = own_entries(
                 state, rank=self._gang.rank, gather=partial(self._gather, writer_nr)
             )
-        writer, digests = hashing_writer(path, reuse=staging)
+        return staging.stage(state)
+
+    def async_save(
+        self, staged: StateDict, path: Path, *, writer_nr: int
+    ) -> Future[dict[str, FileDigest]]:
+        """Write ``staged`` (from :meth:`stage`) on a background thread.
+
+        The future gives the digest of each file this rank wrote. Concurrent writes must differ in
+        ``writer_nr``: each gets a process group of its own.
+        """
+        from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
+
+        from checkpoint.dcp_files import STAGED, hashing_writer
+
+        writer, digests = hashing_writer(path, reuse=self._staging[writer_nr][0])
+        state = staged
         if self._gang.size == 1:
             # The warning comes from the writer thread, outside any catch_warnings block here.
             warnings.filterwarnings(
                 "ignore", message="torch.distributed is disabled", category=UserWarning
             )
-            result = async_save(state, storage_writer=writer, no_dist=True)
+            result = async_save(state, storage_writer=writer, async_stager=STAGED, no_dist=True)
         else:
             group = self._async_group(writer_nr)
-            result = async_save(state, storage_writer=writer, process_group=group)
+            result = async_save(
+                state, storage_writer=writer, async_stager=STAGED, process_group=group
+            )
         if isinstance(result, AsyncSaveResponse):
             result.staging_completion.result()
             result = result.upload_completion

@@ -228,3 +228,47 @@ def test_an_async_save_stages_only_the_entries_this_rank_writes() -> None:
     plan = SavePlan([WriteItem(MetadataIndex("optim.w.exp_avg"), WriteItemType.TENSOR)])
     with pytest.raises(CheckpointError, match=re.escape("entries it did not stage, such as optim.w")):
         writer.write_data(plan, planner=None)  # type: ignore[arg-type]
+
+
+def _make(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(seed):
+        model(torch.randn(2, 64)).sum().backward()
+        optimizer.step()
+    return model, optimizer
+
+
+@pytest.mark.parametrize(
+    ("victim", "where"),
+    [
+        ("optimizer/__0_0.distcp", "middle"),  # a tensor's bytes: it loads, its digest differs
+        ("model/__0_0.distcp", "start"),  # a zip header: the load fails
+    ],
+)
+def test_a_damaged_file_of_the_right_size_gives_way_to_the_previous_checkpoint_in_full(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, victim: str, where: str
+) -> None:
+    manager = CheckpointManager(tmp_path / "checkpoints", Gangs.single())
+    for step_nr in (1, 2):
+        model, optimizer = _make(step_nr)
+        manager.save_checkpoint(step_nr, model=model, optimizer=optimizer, trainer_state={})
+    expected_model, expected_optimizer = _make(1)
+    file = manager.checkpoint_dir / "step_2" / victim
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2 if where == "middle" else 2] ^= 0x20
+    file.write_bytes(bytes(data))
+
+    model, optimizer = _make(0)
+    loaded = manager.load_last_checkpoint(model=model, optimizer=optimizer)
+
+    assert loaded is not None and loaded.step_nr == 1
+    assert f"{victim.split('/')[1]} does not match its xxh3_128 digest" in caplog.text
+    for param, expected in zip(model.parameters(), expected_model.parameters(), strict=True):
+        assert torch.equal(param, expected)
+    state = optimizer.state_dict()
+    expected_state = expected_optimizer.state_dict()
+    for param_nr, moments in expected_state["state"].items():
+        for name, value in moments.items():
+            assert torch.equal(state["state"][param_nr][name], value), (param_nr, name)
