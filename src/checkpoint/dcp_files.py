@@ -10,7 +10,7 @@ import dataclasses
 import io
 import os
 import pickle
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Final, TypeAlias, cast, final
@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
 )
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from checkpoint.errors import CheckpointError
@@ -147,7 +148,10 @@ class StagingWriter(FileSystemWriter):
         flat, mappings = flatten_state_dict(state_dict)
         own = {name: flat[name] for name in flat if self._owns(name)}
         if self._buffers is None or self._buffers.keys() != own.keys():
-            self._buffers = _create_cpu_state_dict(own, pin_memory=torch.cuda.is_available())
+            pin = torch.cuda.is_available()
+            self._buffers = _create_cpu_state_dict(own, pin_memory=pin)
+            if not pin:
+                _fault_in(self._buffers.values())
         staged: dict[str, Any] = _copy_state_dict(own, self._buffers)
         self._staged = frozenset(own)
         return unflatten_state_dict({**flat, **staged}, mappings)
@@ -164,6 +168,37 @@ class StagingWriter(FileSystemWriter):
 
     def _owns(self, name: str) -> bool:
         return self.own_entries is None or name in self.own_entries
+
+
+_MADV_POPULATE_WRITE: Final = 23
+
+
+def _fault_in(values: Iterable[Any]) -> None:
+    """Fault in the pages of fresh CPU tensors in one call each (Linux's MADV_POPULATE_WRITE).
+
+    The first copy into fresh memory otherwise takes a page fault every 4 kB. Here that is most of
+    the first asynchronous save: 0.36 s to stage 600 MB, against 0.29 s with the pages faulted in
+    first. Where the call is missing (not Linux, Linux before 5.14) the copy faults them in.
+    """
+    import ctypes
+    import os
+
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = os.sysconf("SC_PAGE_SIZE")
+    for value in values:
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+            continue
+        start = value.data_ptr()
+        first = -(-start // page) * page  # whole pages only: the copy faults in the edges
+        last = (start + value.numel() * value.element_size()) // page * page
+        if last > first and madvise(first, last - first, _MADV_POPULATE_WRITE) != 0:
+            return
 
 
 @final

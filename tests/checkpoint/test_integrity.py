@@ -226,7 +226,9 @@ def test_an_async_save_stages_only_the_entries_this_rank_writes() -> None:
 
     # Were a plan to give this rank an entry it did not stage, it would write nothing.
     plan = SavePlan([WriteItem(MetadataIndex("optim.w.exp_avg"), WriteItemType.TENSOR)])
-    with pytest.raises(CheckpointError, match=re.escape("entries it did not stage, such as optim.w")):
+    with pytest.raises(
+        CheckpointError, match=re.escape("entries it did not stage, such as optim.w")
+    ):
         writer.write_data(plan, planner=None)  # type: ignore[arg-type]
 
 
