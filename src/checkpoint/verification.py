@@ -14,7 +14,8 @@ A resume does not read any byte for its digest alone (:class:`LoadCheck`):
    on one verdict.
 
 A damaged file of the same size is therefore found after it loaded: the model and optimizer may
-hold its bytes when the verdict is "damaged". The manager then loads an older checkpoint into them,
+hold its bytes when the verdict is "damaged". (A damaged file that makes the load fail is named
+by a full :func:`verify_share` pass, run only then.) The manager then loads an older checkpoint into them,
 which overwrites every tensor and the optimizer's state (DCP loads every entry of the state
 dicts, or fails), or stops the run when no intact one is left; a damaged checkpoint's trainer
 state is never returned.
