@@ -11,6 +11,7 @@ METRICS = (
     Metric("save_s", "save", "s"),
     Metric("load_s", "load", "s"),
     Metric("async_blocked_s", "async save, caller blocked", "s"),
+    Metric("async_blocked_later_s", "a later async save, caller blocked", "s"),
 )
 
 
@@ -36,7 +37,8 @@ def comparisons(settings: SuiteSettings) -> list[Comparison]:
             ),
             notes=(
                 "Blocked time of an async save: the call, plus waiting for the save (and its "
-                "commit) at the next checkpoint, after the write had time to finish.",
+                "commit) at the next checkpoint, after the write had time to finish. The first "
+                "async save of the process, and the one after it.",
             ),
         )
         for nproc in (1, 2)

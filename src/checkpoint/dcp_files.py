@@ -6,24 +6,45 @@ this module when a checkpoint is first written or read.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, cast, final
+from typing import Any, Final, TypeAlias, cast, final
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
+from torch.futures import Future
 
-from checkpoint.integrity import FileDigest, HashingStream
+from checkpoint.errors import CheckpointError
+from checkpoint.integrity import (
+    FileDigest,
+    HashingReader,
+    HashingStream,
+    ReadDigests,
+    assign_hashing,
+)
 
 _METADATA_MODULES = frozenset(
     {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"}
 )
 _PATH_CLASSES = frozenset({"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"})
+
+Gather: TypeAlias = Callable[[Any], list[Any]]
 
 
 @final
@@ -77,35 +98,127 @@ def hashing_writer(
     return writer, digests
 
 
-def staging_writer() -> FileSystemWriter:
+def staging_writer() -> StagingWriter:
     """A writer for asynchronous saves that stages into the same CPU buffers every time.
 
     Copying into buffers already faulted in is several times faster than into fresh memory
     (0.08 s against 0.5 s for 600 MB here), and staging is what an asynchronous save blocks on.
-    The buffers stay allocated: one CPU copy of the state, for as long as the writer lives.
+    The buffers stay allocated: one CPU copy of what this rank writes, for as long as the writer
+    lives. Set ``own_entries`` (see :func:`own_entries`) before each save to stage only those.
     """
-    return _StagingWriter(".")
+    return StagingWriter(".")
+
+
+def own_entries(state: dict[str, Any], *, rank: int, gather: Gather) -> frozenset[str]:
+    """The entries of ``state`` (by flattened name) that DCP's save gives this rank to write.
+
+    DCP writes an entry that several ranks hold (DDP's replicated state) on one of them only. This
+    is DCP's own planning, run before the save instead of in it, so that the other ranks need not
+    stage that entry. ``gather`` collects an object from every rank (one collective).
+    """
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, is_coordinator=rank == 0)
+    plans, _ = planner.create_global_plan(gather(planner.create_local_plan()))
+    return frozenset(item.index.fqn for item in plans[rank].items)
 
 
 @final
-class _StagingWriter(FileSystemWriter):
-    """Stages into one set of CPU buffers, reused by every save.
+class StagingWriter(FileSystemWriter):
+    """Stages into one set of CPU buffers, reused by every save; only the rank's own entries.
 
     DCP's own ``cache_staged_state_dict`` pins its buffers, which fails without CUDA; these are
     pinned only where CUDA is (not run here: with CUDA, the copy is a device-to-host transfer
-    into pinned memory, as DCP does it).
+    into pinned memory, as DCP does it). The entries another rank writes stay as they are: the
+    save reads only their shapes, to plan.
     """
 
+    own_entries: frozenset[str] | None = None
+    """The entries this rank writes (flattened names); None for all of them."""
     _buffers: dict[str, Any] | None = None
+    _staged: frozenset[str] = frozenset()
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+        from torch.distributed.checkpoint._nested_dict import (
+            flatten_state_dict,
+            unflatten_state_dict,
+        )
 
         self.per_thread_copy_ahead = 0  # as FileSystemWriter.stage: the data is on the CPU now
-        if self._buffers is None:
-            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
-        staged: dict[str, Any] = _copy_state_dict(state_dict, self._buffers)
-        return staged
+        flat, mappings = flatten_state_dict(state_dict)
+        own = {name: flat[name] for name in flat if self._owns(name)}
+        if self._buffers is None or self._buffers.keys() != own.keys():
+            pin = torch.cuda.is_available()
+            self._buffers = _create_cpu_state_dict(own, pin_memory=pin)
+            if not pin:
+                _fault_in(self._buffers.values())
+        staged: dict[str, Any] = _copy_state_dict(own, self._buffers)
+        self._staged = frozenset(own)
+        return unflatten_state_dict({**flat, **staged}, mappings)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        unstaged = sorted({item.index.fqn for item in plan.items} - self._staged)
+        if unstaged:
+            raise CheckpointError(
+                f"The save plan gives this rank entries it did not stage, such as {unstaged[0]}: "
+                "the ranks planned the save differently. The checkpoint is not written; this is a "
+                "bug, please report it."
+            )
+        return super().write_data(plan, planner)
+
+    def _owns(self, name: str) -> bool:
+        return self.own_entries is None or name in self.own_entries
+
+
+_MADV_POPULATE_WRITE: Final = 23
+
+
+def _fault_in(values: Iterable[Any]) -> None:
+    """Fault in the pages of fresh CPU tensors in one call each (Linux's MADV_POPULATE_WRITE).
+
+    The first copy into fresh memory otherwise takes a page fault every 4 kB. Here that is most of
+    the first asynchronous save: 0.36 s to stage 600 MB, against 0.29 s with the pages faulted in
+    first. Where the call is missing (not Linux, Linux before 5.14) the copy faults them in.
+    """
+    import ctypes
+    import os
+
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = os.sysconf("SC_PAGE_SIZE")
+    for value in values:
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+            continue
+        start = value.data_ptr()
+        first = -(-start // page) * page  # whole pages only: the copy faults in the edges
+        last = (start + value.numel() * value.element_size()) // page * page
+        if last > first and madvise(first, last - first, _MADV_POPULATE_WRITE) != 0:
+            return
+
+
+@final
+class _Staged:
+    """The stager of ``async_save`` for a state staged already (by :class:`StagingWriter`)."""
+
+    _synchronize_after_execute = False
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+STAGED: Final = _Staged()
 
 
 @final
@@ -134,7 +247,42 @@ def _is_dtype(name: str) -> bool:
 
 
 @final
+class _HashingReadFileSystem(FileSystem):
+    """Opens the files this rank hashes (``mine``, by name below ``root``) as HashingReaders."""
+
+    def __init__(self, root: Path, digests: ReadDigests) -> None:
+        super().__init__()
+        self._root = root
+        self.digests = digests
+        self.mine: frozenset[str] = frozenset()
+
+    @contextmanager
+    def create_stream(
+        self, path: str | os.PathLike[str], mode: str
+    ) -> Generator[io.IOBase, None, None]:
+        name = Path(path).relative_to(self._root).as_posix()
+        if mode != "rb" or name not in self.mine:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with HashingReader(Path(path), algorithm=self.digests.algorithm) as reader:
+            yield cast(io.IOBase, reader)
+            self.digests.hashed[name] = reader.finish()
+            self.digests.reread += reader.reread
+
+
+@final
 class _SafeReader(FileSystemReader):
+    """Unpickles only DCP's metadata classes; reads each file's items in offset order; and with
+    ``digests``, hashes the files assigned to this rank as it reads them."""
+
+    def __init__(self, path: Path, digests: ReadDigests | None) -> None:
+        super().__init__(path)
+        self._hashing: _HashingReadFileSystem | None = None
+        if digests is not None:
+            self._hashing = _HashingReadFileSystem(Path(path), digests)
+            self.fs = self._hashing
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as metadata_file:
@@ -147,14 +295,45 @@ class _SafeReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """On the coordinator: which files each rank hashes, sent in its plan's storage_data."""
+        if self._hashing is None:
+            return plans
+        reads: list[dict[str, int]] = []
+        for plan in plans:
+            rank_reads: dict[str, int] = {}
+            for index in {item.storage_index for item in plan.items}:
+                info = self.storage_data[index]
+                rank_reads[info.relative_path] = rank_reads.get(info.relative_path, 0) + info.length
+            reads.append(rank_reads)
+        assigned = assign_hashing(reads)
+        covered = frozenset(name for names in assigned for name in names)
+        return [
+            dataclasses.replace(plan, storage_data=(frozenset(names), covered))
+            for plan, names in zip(plans, assigned, strict=True)
+        ]
 
-def safe_reader(path: Path) -> FileSystemReader:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._hashing is not None:
+            self._hashing.mine, self._hashing.digests.covered = plan.storage_data
+        # In offset order, a file is read front to back: hashing it then needs no second read.
+        items = sorted(plan.items, key=self._location)
+        return super().read_data(dataclasses.replace(plan, items=items), planner)
+
+    def _location(self, item: ReadItem) -> tuple[str, int]:
+        info = self.storage_data[item.storage_index]
+        return (info.relative_path, info.offset)
+
+
+def safe_reader(path: Path, digests: ReadDigests | None = None) -> FileSystemReader:
     """A DCP reader of ``path`` whose metadata unpickles only DCP's own classes.
 
     DCP itself reads ``.metadata`` with plain ``pickle.load``; its tensors it reads with
-    ``torch.load(weights_only=True)``.
+    ``torch.load(weights_only=True)``. With ``digests``, the ranks split the files DCP reads
+    between them, and each hashes its files as DCP reads them (see :class:`HashingReader`):
+    ``digests`` gets them once the load has finished.
     """
-    return _SafeReader(path)
+    return _SafeReader(path, digests)
 
 
 def load_whole(path: Path) -> dict[str, Any]:

@@ -18,10 +18,11 @@ caller waits, then written by background threads over process groups of their ow
 happens in :meth:`CheckpointManager.finish_pending_save`, once every rank's write is durable.
 Until then the checkpoint is only a ``.tmp`` directory, so a crash loses it but never exposes it.
 
-Verification is shared: each rank reads its part of the files once (split by size), and all agree
-on the verdict. A committed checkpoint that fails verification when the run resumes is skipped in favour of the
-one before it and renamed to ``step_N.damaged`` (kept for inspection, never loaded), so that the
-resumed run can write ``step_N`` again.
+Verification is shared, and a resume reads no byte for it alone: the ranks hash the files as DCP
+reads them to load (see :mod:`checkpoint.verification`), and all agree on the verdict. A committed
+checkpoint that fails verification when the run resumes is skipped in favour of the one before it
+and renamed to ``step_N.damaged`` (kept for inspection, never loaded), so that the resumed run can
+write ``step_N`` again.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import os
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar, final
 
@@ -41,16 +43,10 @@ from torch.optim import Optimizer
 from checkpoint import catalog, directory
 from checkpoint.catalog import CheckpointChoice
 from checkpoint.durable import fsync_dir
-from checkpoint.errors import CheckpointError, CheckpointLayoutError, CheckpointNotFoundError
+from checkpoint.errors import CheckpointError, CheckpointLayoutError
 from checkpoint.integrity import FileDigest
 from checkpoint.layout import WorldLayout, needs_reshard
-from checkpoint.manifest import (
-    make_manifest,
-    prune_manifest_to_model,
-    read_manifest,
-    verify_files,
-    write_manifest,
-)
+from checkpoint.manifest import make_manifest, prune_to_model, write_manifest
 from checkpoint.pending import PendingSave, removing_on_failure
 from checkpoint.retention import CheckpointInfo, RetentionPolicy, plan_retention
 from checkpoint.shared import check_shared_directory
@@ -61,6 +57,7 @@ from checkpoint.storage import (
     set_model_state,
     set_state_dicts,
 )
+from checkpoint.verification import LoadCheck, verify_share
 from gangs import Gangs, run_on_all_ranks
 
 log = logging.getLogger(__name__)
@@ -131,7 +128,9 @@ class CheckpointManager:
             if async_checkpoint:
                 self._on_all_ranks(
                     "stage the checkpoint",
-                    lambda: self._stage(pending, model_state, optim_state, trainer_state),
+                    lambda: pending.stage(
+                        self._storage, model_state, optim_state, trainer_state, rank=self._root.rank
+                    ),
                 )
                 self._pending = pending
                 log.info("Checkpoint of step %d staged; writing it in the background.", step_nr)
@@ -151,21 +150,6 @@ class CheckpointManager:
                 lambda: pending.save_trainer(trainer_state, rank=self._root.rank),
             )
             self._commit(pending)
-
-    def _stage(
-        self,
-        pending: PendingSave,
-        model_state: dict[str, Any],
-        optim_state: dict[str, Any],
-        trainer_state: Mapping[str, Any],
-    ) -> None:
-        """Copy the state to CPU memory and start writing it in the background, on this rank."""
-        for writer_nr, (subdir, state) in enumerate(
-            (("model", model_state), ("optimizer", optim_state))
-        ):
-            path = pending.tmp_dir / subdir
-            pending.start_upload(subdir, self._storage.async_save(state, path, writer_nr=writer_nr))
-        pending.save_trainer(trainer_state, rank=self._root.rank, background=True)
 
     def finish_pending_save(self) -> int | None:
         """Wait for the asynchronous save in flight, if any, and commit it; return its step.
@@ -292,7 +276,11 @@ class CheckpointManager:
         gets the trainer state of rank 0 (``resharded`` is set on the result).
         """
         path = directory.step_dir(self._dir, step_nr)
-        manifest = self.verify(step_nr)
+        check = self._verdict(
+            f"check the checkpoint of step {step_nr}",
+            lambda: LoadCheck(path, step_nr, rank=self._root.rank, world_size=self._root.size),
+        )
+        manifest = check.manifest
         if manifest["kind"] != "full":
             raise CheckpointError(
                 f"The checkpoint of step {step_nr} holds only the model (its optimizer and "
@@ -307,18 +295,20 @@ class CheckpointManager:
         )
 
         model_state, optim_state = get_state_dicts(model, optimizer)
-        self._on_all_ranks(
-            "load the model", lambda: self._storage.load(model_state, path / "model")
-        )
-        self._on_all_ranks(
-            "load the optimizer", lambda: self._storage.load(optim_state, path / "optimizer")
-        )
-        set_state_dicts(model, optimizer, model_state, optim_state)
-
         trainer_file = path / "trainer" / ("rank_0.pt" if resharded else self._rank_file)
-        trainer_state = self._on_all_ranks(
-            "load the trainer state", lambda: torch.load(trainer_file, weights_only=True)
-        )
+        try:
+            for subdir, state in (("model", model_state), ("optimizer", optim_state)):
+                load = partial(self._storage.load, state, path / subdir, check.reads(subdir))
+                self._on_all_ranks(f"load the {subdir}", load)
+            trainer_state = self._on_all_ranks(
+                "load the trainer state", lambda: torch.load(trainer_file, weights_only=True)
+            )
+        except CheckpointError:
+            self.verify(step_nr)  # a damaged file that failed to load, named by its digest
+            raise
+        # The digests: a damaged file (of the right size) has loaded by now; see verification.py.
+        self._verdict(f"verify the checkpoint of step {step_nr}", check.finish)
+        set_state_dicts(model, optimizer, model_state, optim_state)
         log.info("Loaded the checkpoint of step %d from %s.", step_nr, path)
         return LoadedCheckpoint(
             step_nr=step_nr, trainer_state=trainer_state, manifest=manifest, resharded=resharded
@@ -347,19 +337,10 @@ class CheckpointManager:
         verdict (CheckpointError on every rank if any share is damaged).
         """
         path = directory.step_dir(self._dir, step_nr)
-
-        def verify_share() -> dict[str, Any]:
-            if not (path / directory.MANIFEST_NAME).is_file():
-                raise CheckpointNotFoundError(
-                    f"There is no committed checkpoint of step {step_nr} in {self._dir}."
-                )
-            manifest = read_manifest(path)
-            verify_files(path, manifest, step_nr, rank=self._root.rank, world_size=self._root.size)
-            return manifest
-
-        if self._root.size == 1:
-            return verify_share()  # the error as it is, without a rank prefix
-        return self._on_all_ranks(f"verify the checkpoint of step {step_nr}", verify_share)
+        return self._verdict(
+            f"verify the checkpoint of step {step_nr}",
+            lambda: verify_share(path, step_nr, rank=self._root.rank, world_size=self._root.size),
+        )
 
     def check_shared_directory(self) -> None:
         """Make sure every rank sees rank 0's checkpoint directory; every rank must call it.
@@ -375,7 +356,8 @@ class CheckpointManager:
         if self._root.rank == 0:
             plan = plan_retention(self.list_checkpoints(), policy)
             for step_nr in plan.prune_to_model:
-                self._prune_to_model(step_nr)
+                prune_to_model(directory.step_dir(self._dir, step_nr))
+                log.info("Pruned the checkpoint of step %d to its model.", step_nr)
             for step_nr in plan.delete:
                 self.delete_checkpoint(step_nr)
         self._root.barrier()
@@ -384,14 +366,6 @@ class CheckpointManager:
         """Remove a checkpoint; the manifest goes first, so a crash midway leaves it invisible."""
         directory.delete(directory.step_dir(self._dir, step_nr))
         log.info("Deleted the checkpoint of step %d.", step_nr)
-
-    def _prune_to_model(self, step_nr: int) -> None:
-        path = directory.step_dir(self._dir, step_nr)
-        # The smaller manifest is valid before anything is removed, so no crash leaves a lie.
-        write_manifest(path, prune_manifest_to_model(read_manifest(path)))
-        shutil.rmtree(path / "optimizer", ignore_errors=True)
-        shutil.rmtree(path / "trainer", ignore_errors=True)
-        log.info("Pruned the checkpoint of step %d to its model.", step_nr)
 
     def remove_leftovers(self) -> None:
         """Delete what interrupted saves and deletes left behind; every rank must call it.
@@ -406,6 +380,11 @@ class CheckpointManager:
 
     def _on_all_ranks(self, what: str, action: Callable[[], T]) -> T:
         return run_on_all_ranks(self._root, action, what=what, error_type=CheckpointError)
+
+    def _verdict(self, what: str, action: Callable[[], T]) -> T:
+        if self._root.size == 1:
+            return action()  # the error as it is, without a rank prefix
+        return self._on_all_ranks(what, action)
 
     @property
     def _rank_file(self) -> str:

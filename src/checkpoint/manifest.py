@@ -10,17 +10,19 @@ as ``digest``; format 1 stored sha256 sums as ``sha256``, and still verifies.
 from __future__ import annotations
 
 import json
+import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, final
 
 import torch
 
 from checkpoint.directory import MANIFEST_NAME
 from checkpoint.durable import write_json_durably
 from checkpoint.errors import CheckpointError
-from checkpoint.integrity import ALGORITHM, FileDigest, share_of, verify_file
+from checkpoint.integrity import ALGORITHM, FileDigest, check_digest, share_of, verify_file
 
 FORMAT_VERSION: Final = 2
 
@@ -66,6 +68,16 @@ def prune_manifest_to_model(manifest: dict[str, Any]) -> dict[str, Any]:
     return {**manifest, "kind": "model", "files": files}
 
 
+def prune_to_model(step_dir: Path) -> None:
+    """Remove all but the model of the checkpoint in ``step_dir``, and say so in its manifest.
+
+    The smaller manifest is valid before anything is removed, so no crash leaves a lie.
+    """
+    write_manifest(step_dir, prune_manifest_to_model(read_manifest(step_dir)))
+    shutil.rmtree(step_dir / "optimizer", ignore_errors=True)
+    shutil.rmtree(step_dir / "trainer", ignore_errors=True)
+
+
 def verify_files(
     step_dir: Path, manifest: dict[str, Any], step_nr: int, *, rank: int = 0, world_size: int = 1
 ) -> int:
@@ -74,24 +86,76 @@ def verify_files(
     The files are split by size between ``world_size`` ranks (all of them for one), and each is
     read once. Returns the number of bytes this rank checked.
     """
-    algorithm, digest_key = _digest_scheme(manifest, step_dir)
-    try:
-        sizes = {name: int(entry["size"]) for name, entry in manifest["files"].items()}
-        digests = {name: str(entry[digest_key]) for name, entry in manifest["files"].items()}
-    except (KeyError, TypeError, ValueError) as ex:
-        raise CheckpointError(
-            f"The manifest of {step_dir} has a malformed file entry: {ex}"
-        ) from ex
-    checked = 0
-    for name in share_of(sizes, rank=rank, world_size=world_size):
-        file = step_dir / name
-        if not file.resolve().is_relative_to(step_dir.resolve()):
-            raise CheckpointError(f"The manifest of {step_dir} names a file outside it: {name}")
-        if not file.is_file():
-            raise CheckpointError(f"{file} is missing from the checkpoint of step {step_nr}.")
-        verify_file(file, size=sizes[name], digest=digests[name], algorithm=algorithm)
-        checked += sizes[name]
-    return checked
+    entries = ManifestFiles.of(step_dir, manifest)
+    share = share_of(entries.sizes, rank=rank, world_size=world_size)
+    entries.check_present(share, step_nr)
+    for name in share:
+        entries.verify(name)
+    return sum(entries.sizes[name] for name in share)
+
+
+@final
+@dataclass(frozen=True)
+class ManifestFiles:
+    """The files a manifest lists, with the size and digest of each."""
+
+    step_dir: Path
+    algorithm: str
+    sizes: dict[str, int]
+    digests: dict[str, str]
+
+    @staticmethod
+    def of(step_dir: Path, manifest: dict[str, Any]) -> ManifestFiles:
+        algorithm, digest_key = _digest_scheme(manifest, step_dir)
+        try:
+            sizes = {name: int(entry["size"]) for name, entry in manifest["files"].items()}
+            digests = {name: str(entry[digest_key]) for name, entry in manifest["files"].items()}
+        except (KeyError, TypeError, ValueError) as ex:
+            raise CheckpointError(
+                f"The manifest of {step_dir} has a malformed file entry: {ex}"
+            ) from ex
+        return ManifestFiles(step_dir, algorithm, sizes, digests)
+
+    def check_present(self, names: Iterable[str], step_nr: int) -> None:
+        """Raise CheckpointError unless the files ``names`` are in the checkpoint, at their size."""
+        for name in names:
+            file = self.step_dir / name
+            if not file.resolve().is_relative_to(self.step_dir.resolve()):
+                raise CheckpointError(
+                    f"The manifest of {self.step_dir} names a file outside it: {name}"
+                )
+            if not file.is_file():
+                raise CheckpointError(f"{file} is missing from the checkpoint of step {step_nr}.")
+            size = file.stat().st_size
+            if size != self.sizes[name]:
+                raise CheckpointError(
+                    f"{file} has {size} bytes, but the manifest says {self.sizes[name]}: it is "
+                    "truncated or altered."
+                )
+
+    def verify(self, name: str) -> None:
+        """Read the file ``name`` once and raise CheckpointError unless its digest matches."""
+        verify_file(
+            self.step_dir / name,
+            size=self.sizes[name],
+            digest=self.digests[name],
+            algorithm=self.algorithm,
+        )
+
+    def check(self, name: str, actual: FileDigest) -> None:
+        """Raise CheckpointError unless ``actual``, taken of the file ``name``, matches."""
+        if name not in self.sizes:
+            raise CheckpointError(
+                f"{self.step_dir / name} is not in the manifest of {self.step_dir}: the "
+                "checkpoint's DCP metadata names a file that is not one of its own."
+            )
+        check_digest(
+            self.step_dir / name,
+            actual,
+            size=self.sizes[name],
+            digest=self.digests[name],
+            algorithm=self.algorithm,
+        )
 
 
 def _digest_scheme(manifest: dict[str, Any], step_dir: Path) -> tuple[str, str]:

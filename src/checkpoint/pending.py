@@ -16,6 +16,7 @@ import torch
 
 from checkpoint.errors import CheckpointError
 from checkpoint.integrity import FileDigest, write_hashed
+from checkpoint.storage import DcpStorage
 from gangs import Gang
 
 
@@ -58,6 +59,28 @@ class PendingSave:
             "trainer", writer.submit(lambda: {name: write_hashed(buffer.getbuffer(), file)})
         )
         writer.shutdown(wait=False)
+
+    def stage(
+        self,
+        storage: DcpStorage,
+        model_state: dict[str, Any],
+        optim_state: dict[str, Any],
+        trainer_state: Mapping[str, Any],
+        *,
+        rank: int,
+    ) -> None:
+        """Copy the state to CPU memory and start writing it in the background, on this rank."""
+        staged = [
+            storage.stage(state, writer_nr=writer_nr)
+            for writer_nr, state in enumerate((model_state, optim_state))
+        ]
+        # Its serialization too, before any writer thread contends for the GIL.
+        self.save_trainer(trainer_state, rank=rank, background=True)
+        for writer_nr, (subdir, state) in enumerate(
+            zip(("model", "optimizer"), staged, strict=True)
+        ):
+            upload = storage.async_save(state, self.tmp_dir / subdir, writer_nr=writer_nr)
+            self.start_upload(subdir, upload)
 
     def collect_uploads(self) -> None:
         """Wait for the background writes and take their digests; raise if one failed."""

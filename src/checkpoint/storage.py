@@ -10,18 +10,20 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, final
 
 from checkpoint.errors import CheckpointError
-from checkpoint.integrity import FileDigest
+from checkpoint.integrity import FileDigest, ReadDigests
 from gangs import Gang
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.nn import Module
     from torch.optim import Optimizer
+
+    from checkpoint.dcp_files import StagingWriter
 
 StateDict = dict[str, Any]
 
@@ -60,7 +62,7 @@ class DcpStorage:
     def __init__(self, gang: Gang) -> None:
         self._gang = gang
         self._async_groups: list[ProcessGroup] = []
-        self._staging: dict[int, tuple[FileSystemWriter, list[Any]]] = {}
+        self._staging: dict[int, tuple[StagingWriter, list[Any]]] = {}
 
     def save(self, state: StateDict, path: Path) -> dict[str, FileDigest]:
         """Write ``state`` to ``path``; return the digest of each file this rank wrote there."""
@@ -72,35 +74,56 @@ class DcpStorage:
         self._run(save, state, storage_writer=writer)
         return digests
 
-    def load(self, state: StateDict, path: Path) -> None:
+    def load(self, state: StateDict, path: Path, digests: ReadDigests | None = None) -> None:
+        """Read ``path`` into ``state``; with ``digests``, hash this rank's share of the files as
+        they are read (see :func:`checkpoint.dcp_files.safe_reader`)."""
         from torch.distributed.checkpoint.state_dict_loader import load
 
         from checkpoint.dcp_files import safe_reader
 
-        self._run(load, state, storage_reader=safe_reader(path))
+        self._run(load, state, storage_reader=safe_reader(path, digests))
+
+    def stage(self, state: StateDict, *, writer_nr: int) -> StateDict:
+        """Copy ``state`` (the entries of it this rank writes) into the CPU buffers of the
+        ``writer_nr``-th writer of asynchronous saves; :meth:`async_save` writes what it returns.
+
+        Stage everything before the first :meth:`async_save` starts: a writer thread running
+        meanwhile would take the GIL from the copy between its tensors.
+        """
+        from checkpoint.dcp_files import own_entries
+
+        staging = self._staging_writer(writer_nr, state)
+        if self._gang.size > 1:
+            staging.own_entries = own_entries(
+                state, rank=self._gang.rank, gather=partial(self._gather, writer_nr)
+            )
+        return staging.stage(state)
 
     def async_save(
-        self, state: StateDict, path: Path, *, writer_nr: int
+        self, staged: StateDict, path: Path, *, writer_nr: int
     ) -> Future[dict[str, FileDigest]]:
-        """Stage ``state`` in CPU memory, then write it on a background thread.
+        """Write ``staged`` (from :meth:`stage`) on a background thread.
 
         The future gives the digest of each file this rank wrote. Concurrent writes must differ in
         ``writer_nr``: each gets a process group of its own.
         """
         from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
 
-        from checkpoint.dcp_files import hashing_writer
+        from checkpoint.dcp_files import STAGED, hashing_writer
 
-        writer, digests = hashing_writer(path, reuse=self._staging_writer(writer_nr, state))
+        writer, digests = hashing_writer(path, reuse=self._staging[writer_nr][0])
+        state = staged
         if self._gang.size == 1:
             # The warning comes from the writer thread, outside any catch_warnings block here.
             warnings.filterwarnings(
                 "ignore", message="torch.distributed is disabled", category=UserWarning
             )
-            result = async_save(state, storage_writer=writer, no_dist=True)
+            result = async_save(state, storage_writer=writer, async_stager=STAGED, no_dist=True)
         else:
             group = self._async_group(writer_nr)
-            result = async_save(state, storage_writer=writer, process_group=group)
+            result = async_save(
+                state, storage_writer=writer, async_stager=STAGED, process_group=group
+            )
         if isinstance(result, AsyncSaveResponse):
             result.staging_completion.result()
             result = result.upload_completion
@@ -116,7 +139,7 @@ class DcpStorage:
         result.add_done_callback(pass_on)
         return done
 
-    def _staging_writer(self, writer_nr: int, state: StateDict) -> FileSystemWriter:
+    def _staging_writer(self, writer_nr: int, state: StateDict) -> StagingWriter:
         """The ``writer_nr``-th writer of asynchronous saves, whose staging buffers fit ``state``.
 
         The caller must have waited for that writer's previous save: its buffers are reused.
@@ -130,6 +153,15 @@ class DcpStorage:
             cached = (staging_writer(), layout)
             self._staging[writer_nr] = cached
         return cached[0]
+
+    def _gather(self, writer_nr: int, obj: Any) -> list[Any]:
+        """``obj`` of every rank, over the group of the ``writer_nr``-th background write (idle
+        now: the caller waited for that writer's previous save)."""
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self._gang.size
+        dist.all_gather_object(gathered, obj, group=self._async_group(writer_nr))
+        return gathered
 
     def _async_group(self, writer_nr: int) -> ProcessGroup:
         """A gloo group of the gang's ranks for the ``writer_nr``-th concurrent background write.

@@ -464,3 +464,19 @@ def test_async_checkpoint_two_processes_resumes_exactly_and_a_crash_leaves_it_in
     assert_identical_params(load_params(tmp_path), load_params(resumed_run("dp2").reference))
     assert assert_committed_checkpoints_verify(tmp_path) == [2, 4, 6, 8, 10]
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))
+
+
+def test_async_checkpoint_of_replicated_shards_resumes_exactly(
+    resumed_run: Any, tmp_path: Path
+) -> None:
+    # HSDP replicates each shard across the two shard groups: each rank stages only the entries
+    # DCP gives it to write. The run is killed mid step 5, so it resumes from the async save of 2.
+    first = launch("hsdp2x2", tmp_path, "async_checkpoint=true", "sigkill_at_step=5")
+    assert first.returncode != 0, output(first)
+    assert committed_steps(tmp_path) == [2]
+
+    second = launch("hsdp2x2", tmp_path, "async_checkpoint=true")
+    assert_ok(second)
+    assert "Resumed from the checkpoint of step 2." in rank_log(tmp_path, 0)
+    assert_identical_params(load_params(tmp_path), load_params(resumed_run("hsdp2x2").reference))
+    assert assert_committed_checkpoints_verify(tmp_path) == [2, 4, 6, 8, 10]

@@ -2,6 +2,7 @@
 
 ``shares OUT``: save a sync and an async checkpoint over all ranks, then verify, load, and load
 again after damaging a file of rank 1's share. Records the bytes each rank read to verify.
+``staging OUT``: the entries each rank stages for an asynchronous save of replicated state.
 ``dirs OUT``: every rank names a checkpoint directory of its own (no shared filesystem).
 ``diskfull OUT WHERE MODE``: one process; a save (``sync`` or ``async``) runs out of space (a file
 size limit, RLIMIT_FSIZE) while it writes WHERE (``model``, ``optimizer`` or ``trainer``), then
@@ -24,6 +25,7 @@ from torch import nn
 import checkpoint.integrity as integrity
 from checkpoint import CheckpointDirectoryError, CheckpointError, CheckpointManager
 from checkpoint.integrity import share_of
+from checkpoint.manifest import ManifestFiles
 from gangs import setup_gangs
 
 
@@ -37,15 +39,22 @@ def make_model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def count_reads(reads: dict[str, int]) -> None:
-    """Record the bytes of every file read to check its digest (by path)."""
+    """Record the bytes of every file read to check its digest, or hashed as it loaded (by path)."""
     digest_file = integrity.digest_file
+    check = ManifestFiles.check
 
     def counting(file: Path, algorithm: str) -> integrity.FileDigest:
         digest = digest_file(file, algorithm)
         reads[str(file)] = reads.get(str(file), 0) + digest.size
         return digest
 
+    def counting_check(files: ManifestFiles, name: str, actual: integrity.FileDigest) -> None:
+        file = str(files.step_dir / name)
+        reads[file] = reads.get(file, 0) + actual.size
+        check(files, name, actual)
+
     integrity.digest_file = counting  # type: ignore[assignment]
+    ManifestFiles.check = counting_check  # type: ignore[method-assign]
 
 
 def shares(output_dir: Path) -> dict[str, Any]:
@@ -87,6 +96,22 @@ def shares(output_dir: Path) -> dict[str, Any]:
     loaded = manager.load_last_checkpoint(model=fresh, optimizer=fresh_optimizer)
     report["after_damage_loaded_step"] = None if loaded is None else loaded.step_nr
     report["damaged_dirs"] = [path.name for path in manager.damaged_dirs()]
+    gangs.root.close()
+    return report
+
+
+def staging(output_dir: Path) -> dict[str, Any]:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from checkpoint.dcp_files import own_entries
+
+    gangs = setup_gangs()
+    model, optimizer = make_model(1)  # the same on both ranks, as DDP's
+    report: dict[str, Any] = {}
+    for part, state in zip(("model", "optimizer"), get_state_dict(model, optimizer), strict=True):
+        staged = own_entries(state, rank=gangs.root.rank, gather=gangs.root.all_gather_objects)
+        report[part] = {"staged": sorted(staged), "entries": sorted(flatten_state_dict(state)[0])}
     gangs.root.close()
     return report
 
@@ -150,6 +175,6 @@ if __name__ == "__main__":
     if mode == "diskfull":
         result = disk_full(out, sys.argv[3], sys.argv[4])
     else:
-        result = shares(out) if mode == "shares" else dirs(out)
+        result = {"shares": shares, "staging": staging, "dirs": dirs}[mode](out)
     rank_nr = int(os.environ.get("RANK", "0"))
     (out / f"rank_{rank_nr}.json").write_text(json.dumps(result))
