@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Final, TypeAlias, cast, final
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
@@ -325,6 +325,32 @@ class _SafeReader(FileSystemReader):
         return (info.relative_path, info.offset)
 
 
+@final
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, whose non-tensor entries load with ``weights_only=True``.
+
+    DCP's own loads them (an optimizer's ``param_groups``) with ``torch.load(weights_only=False)``,
+    which runs whatever a forged file's pickle says; with ``weights_only``, a forged entry is a
+    load error, and so damage.
+    """
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        _load_bytes_weights_only(self, read_item, value)
+
+
+def _load_bytes_weights_only(
+    planner: DefaultLoadPlanner, read_item: ReadItem, value: io.BytesIO
+) -> None:
+    """``DefaultLoadPlanner.load_bytes``, with ``weights_only=True``."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    loaded = torch.load(value, weights_only=True)
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], loaded)
+    else:
+        planner.state_dict[read_item.dest_index.fqn] = loaded
+
+
 def safe_reader(path: Path, digests: ReadDigests | None = None) -> FileSystemReader:
     """A DCP reader of ``path`` whose metadata unpickles only DCP's own classes.
 
@@ -339,16 +365,21 @@ def safe_reader(path: Path, digests: ReadDigests | None = None) -> FileSystemRea
 def load_whole(path: Path) -> dict[str, Any]:
     """Every entry of the DCP checkpoint in ``path``, in one process, as a plain state dict.
 
-    ``dcp_to_torch_save`` without its plain ``pickle.load`` of the metadata.
+    ``dcp_to_torch_save`` without its plain ``pickle.load`` of the metadata, and with its
+    non-tensor entries loaded ``weights_only`` (see :class:`SafeLoadPlanner`).
     """
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    class WholeLoadPlanner(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+            _load_bytes_weights_only(self, read_item, value)
 
     state: dict[str, Any] = {}
     _load_state_dict(
         state,
         storage_reader=safe_reader(path),
-        planner=_EmptyStateDictLoadPlanner(),  # type: ignore[no-untyped-call]
+        planner=WholeLoadPlanner(),  # type: ignore[no-untyped-call]
         no_dist=True,
     )
     return state

@@ -79,9 +79,10 @@ class DcpStorage:
         they are read (see :func:`checkpoint.dcp_files.safe_reader`)."""
         from torch.distributed.checkpoint.state_dict_loader import load
 
-        from checkpoint.dcp_files import safe_reader
+        from checkpoint.dcp_files import SafeLoadPlanner, safe_reader
 
-        self._run(load, state, storage_reader=safe_reader(path, digests))
+        reader = safe_reader(path, digests)
+        self._run(load, state, storage_reader=reader, planner=SafeLoadPlanner())
 
     def stage(self, state: StateDict, *, writer_nr: int) -> StateDict:
         """Copy ``state`` (the entries of it this rank writes) into the CPU buffers of the

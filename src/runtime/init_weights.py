@@ -126,12 +126,15 @@ class _DcpLoader(_Loader):
     def __call__(self, targets: dict[str, Tensor]) -> None:
         from torch.distributed.checkpoint.state_dict_loader import load
 
+        from checkpoint.dcp_files import SafeLoadPlanner, safe_reader
+
+        # DCP's own reader and planner unpickle its metadata and non-tensor entries with plain
+        # pickle; an init_from directory may come from anywhere.
+        safe = {"storage_reader": safe_reader(self._path), "planner": SafeLoadPlanner()}
         if self._gangs.root.size == 1:
-            load(targets, checkpoint_id=self._path, no_dist=True)
+            load(targets, no_dist=True, **safe)
         else:
-            load(
-                targets, checkpoint_id=self._path, process_group=self._gangs.root.as_process_group()
-            )
+            load(targets, process_group=self._gangs.root.as_process_group(), **safe)
 
 
 def _file_source(path: Path) -> tuple[list[str], _Loader]:

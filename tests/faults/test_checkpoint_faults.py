@@ -256,3 +256,31 @@ def test_a_checkpoint_file_carrying_a_malicious_pickle_is_refused_and_runs_no_co
     assert_same_weights(model, previous)
     assert "Skipping the checkpoint of step 20, which is damaged" in caplog.text
     assert message in caplog.text
+
+
+def test_a_forged_optimizer_entry_is_refused_and_runs_no_code(
+    manager: CheckpointManager, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """DCP stores non-tensor entries (``param_groups``) as pickles and loads them with
+    ``weights_only=False``; a forged one, with its manifest fixed, must not run."""
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    marker = tmp_path / "pwned"
+    previous = save(manager, 10)
+    save(manager, 20)
+    model, optimizer = make_model(20)
+    _, optim_state = get_state_dict(model, optimizer)
+    optim_state["param_groups"][0]["lr"] = _RunsCode(marker)
+    forged = tmp_path / "forged"
+    dcp_save(optim_state, checkpoint_id=forged, no_dist=True)
+    step_dir = manager.checkpoint_dir / "step_20"
+    for file in sorted(forged.iterdir()):
+        _forge(step_dir, f"optimizer/{file.name}", file.read_bytes(), fix_manifest=True)
+
+    step_nr, model = load_last(manager)
+    assert not marker.exists(), "unpickling the forged entry ran its code"
+    assert step_nr == 10
+    assert_same_weights(model, previous)
+    assert "Skipping the checkpoint of step 20, which is damaged" in caplog.text
+    assert "Weights only load failed" in caplog.text
