@@ -181,7 +181,6 @@ def _fault_in(values: Iterable[Any]) -> None:
     first. Where the call is missing (not Linux, Linux before 5.14) the copy faults them in.
     """
     import ctypes
-    import os
 
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise

@@ -269,16 +269,21 @@ def verify_file(file: Path, *, size: int, digest: str, algorithm: str) -> None:
     if not file.is_file():
         raise CheckpointError(f"{file} is missing from the checkpoint.")
     try:
-        actual_size = file.stat().st_size
-        if actual_size != size:
-            raise CheckpointError(
-                f"{file} has {actual_size} bytes, but the manifest says {size}: it is "
-                "truncated or altered."
-            )
+        check_size(file, size)
         actual = digest_file(file, algorithm)
     except OSError as ex:
         raise CheckpointError(f"{file} cannot be read: {ex}") from ex
     check_digest(file, actual, size=size, digest=digest, algorithm=algorithm)
+
+
+def check_size(file: Path, size: int) -> None:
+    """Raise CheckpointError unless ``file`` has ``size`` bytes (the manifest's)."""
+    actual_size = file.stat().st_size
+    if actual_size != size:
+        raise CheckpointError(
+            f"{file} has {actual_size} bytes, but the manifest says {size}: it is "
+            "truncated or altered."
+        )
 
 
 def check_digest(file: Path, actual: FileDigest, *, size: int, digest: str, algorithm: str) -> None:

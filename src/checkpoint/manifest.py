@@ -22,7 +22,14 @@ import torch
 from checkpoint.directory import MANIFEST_NAME
 from checkpoint.durable import write_json_durably
 from checkpoint.errors import CheckpointError
-from checkpoint.integrity import ALGORITHM, FileDigest, check_digest, share_of, verify_file
+from checkpoint.integrity import (
+    ALGORITHM,
+    FileDigest,
+    check_digest,
+    check_size,
+    share_of,
+    verify_file,
+)
 
 FORMAT_VERSION: Final = 2
 
@@ -126,12 +133,7 @@ class ManifestFiles:
                 )
             if not file.is_file():
                 raise CheckpointError(f"{file} is missing from the checkpoint of step {step_nr}.")
-            size = file.stat().st_size
-            if size != self.sizes[name]:
-                raise CheckpointError(
-                    f"{file} has {size} bytes, but the manifest says {self.sizes[name]}: it is "
-                    "truncated or altered."
-                )
+            check_size(file, self.sizes[name])
 
     def verify(self, name: str) -> None:
         """Read the file ``name`` once and raise CheckpointError unless its digest matches."""
