@@ -89,7 +89,7 @@ class StepTotals:
 
     def wait(self) -> tuple[float, float, float, float]:
         """Targets and examples of the DP gang, stop votes and non-finite-loss votes."""
-        if self._carrier is not None and self._gangs.root.size > 1:
+        if self._carrier is not None:  # attached only where the root gang has several ranks
             received = self._carrier.receive()
             if received is None:
                 # DDP did not reduce gradients in this step's backward, so nothing carried the
