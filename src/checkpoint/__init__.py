@@ -7,6 +7,7 @@ from checkpoint.errors import (
     CheckpointDirectoryError,
     CheckpointError,
     CheckpointLayoutError,
+    CheckpointLoadError,
     CheckpointNotFoundError,
 )
 from checkpoint.layout import WorldLayout
@@ -26,6 +27,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointLayoutError",
+    "CheckpointLoadError",
     "CheckpointManager",
     "CheckpointNotFoundError",
     "LoadedCheckpoint",

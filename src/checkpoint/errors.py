@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, or a stored one is damaged or does not fit this run."""
@@ -17,3 +19,26 @@ class CheckpointLayoutError(CheckpointError):
 
 class CheckpointDirectoryError(CheckpointError):
     """The ranks do not share one checkpoint directory (no shared filesystem)."""
+
+
+class CheckpointLoadError(CheckpointError):
+    """An intact checkpoint (every file matches its digest) failed to load for a reason of the
+    machine: out of memory, a failed import, a read error. Not damage: it is not skipped."""
+
+
+# What a load can fail of while the checkpoint's bytes are as they were written.
+_MACHINE_ERRORS = (MemoryError, torch.OutOfMemoryError, ImportError, OSError)
+
+
+def caused_by_the_machine(error: BaseException) -> bool:
+    """Whether ``error`` or what it came of (``__cause__``, else ``__context__``) is a failure of
+    the machine rather than of a checkpoint's content (a refused pickle, a shape that does not
+    fit)."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, _MACHINE_ERRORS):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ if cause.__cause__ is not None else cause.__context__
+    return False

@@ -43,7 +43,12 @@ from torch.optim import Optimizer
 from checkpoint import catalog, directory
 from checkpoint.catalog import CheckpointChoice
 from checkpoint.durable import fsync_dir
-from checkpoint.errors import CheckpointError, CheckpointLayoutError
+from checkpoint.errors import (
+    CheckpointError,
+    CheckpointLayoutError,
+    CheckpointLoadError,
+    caused_by_the_machine,
+)
 from checkpoint.integrity import FileDigest
 from checkpoint.layout import WorldLayout, needs_reshard
 from checkpoint.manifest import make_manifest, prune_to_model, write_manifest
@@ -58,7 +63,7 @@ from checkpoint.storage import (
     set_state_dicts,
 )
 from checkpoint.verification import LoadCheck, verify_share
-from gangs import Gangs, run_on_all_ranks
+from gangs import Gangs, agree, run_on_all_ranks
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +224,8 @@ class CheckpointManager:
         to ``step_N.damaged`` once an older one has loaded, so the resumed run can save that step
         again. Returns ``None`` when there is no checkpoint to resume from. A different world
         layout is not damage: :class:`CheckpointLayoutError` propagates, unless ``reshard`` (see
-        :meth:`load_checkpoint`).
+        :meth:`load_checkpoint`). Nor is a failure of the machine while an intact checkpoint
+        loads (out of memory, an import, a read error): :class:`CheckpointLoadError` propagates.
         """
         candidates = catalog.resume_candidates(self._dir)
         damaged: list[int] = []
@@ -228,7 +234,7 @@ class CheckpointManager:
                 loaded = self.load_checkpoint(
                     step_nr, model=model, optimizer=optimizer, reshard=reshard
                 )
-            except CheckpointLayoutError:
+            except (CheckpointLayoutError, CheckpointLoadError):
                 raise
             except CheckpointError as ex:
                 log.warning(
@@ -303,8 +309,9 @@ class CheckpointManager:
             trainer_state = self._on_all_ranks(
                 "load the trainer state", lambda: torch.load(trainer_file, weights_only=True)
             )
-        except CheckpointError:
+        except CheckpointError as ex:
             self.verify(step_nr)  # a damaged file that failed to load, named by its digest
+            self._raise_if_the_machine_failed(step_nr, ex)
             raise
         # The digests: a damaged file (of the right size) has loaded by now; see verification.py.
         self._verdict(f"verify the checkpoint of step {step_nr}", check.finish)
@@ -313,6 +320,19 @@ class CheckpointManager:
         return LoadedCheckpoint(
             step_nr=step_nr, trainer_state=trainer_state, manifest=manifest, resharded=resharded
         )
+
+    def _raise_if_the_machine_failed(self, step_nr: int, error: CheckpointError) -> None:
+        """Raise CheckpointLoadError on every rank if the intact checkpoint of ``step_nr`` failed
+        to load on some rank for a reason of the machine: falling back to an older checkpoint
+        would give up its steps for nothing."""
+        machine_failed, _ = agree(self._root, failed=caused_by_the_machine(error))
+        if machine_failed:
+            raise CheckpointLoadError(
+                f"The checkpoint of step {step_nr} is intact (every file matches its digest), but "
+                f"loading it failed ({error}). That is not damage, so the run does not fall back "
+                "to an older checkpoint: fix the cause (memory, the installation, the filesystem) "
+                "and resume again."
+            ) from error
 
     def load_model(self, step_nr: int, *, model: Module) -> None:
         """Load only the model of the checkpoint of ``step_nr`` (full or model-only)."""

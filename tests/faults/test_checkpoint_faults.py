@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from checkpoint import CheckpointError, CheckpointManager
+from checkpoint import CheckpointError, CheckpointLoadError, CheckpointManager
 from checkpoint.integrity import digest_file
 from gangs import Gangs
 from tests.conftest import REPO_ROOT, RunTorch, assert_ok, child_env
@@ -195,6 +195,68 @@ def test_damage_is_found_with_a_clear_error_and_the_previous_checkpoint_loads(
     assert "Skipping the checkpoint of step 20, which is damaged" in caplog.text
     assert message in caplog.text
     assert (manager.checkpoint_dir / "step_20.damaged").is_dir()
+
+
+def _fail_reading_the_model(monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
+    from checkpoint.dcp_files import _SafeReader
+
+    read_data = _SafeReader.read_data
+
+    def failing(self: _SafeReader, *args: Any, **kwargs: Any) -> Any:
+        if "step_20" in str(self.path):
+            raise error
+        return read_data(self, *args, **kwargs)
+
+    monkeypatch.setattr(_SafeReader, "read_data", failing)
+
+
+def _fail_loading_the_trainer_state(monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
+    load = torch.load
+
+    def failing(file: Any, *args: Any, **kwargs: Any) -> Any:
+        if "step_20" in str(file):
+            raise error
+        return load(file, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", failing)
+
+
+MACHINE_FAILURES = {
+    "a read error in DCP": (_fail_reading_the_model, OSError(5, "Input/output error")),
+    "out of memory in DCP": (_fail_reading_the_model, MemoryError()),
+    "a failed import": (_fail_loading_the_trainer_state, ModuleNotFoundError("No module 'x'")),
+}
+
+
+@pytest.mark.parametrize("failure", MACHINE_FAILURES)
+def test_an_intact_checkpoint_that_the_machine_fails_to_load_is_not_skipped_as_damaged(
+    manager: CheckpointManager, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    """Falling back to step 10 would lose the steps after it, and a retry loads step 20."""
+    save(manager, 10)
+    latest = save(manager, 20)
+    inject, error = MACHINE_FAILURES[failure]
+    with monkeypatch.context() as patch:
+        inject(patch, error)
+        with pytest.raises(CheckpointLoadError, match="checkpoint of step 20 is intact") as info:
+            load_last(manager)
+    assert "That is not damage, so the run does not fall back" in str(info.value)
+    assert [p.name for p in sorted(manager.checkpoint_dir.iterdir())] == ["step_10", "step_20"]
+    step_nr, model = load_last(manager)
+    assert step_nr == 20
+    assert_same_weights(model, latest)
+
+
+def test_ranks_agree_that_an_intact_checkpoint_one_rank_failed_to_load_is_not_damaged(
+    run_torchrun: RunTorch, tmp_path: Path
+) -> None:
+    assert_ok(run_torchrun(2, "tests/workers/checkpoint_check.py", "machine", str(tmp_path)))
+    reports = [json.loads((tmp_path / f"rank_{rank}.json").read_text()) for rank in range(2)]
+    assert [report["error"][0] for report in reports] == ["CheckpointLoadError"] * 2
+    assert "no memory left for the trainer state" in reports[1]["error"][1]
+    for report in reports:
+        assert report["left"] == ["step_10", "step_20"]
+        assert report["resumed_from"] == 20 and report["weights_equal"]
 
 
 # ------------------------------------------------------------------- 12: hostile pickles

@@ -4,6 +4,8 @@
 again after damaging a file of rank 1's share. Records the bytes each rank read to verify.
 ``staging OUT``: the entries each rank stages for an asynchronous save of replicated state.
 ``dirs OUT``: every rank names a checkpoint directory of its own (no shared filesystem).
+``machine OUT``: rank 1 runs out of memory loading its trainer state of the newest checkpoint;
+then the load is tried again.
 ``diskfull OUT WHERE MODE``: one process; a save (``sync`` or ``async``) runs out of space (a file
 size limit, RLIMIT_FSIZE) while it writes WHERE (``model``, ``optimizer`` or ``trainer``), then
 space is freed and the run goes on.
@@ -130,6 +132,37 @@ def dirs(output_dir: Path) -> dict[str, Any]:
     return report
 
 
+def machine(output_dir: Path) -> dict[str, Any]:
+    gangs = setup_gangs()
+    manager = CheckpointManager(output_dir / "checkpoints", gangs)
+    for step_nr in (10, 20):
+        model, optimizer = make_model(step_nr)
+        manager.save_checkpoint(
+            step_nr, model=model, optimizer=optimizer, trainer_state={"step_nr": step_nr}
+        )
+    load = torch.load
+
+    def failing(file: Any, *args: Any, **kwargs: Any) -> Any:
+        if gangs.root.rank == 1 and "step_20" in str(file):
+            raise MemoryError("no memory left for the trainer state")
+        return load(file, *args, **kwargs)
+
+    fresh, fresh_optimizer = make_model(0)
+    report: dict[str, Any] = {}
+    torch.load = failing  # type: ignore[assignment]
+    try:
+        manager.load_last_checkpoint(model=fresh, optimizer=fresh_optimizer)
+    except CheckpointError as ex:
+        report["error"] = [type(ex).__name__, str(ex)]
+    torch.load = load
+    report["left"] = sorted(p.name for p in manager.checkpoint_dir.iterdir())
+    loaded = manager.load_last_checkpoint(model=fresh, optimizer=fresh_optimizer)
+    report["resumed_from"] = None if loaded is None else loaded.step_nr
+    report["weights_equal"] = torch.equal(fresh[0].weight, model[0].weight)
+    gangs.root.close()
+    return report
+
+
 # Limits that the model (1 MiB), the optimizer (2 MiB) or the trainer state (3 MiB) exceeds first.
 DISK_FULL_LIMITS = {"model": 2**19, "optimizer": 3 * 2**19, "trainer": 5 * 2**19}
 
@@ -175,6 +208,6 @@ if __name__ == "__main__":
     if mode == "diskfull":
         result = disk_full(out, sys.argv[3], sys.argv[4])
     else:
-        result = {"shares": shares, "staging": staging, "dirs": dirs}[mode](out)
+        result = {"shares": shares, "staging": staging, "dirs": dirs, "machine": machine}[mode](out)
     rank_nr = int(os.environ.get("RANK", "0"))
     (out / f"rank_{rank_nr}.json").write_text(json.dumps(result))
