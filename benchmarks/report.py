@@ -64,28 +64,31 @@ def comparison_table(comparison: Mapping[str, Any]) -> list[str]:
 
 
 def summary_tables(comparisons: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Comparisons of the same contenders on the same first metric, one row each, as ratios."""
-    groups: dict[tuple[str, ...], list[Mapping[str, Any]]] = {}
+    """Comparisons on the same first metric, one row each, as ratios; a column for every
+    contender any of them has (a case may add one of its own)."""
+    groups: dict[str, list[Mapping[str, Any]]] = {}
     for comparison in comparisons:
-        names = tuple(c["name"] for c in comparison["contenders"])
-        groups.setdefault((comparison["metrics"][0]["key"], *names), []).append(comparison)
+        groups.setdefault(comparison["metrics"][0]["key"], []).append(comparison)
     lines: list[str] = []
-    for group_key, members in groups.items():
-        names = group_key[1:]
+    for members in groups.values():
         if len(members) < 2:
             continue
+        names = list(dict.fromkeys(c["name"] for m in members for c in m["contenders"]))
         metric = members[0]["metrics"][0]
         lines += [
             f"| {metric['label']} | " + " | ".join(names) + " |",
             "|---|" + "---|" * len(names),
         ]
         for comparison in members:
+            contenders = {c["name"]: c for c in comparison["contenders"]}
             cells = [f"{comparison['key']}: {comparison['title']}"]
-            for contender in comparison["contenders"]:
-                stats = contender["metrics"].get(metric["key"])
+            for name in names:
+                stats = contenders[name]["metrics"].get(metric["key"]) if name in contenders else {}
                 if stats is None:
                     cells.append(SKIPPED_CELL)
-                elif contender["name"] == comparison["baseline"]:
+                elif not stats:
+                    cells.append("")
+                elif name == comparison["baseline"]:
                     cells.append(format_value(stats[metric["summary"]], metric["unit"]))
                 else:
                     cells.append(format_ratio(stats["ratio"]))

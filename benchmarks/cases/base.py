@@ -42,9 +42,12 @@ def step_contender(
     )
 
 
-def all_loops(workload: str, settings: SuiteSettings, *, nproc: int = 1) -> tuple[Contender, ...]:
-    """The hand-written loop, the frameworks and this project's Trainer, in the table's order."""
+def all_loops(
+    workload: str, settings: SuiteSettings, *, nproc: int = 1, also: tuple[str, ...] = ()
+) -> tuple[Contender, ...]:
+    """The hand-written loop, the frameworks, the loops in ``also`` and this project's Trainer,
+    in the table's order."""
     return tuple(
         step_contender(loop, workload, settings, nproc=nproc)
-        for loop in ("hand", "lightning", "torchtnt", "accelerate", "trainer")
+        for loop in ("hand", "lightning", "torchtnt", "accelerate", *also, "trainer")
     )

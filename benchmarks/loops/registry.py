@@ -28,6 +28,9 @@ class LoopInfo:
 
 LOOPS: dict[str, LoopInfo] = {
     "hand": LoopInfo("hand-written", "benchmarks.loops.hand_loop"),
+    "hand_same_work": LoopInfo(
+        "hand-written + the Trainer's work", "benchmarks.loops.hand_same_work_loop"
+    ),
     "trainer": LoopInfo("this project", "benchmarks.loops.trainer_loop"),
     "lightning": LoopInfo("Lightning", "benchmarks.loops.lightning_loop", "lightning"),
     "torchtnt": LoopInfo("torchtnt", "benchmarks.loops.torchtnt_loop", "torchtnt"),

@@ -47,9 +47,10 @@ def test_quick_suite_writes_json_and_markdown(tmp_path: Path) -> None:
         "Lightning",
         "torchtnt",
         "Accelerate",
+        "hand-written + the Trainer's work",
         "this project",
     ]
-    for name in ("hand-written", "this project"):
+    for name in ("hand-written", "hand-written + the Trainer's work", "this project"):
         contender = contenders[name]
         assert contender["status"] == "ok", contender["note"]
         assert contender["num_runs"] == 1

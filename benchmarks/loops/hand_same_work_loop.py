@@ -1,0 +1,51 @@
+"""The hand-written loop doing per step what the Trainer must: the floor of the Trainer's cost.
+
+On top of the hand-written loop it reads shuffled batches the way ``MapDataReader`` reads a
+``TensorDataset`` (one ``index_select`` per tensor), normalizes the gradients of the summed loss
+after the backward (the Trainer cannot divide the loss before it: under DP the target total
+arrives during the backward), and takes the gradient norm that ``grad_norm``, clipping and
+``nan_policy`` need, keeping it and the loss on the device for the metric window. What the
+Trainer costs beyond this loop is its own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.data import TensorDataset
+
+from benchmarks.loops.common import world_size
+from benchmarks.loops.registry import LoopOptions
+from benchmarks.probe import StepTimer
+from benchmarks.workloads import StepPlan, Workload
+
+
+def run(workload: Workload, plan: StepPlan, options: LoopOptions) -> float:
+    del options
+    if world_size() != 1:
+        raise ValueError("The hand-written loop with the Trainer's work runs in one process only.")
+    dataset = workload.dataset()
+    if not isinstance(dataset, TensorDataset):
+        raise ValueError("The hand-written loop with the Trainer's work needs a TensorDataset.")
+    model = workload.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr)
+    params = [p for p in model.parameters() if p.requires_grad]
+    order = torch.randperm(workload.num_examples(), generator=torch.Generator().manual_seed(0))
+    timer = StepTimer(num_warmup=plan.num_warmup, num_steps=plan.num_steps)
+    batch_size = workload.batch_size
+    steps_per_epoch = workload.num_examples() // batch_size
+    window: list[tuple[Tensor, Tensor]] = []
+    for step_nr in range(plan.num_steps):
+        start = (step_nr % steps_per_epoch) * batch_size
+        indices = order[start : start + batch_size]
+        batch = [tensor.index_select(0, indices) for tensor in dataset.tensors]
+        loss, num_targets = workload.loss(model, batch)
+        loss.backward()
+        grads = [p.grad for p in params if p.grad is not None]
+        torch._foreach_mul_(grads, 1.0 / num_targets)
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+        window.append((loss.detach(), norm))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        timer.step_end()
+    return timer.seconds_per_step()
