@@ -64,13 +64,25 @@ def comparison_table(comparison: Mapping[str, Any]) -> list[str]:
 
 
 def summary_tables(comparisons: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Comparisons on the same first metric, one row each, as ratios; a column for every
-    contender any of them has (a case may add one of its own)."""
-    groups: dict[str, list[Mapping[str, Any]]] = {}
+    """Comparisons of the same first metric against the same baseline and with another contender
+    in common, one row each, as ratios; a column for every contender any of them has (a case may
+    add one of its own)."""
+    groups: list[list[Mapping[str, Any]]] = []
     for comparison in comparisons:
-        groups.setdefault(comparison["metrics"][0]["key"], []).append(comparison)
+        names = {c["name"] for c in comparison["contenders"]} - {comparison["baseline"]}
+        for members in groups:
+            first = members[0]
+            if (
+                first["metrics"][0]["key"] == comparison["metrics"][0]["key"]
+                and first["baseline"] == comparison["baseline"]
+                and names & {c["name"] for m in members for c in m["contenders"]}
+            ):
+                members.append(comparison)
+                break
+        else:
+            groups.append([comparison])
     lines: list[str] = []
-    for members in groups.values():
+    for members in groups:
         if len(members) < 2:
             continue
         names = list(dict.fromkeys(c["name"] for m in members for c in m["contenders"]))

@@ -34,6 +34,7 @@ def test_a_case_with_a_contender_of_its_own_stays_in_the_summary_with_a_column_f
         [
             comparison("W1", {"hand": 0.001, "Lightning": 0.002, "hand+": 0.0011, "ours": 0.0012}),
             comparison("W3", {"hand": 0.003, "Lightning": None, "ours": 0.0033}),
+            comparison("data", {"hand": 0.007, "prefetch": 0.0045}),
         ]
     )
     assert lines == [
@@ -45,5 +46,14 @@ def test_a_case_with_a_contender_of_its_own_stays_in_the_summary_with_a_column_f
     ]
 
 
-def test_a_metric_of_one_comparison_only_has_no_summary() -> None:
+def test_a_comparison_sharing_nothing_but_metric_and_baseline_has_no_summary() -> None:
     assert summary_tables([comparison("W1", {"hand": 0.001, "ours": 0.0012})]) == []
+    assert (
+        summary_tables(
+            [
+                comparison("A", {"whole": 0.001, "on meta": 0.0005}),
+                comparison("B", {"without": 0.002, "every block": 0.001}),
+            ]
+        )
+        == []
+    )
