@@ -127,7 +127,8 @@ class CheckpointManager:
             (tmp_dir / "trainer").mkdir(parents=True)
         self._root.barrier()
 
-        pending = PendingSave(step_nr, tmp_dir, final_dir, score)
+        layout = WorldLayout.of(self._gangs, model).as_dict()
+        pending = PendingSave(step_nr, tmp_dir, final_dir, score, layout)
         with removing_on_failure(self._root, pending):
             model_state, optim_state = get_state_dicts(model, optimizer)
             if async_checkpoint:
@@ -186,7 +187,7 @@ class CheckpointManager:
                 files,
                 step_nr=pending.step_nr,
                 score=pending.score,
-                layout=WorldLayout.of(self._gangs).as_dict(),
+                layout=pending.layout,
             )
             write_manifest(pending.tmp_dir, manifest)
             os.replace(pending.tmp_dir, pending.final_dir)
@@ -294,7 +295,7 @@ class CheckpointManager:
             )
         resharded = needs_reshard(
             WorldLayout.of_manifest(manifest),
-            WorldLayout.of(self._gangs),
+            WorldLayout.of(self._gangs, model),
             step_dir=path,
             step_nr=step_nr,
             reshard=reshard,

@@ -29,6 +29,8 @@ class PendingSave:
     tmp_dir: Path
     final_dir: Path
     score: float | None
+    layout: dict[str, int]
+    """The world layout of the saving run, for the manifest (:class:`WorldLayout`)."""
     digests: dict[str, FileDigest] = field(default_factory=dict)
     """What this rank wrote, by path below the step directory."""
     uploads: list[Future[dict[str, FileDigest]]] = field(default_factory=list)

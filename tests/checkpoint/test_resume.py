@@ -395,6 +395,24 @@ def test_resume_with_another_world_size_fails_clearly(resumed_run: Any, tmp_path
     assert not list((tmp_path / "checkpoints").glob("*.damaged*"))
 
 
+def test_a_resume_under_fsdp_of_a_ddp_checkpoint_loads_and_warns_it_is_not_bit_identical(
+    resumed_run: Any, tmp_path: Path
+) -> None:
+    source = resumed_run("dp2").reference
+    shutil.copytree(source / "checkpoints", tmp_path / "checkpoints")
+    manifest = json.loads((tmp_path / "checkpoints" / "step_10" / "manifest.json").read_text())
+    assert manifest["dp_shard_size"] == 1
+
+    result = launch("dp2", tmp_path, "kind=fsdp")
+    assert result.returncode == 0, output(result)
+    assert (
+        "The checkpoint of step 10 was saved with parameters replicated over the DP ranks; this "
+        "run has parameters sharded over all 2 DP ranks (FSDP2). It resumes, but the gradients "
+        "are reduced in another order"
+    ) in rank_log(tmp_path, 0)
+    assert "Resumed from the checkpoint of step 10." in rank_log(tmp_path, 0)
+
+
 @pytest.mark.parametrize("layout", ["dp1", "dp2_tp2"])
 def test_reshard_on_resume_continues_the_data_and_the_math(
     resumed_run: Any, tmp_path: Path, layout: str
