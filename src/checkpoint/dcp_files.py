@@ -69,7 +69,8 @@ class _HashingFileSystem(FileSystem):
         def record(digest: FileDigest) -> None:
             self._digests[name] = digest
 
-        with HashingStream(Path(path).open("wb"), on_close=record) as stream:
+        # DCP fsyncs each of its files once written (sync_files): its disk write starts early.
+        with HashingStream(Path(path).open("wb"), on_close=record, write_behind=True) as stream:
             yield cast(io.IOBase, stream)
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
