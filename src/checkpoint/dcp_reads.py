@@ -15,6 +15,7 @@ always is (see :mod:`checkpoint.verification`).
 
 from __future__ import annotations
 
+import ctypes
 import io
 import sys
 from collections.abc import Mapping, Sequence
@@ -83,8 +84,10 @@ def _read_in_place(view: IO[bytes], item: ReadItem, target: torch.Tensor) -> boo
 
 
 def _read_exactly(view: IO[bytes], target: torch.Tensor, item: ReadItem) -> None:
-    array: Any = target.reshape(-1).view(torch.uint8).numpy()  # the tensor's bytes, writable
-    buffer = memoryview(array)
+    if target.nbytes == 0:
+        return  # an empty tensor may have no address
+    # The tensor's own bytes, writable (through ctypes: numpy is not a dependency).
+    buffer = memoryview((ctypes.c_char * target.nbytes).from_address(target.data_ptr())).cast("B")
     reader = cast(io.RawIOBase, view)
     done = 0
     while done < len(buffer):
