@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any, cast
 
 import torch
+from torch.autograd.graph import increment_version
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -80,6 +81,8 @@ def _read_in_place(view: IO[bytes], item: ReadItem, target: torch.Tensor) -> boo
         return False
     view.seek(archive.get_record_offset(records[0]))
     _read_exactly(view, target, item)
+    # As copy_ would: autograd then refuses a backward through what the read overwrote.
+    increment_version(target)
     return True
 
 
