@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
+from checkpoint.dcp_reads import read_items
 from checkpoint.errors import CheckpointError
 from checkpoint.integrity import (
     FileDigest,
@@ -69,7 +70,8 @@ class _HashingFileSystem(FileSystem):
         def record(digest: FileDigest) -> None:
             self._digests[name] = digest
 
-        with HashingStream(Path(path).open("wb"), on_close=record) as stream:
+        # DCP fsyncs each of its files once written (sync_files): its disk write starts early.
+        with HashingStream(Path(path).open("wb"), on_close=record, write_behind=True) as stream:
             yield cast(io.IOBase, stream)
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
@@ -313,11 +315,29 @@ class _SafeReader(FileSystemReader):
         ]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's reads, each file's in offset order and whole tensors in place (see
+        :mod:`checkpoint.dcp_reads`)."""
         if self._hashing is not None:
             self._hashing.mine, self._hashing.digests.covered = plan.storage_data
         # In offset order, a file is read front to back: hashing it then needs no second read.
-        items = sorted(plan.items, key=self._location)
-        return super().read_data(dataclasses.replace(plan, items=items), planner)
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in sorted(plan.items, key=self._location):
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
+                item
+            )
+        for relative_path, items in per_file.items():
+            path = self.fs.concat_path(self.path, relative_path)
+            with self.fs.create_stream(path, "rb") as stream:
+                read_items(
+                    stream,
+                    items,
+                    storage_data=self.storage_data,
+                    transforms=self.transforms,
+                    planner=planner,
+                )
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
     def _location(self, item: ReadItem) -> tuple[str, int]:
         info = self.storage_data[item.storage_index]

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Final, Protocol, final
 
+from checkpoint.durable import start_writeback
 from checkpoint.errors import CheckpointError
 
 ALGORITHM: Final = "xxh3_128"
@@ -32,6 +33,9 @@ ALGORITHM: Final = "xxh3_128"
 _READ_CHUNK: Final = 1 << 22
 
 _CACHED_SLICE: Final = 1 << 20
+
+_WRITEBACK_CHUNK: Final = 1 << 24
+"""A :class:`HashingStream` with ``write_behind`` starts the disk write of every 16 MB written."""
 
 _MAX_GAP: Final = 1 << 16
 """A read this far past the hashed bytes or less reads the bytes between too: zip headers and
@@ -72,16 +76,25 @@ class HashingStream(io.RawIOBase):
     """A write-only file that hashes every byte on its way to ``raw``; ``on_close`` gets the sum.
 
     hashlib and xxhash release the GIL on large buffers, so a writer thread hashing here does not
-    hold up the training loop.
+    hold up the training loop. With ``write_behind``, the disk write of the bytes starts as they
+    arrive (see :func:`~checkpoint.durable.start_writeback`), for a large file that is fsynced
+    once written.
     """
 
-    def __init__(self, raw: BinaryIO, *, on_close: Callable[[FileDigest], None]) -> None:
+    def __init__(
+        self,
+        raw: BinaryIO,
+        *,
+        on_close: Callable[[FileDigest], None],
+        write_behind: bool = False,
+    ) -> None:
         super().__init__()
         self._raw = raw
         self._hasher = new_hasher(ALGORITHM)
         self._size = 0
         self._on_close = on_close
         self._failure: OSError | None = None
+        self._writeback_from: int | None = 0 if write_behind else None
 
     def writable(self) -> bool:
         return True
@@ -99,6 +112,11 @@ class HashingStream(io.RawIOBase):
             raise OSError(f"Short write: {written} of {len(view)} bytes.")
         self._hasher.update(view)
         self._size += len(view)
+        start = self._writeback_from
+        if start is not None and self._size - start >= _WRITEBACK_CHUNK:
+            # The bytes still in raw's buffer are not in the range: the fsync writes them.
+            start_writeback(self._raw.fileno(), start, self._size - start)
+            self._writeback_from = self._size
         return len(view)
 
     def tell(self) -> int:

@@ -53,6 +53,36 @@ def test_round_trip_restores_model_optimizer_and_trainer_state(manager: Checkpoi
         torch.testing.assert_close(a, b)
 
 
+def test_tensors_of_any_layout_and_dtype_round_trip(manager: CheckpointManager) -> None:
+    # Whole contiguous tensors are read straight into the model's; the rest as DCP reads them.
+    def make(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = nn.Module()
+        model.transposed = nn.Parameter(torch.randn(8, 4).t())  # saved non-contiguous
+        model.bf16 = nn.Parameter(torch.randn(4, 4, dtype=torch.bfloat16))
+        model.scalar = nn.Parameter(torch.randn(()))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        sum(param.float().sum() for param in model.parameters()).backward()
+        optimizer.step()
+        return model, optimizer
+
+    saved, saved_optimizer = make(1)
+    manager.save_checkpoint(1, model=saved, optimizer=saved_optimizer, trainer_state={})
+    model, optimizer = make(2)
+    manager.load_checkpoint(1, model=model, optimizer=optimizer)
+
+    for (name, expected), actual in zip(
+        saved.state_dict().items(), model.state_dict().values(), strict=True
+    ):
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected), name
+    assert not model.transposed.is_contiguous()
+    for state, expected_state in zip(
+        optimizer.state.values(), saved_optimizer.state.values(), strict=True
+    ):
+        for key, value in expected_state.items():
+            assert torch.equal(state[key], value), key
+
+
 def test_manifest_describes_the_checkpoint(manager: CheckpointManager) -> None:
     save(manager, 5, score=1.25)
     manifest = json.loads((manager.checkpoint_dir / "step_5" / "manifest.json").read_text())
