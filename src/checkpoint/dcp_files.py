@@ -30,7 +30,6 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from checkpoint.dcp_reads import read_items
 from checkpoint.errors import CheckpointError
 from checkpoint.integrity import (
     FileDigest,
@@ -320,8 +319,15 @@ class _SafeReader(FileSystemReader):
         if self._hashing is not None:
             self._hashing.mine, self._hashing.digests.covered = plan.storage_data
         # In offset order, a file is read front to back: hashing it then needs no second read.
+        items = sorted(plan.items, key=self._location)
+        try:
+            from checkpoint.dcp_reads import read_items
+        except ImportError:
+            # A torch whose DCP lacks the internals of the in-place reads (``torch>=2.6`` is
+            # allowed; they were written against 2.13): DCP reads as it always does.
+            return super().read_data(dataclasses.replace(plan, items=items), planner)
         per_file: dict[str, list[ReadItem]] = {}
-        for item in sorted(plan.items, key=self._location):
+        for item in items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
                 item
             )

@@ -83,6 +83,18 @@ def test_tensors_of_any_layout_and_dtype_round_trip(manager: CheckpointManager) 
             assert torch.equal(state[key], value), key
 
 
+def test_without_the_in_place_reads_dcp_reads_the_checkpoint_as_it_always_does(
+    manager: CheckpointManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As on a torch whose DCP internals the in-place reads cannot import.
+    monkeypatch.setitem(sys.modules, "checkpoint.dcp_reads", None)
+    saved = save(manager, 1)
+    model, optimizer = make_model(2)
+    manager.load_checkpoint(1, model=model, optimizer=optimizer)
+    for expected, actual in zip(saved.parameters(), model.parameters(), strict=True):
+        assert torch.equal(actual, expected)
+
+
 def test_manifest_describes_the_checkpoint(manager: CheckpointManager) -> None:
     save(manager, 5, score=1.25)
     manifest = json.loads((manager.checkpoint_dir / "step_5" / "manifest.json").read_text())
