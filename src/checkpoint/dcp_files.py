@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
+from checkpoint.durable import libc_function
 from checkpoint.errors import CheckpointError
 from checkpoint.integrity import (
     FileDigest,
@@ -183,11 +184,9 @@ def _fault_in(values: Iterable[Any]) -> None:
     """
     import ctypes
 
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
+    madvise = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
+    if madvise is None:
         return
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = os.sysconf("SC_PAGE_SIZE")
     for value in values:
         if isinstance(value, DTensor):
@@ -331,12 +330,12 @@ class _SafeReader(FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
                 item
             )
-        for relative_path, items in per_file.items():
+        for relative_path, file_items in per_file.items():
             path = self.fs.concat_path(self.path, relative_path)
             with self.fs.create_stream(path, "rb") as stream:
                 read_items(
                     stream,
-                    items,
+                    file_items,
                     storage_data=self.storage_data,
                     transforms=self.transforms,
                     planner=planner,

@@ -57,19 +57,25 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
     CPU idle while it is flushed; started as the bytes arrive, the two overlap. Where the call is
     missing (not Linux) this does nothing, and the ``fsync`` does all the writing as before.
     """
-    sync_file_range = _sync_file_range()
+    import ctypes  # on first use: the CLI imports this module, and ctypes is not free to load
+
+    sync_file_range = libc_function(
+        "sync_file_range", (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    )
     if sync_file_range is not None:
         sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 @functools.cache
-def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    import ctypes  # on first use: the CLI imports this module, and ctypes is not free to load
+def libc_function(name: str, argtypes: tuple[Any, ...]) -> Callable[..., int] | None:
+    """The C library's function ``name``, taking ``argtypes`` (ctypes types) and returning an
+    int; None where the library has none (not Linux, or a Linux too old for it)."""
+    import ctypes
 
     try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.argtypes = list(argtypes)
     function.restype = ctypes.c_int
     return function  # type: ignore[no-any-return]

@@ -113,17 +113,16 @@ class DcpStorage:
         from checkpoint.dcp_files import STAGED, hashing_writer
 
         writer, digests = hashing_writer(path, reuse=self._staging[writer_nr][0])
-        state = staged
         if self._gang.size == 1:
             # The warning comes from the writer thread, outside any catch_warnings block here.
             warnings.filterwarnings(
                 "ignore", message="torch.distributed is disabled", category=UserWarning
             )
-            result = async_save(state, storage_writer=writer, async_stager=STAGED, no_dist=True)
+            result = async_save(staged, storage_writer=writer, async_stager=STAGED, no_dist=True)
         else:
             group = self._async_group(writer_nr)
             result = async_save(
-                state, storage_writer=writer, async_stager=STAGED, process_group=group
+                staged, storage_writer=writer, async_stager=STAGED, process_group=group
             )
         if isinstance(result, AsyncSaveResponse):
             result.staging_completion.result()
