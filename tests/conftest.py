@@ -116,6 +116,11 @@ def run_python(
     )
 
 
+def rank_reports(out: Path, num_ranks: int) -> list[Any]:
+    """What each rank of a worker wrote to ``out/rank_R.json``, by rank."""
+    return [json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(num_ranks)]
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """The records of a JSONL metrics file, in order."""
     return [json.loads(line) for line in path.read_text().splitlines()]

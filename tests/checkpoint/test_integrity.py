@@ -17,7 +17,7 @@ from torch import nn
 from checkpoint import CheckpointError, CheckpointManager
 from checkpoint.integrity import HashingReader, assign_hashing, digest_file, share_of
 from gangs import Gangs
-from tests.conftest import RunTorch, assert_ok
+from tests.conftest import RunTorch, assert_ok, rank_reports
 
 FORMAT_1_CHECKPOINTS = Path(__file__).resolve().parents[1] / "data" / "format_1_run" / "checkpoints"
 
@@ -53,9 +53,7 @@ def test_two_ranks_hash_as_they_write_and_verify_each_byte_once(
     run_torchrun: RunTorch, tmp_path: Path
 ) -> None:
     assert_ok(run_torchrun(2, "tests/workers/checkpoint_check.py", "shares", str(tmp_path)))
-    reports: list[dict[str, Any]] = [
-        json.loads((tmp_path / f"rank_{rank}.json").read_text()) for rank in range(2)
-    ]
+    reports: list[dict[str, Any]] = rank_reports(tmp_path, 2)
     files = reports[0]["manifest_files"]
     step_dir = tmp_path / "checkpoints" / "step_2"
     # Both ranks wrote DCP files and a trainer file; rank 0 gathered them without reading any.
@@ -79,9 +77,7 @@ def test_two_ranks_of_replicated_state_stage_one_part_each_for_an_async_save(
     run_torchrun: RunTorch, tmp_path: Path
 ) -> None:
     assert_ok(run_torchrun(2, "tests/workers/checkpoint_check.py", "staging", str(tmp_path)))
-    reports: list[dict[str, Any]] = [
-        json.loads((tmp_path / f"rank_{rank}.json").read_text()) for rank in range(2)
-    ]
+    reports: list[dict[str, Any]] = rank_reports(tmp_path, 2)
     for part in ("model", "optimizer"):
         staged = [set(report[part]["staged"]) for report in reports]
         assert staged[0] and staged[1], f"a rank stages nothing of the {part}"

@@ -23,7 +23,7 @@ from torch import nn
 from checkpoint import CheckpointError, CheckpointLoadError, CheckpointManager
 from checkpoint.integrity import digest_file
 from gangs import Gangs
-from tests.conftest import REPO_ROOT, RunTorch, assert_ok, child_env
+from tests.conftest import REPO_ROOT, RunTorch, assert_ok, child_env, rank_reports
 
 pytestmark = [pytest.mark.faults]
 
@@ -68,7 +68,7 @@ def test_ranks_that_see_different_checkpoint_directories_all_stop_with_one_clear
     run_torchrun: RunTorch, tmp_path: Path
 ) -> None:
     assert_ok(run_torchrun(2, "tests/workers/checkpoint_check.py", "dirs", str(tmp_path)))
-    reports = [json.loads((tmp_path / f"rank_{rank}.json").read_text()) for rank in range(2)]
+    reports = rank_reports(tmp_path, 2)
     errors = {report["error"] for report in reports}
     assert len(errors) == 1, "the ranks disagree on the verdict"
     error = errors.pop()
@@ -251,7 +251,7 @@ def test_ranks_agree_that_an_intact_checkpoint_one_rank_failed_to_load_is_not_da
     run_torchrun: RunTorch, tmp_path: Path
 ) -> None:
     assert_ok(run_torchrun(2, "tests/workers/checkpoint_check.py", "machine", str(tmp_path)))
-    reports = [json.loads((tmp_path / f"rank_{rank}.json").read_text()) for rank in range(2)]
+    reports = rank_reports(tmp_path, 2)
     assert [report["error"][0] for report in reports] == ["CheckpointLoadError"] * 2
     assert "no memory left for the trainer state" in reports[1]["error"][1]
     for report in reports:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from tests.conftest import RunTorch, assert_ok, torchrun
+from tests.conftest import RunTorch, assert_ok, rank_reports, torchrun
 
 pytestmark = pytest.mark.distributed
 
@@ -118,8 +118,7 @@ def _collectives_per_step(
     """Each rank's collectives on the root gang, per step and per publish."""
     assert_ok(run_torchrun(2, "tests/workers/collective_count.py", str(tmp_path), kind))
     per_rank = []
-    for rank in range(2):
-        per_step = json.loads((tmp_path / f"rank_{rank}.json").read_text())
+    for per_step in rank_reports(tmp_path, 2):
         steps = [counts for counts in per_step if not any(k.startswith("publish:") for k in counts)]
         publishes = [counts for counts in per_step if counts and counts not in steps]
         per_rank.append((steps, publishes))
