@@ -64,25 +64,10 @@ def comparison_table(comparison: Mapping[str, Any]) -> list[str]:
 
 
 def summary_tables(comparisons: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Comparisons of the same first metric against the same baseline and with another contender
-    in common, one row each, as ratios; a column for every contender any of them has (a case may
-    add one of its own)."""
-    groups: list[list[Mapping[str, Any]]] = []
-    for comparison in comparisons:
-        names = {c["name"] for c in comparison["contenders"]} - {comparison["baseline"]}
-        for members in groups:
-            first = members[0]
-            if (
-                first["metrics"][0]["key"] == comparison["metrics"][0]["key"]
-                and first["baseline"] == comparison["baseline"]
-                and names & {c["name"] for m in members for c in m["contenders"]}
-            ):
-                members.append(comparison)
-                break
-        else:
-            groups.append([comparison])
+    """The comparisons of each group (see :func:`_summary_groups`) of two or more, one row each,
+    as ratios; a column for every contender any of them has (a case may add one of its own)."""
     lines: list[str] = []
-    for members in groups:
+    for members in _summary_groups(comparisons):
         if len(members) < 2:
             continue
         names = list(dict.fromkeys(c["name"] for m in members for c in m["contenders"]))
@@ -107,6 +92,28 @@ def summary_tables(comparisons: Sequence[Mapping[str, Any]]) -> list[str]:
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return lines
+
+
+def _summary_groups(
+    comparisons: Sequence[Mapping[str, Any]],
+) -> list[list[Mapping[str, Any]]]:
+    """Comparisons of the same first metric against the same baseline and with another contender
+    in common, in the order of the suite."""
+    groups: list[list[Mapping[str, Any]]] = []
+    for comparison in comparisons:
+        others = {c["name"] for c in comparison["contenders"]} - {comparison["baseline"]}
+        for members in groups:
+            first = members[0]
+            if (
+                first["metrics"][0]["key"] == comparison["metrics"][0]["key"]
+                and first["baseline"] == comparison["baseline"]
+                and others & {c["name"] for m in members for c in m["contenders"]}
+            ):
+                members.append(comparison)
+                break
+        else:
+            groups.append([comparison])
+    return groups
 
 
 def markdown(results: Mapping[str, Any]) -> str:
