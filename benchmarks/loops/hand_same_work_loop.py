@@ -1,9 +1,9 @@
 """The hand-written loop doing per step what the Trainer must: the floor of the Trainer's cost.
 
-On top of the hand-written loop it reads shuffled batches the way ``MapDataReader`` reads a
-``TensorDataset`` (one ``index_select`` per tensor), normalizes the gradients of the summed loss
-after the backward (the Trainer cannot divide the loss before it: under DP the target total
-arrives during the backward), and takes the gradient norm that ``grad_norm``, clipping and
+On top of the hand-written loop it reads shuffled batches (the dataset's tensors gathered in a
+shuffled order once, then sliced, as a user would write it), normalizes the gradients of the
+summed loss after the backward (the Trainer cannot divide the loss before it: under DP the target
+total arrives during the backward), and takes the gradient norm that ``grad_norm``, clipping and
 ``nan_policy`` need, keeping it and the loss on the device for the metric window. What the
 Trainer costs beyond this loop is its own bookkeeping.
 """
@@ -35,10 +35,10 @@ def run(workload: Workload, plan: StepPlan, options: LoopOptions) -> float:
     batch_size = workload.batch_size
     steps_per_epoch = workload.num_examples() // batch_size
     window: list[tuple[Tensor, Tensor]] = []
+    shuffled = [tensor.index_select(0, order) for tensor in dataset.tensors]
     for step_nr in range(plan.num_steps):
         start = (step_nr % steps_per_epoch) * batch_size
-        indices = order[start : start + batch_size]
-        batch = [tensor.index_select(0, indices) for tensor in dataset.tensors]
+        batch = [tensor[start : start + batch_size] for tensor in shuffled]
         loss, num_targets = workload.loss(model, batch)
         loss.backward()
         grads = [p.grad for p in params if p.grad is not None]

@@ -212,6 +212,36 @@ def test_a_tensor_dataset_gives_the_batches_default_collate_makes_of_its_example
                 assert torch.equal(mine, torchs)
 
 
+def test_tensor_dataset_batches_across_several_gathers_and_a_resume_match_default_collate() -> None:
+    # 301 examples in micro-batches of 2: three gathers of 64 micro-batches each, a short last
+    # micro-batch, and a resume that starts reading in the middle of a gather.
+    dataset = torch.utils.data.TensorDataset(torch.arange(301.0), torch.arange(301))
+
+    def reader_of(source: torch.utils.data.Dataset[Any]) -> MapDataReader[Any]:
+        return MapDataReader(
+            dataset=source,  # type: ignore[arg-type]
+            batch_size=2,
+            gang=FakeGang(),
+            seed=5,
+            drop_remainder=False,
+            num_prefetch=0,
+        )
+
+    def as_lists(steps: list[list[list[Tensor]]]) -> list[list[list[list[float]]]]:
+        return [[[field.tolist() for field in batch] for batch in step] for step in steps]
+
+    expected = as_lists(list(reader_of(ExamplesOf(dataset, 301))))
+    assert len(expected) == 151 and len(expected[-1][0][0]) == 1
+    assert as_lists(list(reader_of(dataset))) == expected
+
+    reader = reader_of(dataset)
+    for _ in range(70):
+        next(reader)
+    resumed = reader_of(dataset)
+    resumed.load_state_dict(reader.state_dict())
+    assert as_lists(list(resumed)) == expected[70:]
+
+
 def test_a_dataset_with_getitems_is_asked_once_per_micro_batch() -> None:
     asked: list[list[int]] = []
 

@@ -39,11 +39,12 @@ class MapDataReader(DataReader[BatchT]):
     ``drop_remainder`` drops a last micro-batch smaller than ``batch_size`` and a last step with
     fewer than ``num_accumulate`` micro-batches; without it both are kept.
 
-    A micro-batch is fetched the cheapest way the dataset allows: a ``TensorDataset`` with the
-    default collate function is one ``index_select`` per tensor (the same tensors ``default_collate``
-    stacks from single examples, without a Python call per example); a dataset with
-    ``__getitems__`` (torch's batched protocol, which ``DataLoader`` uses too) gets one call per
-    micro-batch; any other dataset is indexed example by example.
+    A micro-batch is fetched the cheapest way the dataset allows: from a ``TensorDataset`` with the
+    default collate function, one ``index_select`` per tensor gathers the rows of up to 64
+    micro-batches (16 MiB), and each micro-batch is a view of its rows (the same values
+    ``default_collate`` stacks from single examples, without a Python call per example); a dataset
+    with ``__getitems__`` (torch's batched protocol, which ``DataLoader`` uses too) gets one call
+    per micro-batch; any other dataset is indexed example by example.
 
     A background thread prepares (indexes and collates) up to ``num_prefetch`` steps ahead, so that
     preparing step N+1 overlaps step N; ``num_prefetch=0`` prepares each step in ``__next__``.
@@ -349,8 +350,14 @@ class _StepMaker(Generic[BatchT]):
         self._tensors: tuple[Tensor, ...] = ()
         self._shard = shard
         self._shard_indices: list[int] = []
+        # The rows of the micro-batches being read, gathered ahead: their first position in the
+        # shard, and one tensor per dataset tensor.
+        self._gathered_start = 0
+        self._gathered: list[Tensor] = []
+        self._gather_size = batch_size
         if isinstance(dataset, TensorDataset) and collate is default_collate:
             self._tensors = tuple(dataset.tensors)
+            self._gather_size = batch_size * _micro_batches_per_gather(self._tensors, batch_size)
             self._fetch = self._gather
         else:
             # Python ints: a dataset need not accept a 0-dim tensor as its index.
@@ -369,8 +376,14 @@ class _StepMaker(Generic[BatchT]):
 
     def _gather(self, start: int, stop: int) -> BatchT:
         # What default_collate makes of TensorDataset examples: a list with each field stacked.
-        indices = self._shard[start:stop]
-        return [tensor.index_select(0, indices) for tensor in self._tensors]  # type: ignore[return-value]
+        # One index_select gathers the rows of several micro-batches, and each is a view of its
+        # own rows: per micro-batch, reading then costs what slicing a tensor costs.
+        if not self._gathered or not 0 <= start - self._gathered_start < self._gather_size:
+            self._gathered_start = start - start % self._gather_size
+            indices = self._shard[self._gathered_start : self._gathered_start + self._gather_size]
+            self._gathered = [tensor.index_select(0, indices) for tensor in self._tensors]
+        first, last = start - self._gathered_start, stop - self._gathered_start
+        return [rows[first:last] for rows in self._gathered]  # type: ignore[return-value]
 
     def _fetch_batch(self, start: int, stop: int) -> BatchT:
         examples = self._dataset.__getitems__(self._shard_indices[start:stop])  # type: ignore[attr-defined]
@@ -379,6 +392,20 @@ class _StepMaker(Generic[BatchT]):
     def _fetch_examples(self, start: int, stop: int) -> BatchT:
         dataset = self._dataset
         return self._collate([dataset[index] for index in self._shard_indices[start:stop]])
+
+
+# At most this many micro-batches, and this many bytes, are gathered from a TensorDataset at once.
+_MAX_GATHERED_MICRO_BATCHES = 64
+_MAX_GATHERED_BYTES = 16 * 2**20
+
+
+def _micro_batches_per_gather(tensors: tuple[Tensor, ...], batch_size: int) -> int:
+    """How many micro-batches one gather from ``tensors`` reads, within the bounds above."""
+    example_bytes = sum(
+        tensor[0].numel() * tensor.element_size() for tensor in tensors if len(tensor)
+    )
+    fitting = _MAX_GATHERED_BYTES // max(example_bytes * batch_size, 1)
+    return max(1, min(_MAX_GATHERED_MICRO_BATCHES, fitting))
 
 
 def _describe(values: Mapping[str, object]) -> str:
