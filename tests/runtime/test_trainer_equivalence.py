@@ -112,6 +112,25 @@ def test_hsdp_2x2_matches_ddp_on_4_and_dp1(
     assert_same_params(ddp, single_process_reference)
 
 
+@pytest.mark.slow
+def test_hsdp_2x2_x_tp2_on_8_processes_matches_dp1(
+    run_torchrun: RunTorch, tmp_path: Path, single_process_reference: dict[str, Tensor]
+) -> None:
+    # The three-dimensional layout of a multi-node run: TP within a pair, shards within a node,
+    # replicas across nodes. Eight processes on this machine's cores take a while: `make test-all`.
+    params = train(
+        run_torchrun,
+        tmp_path,
+        8,
+        batch_size=2,
+        max_gradient_norm=0.5,
+        tp_size=2,
+        kind="hsdp",
+        dp_shard_size=2,
+    )
+    assert_same_params(params, single_process_reference)
+
+
 def _collectives_per_step(
     run_torchrun: RunTorch, tmp_path: Path, kind: str
 ) -> list[tuple[list[dict[str, int]], list[dict[str, int]]]]:
