@@ -38,7 +38,9 @@ PACING = (
     "step_sleep=0.1",
     "mark_steps=true",
 )
-MOMENTS = {"start-up": None, "validation": [3, 6], "save": [2, 4, 8], "step": [1, 5, 7]}
+# Trial n storms at moment n (in this order, round and round): `make test`'s one trial hits a
+# save, the moment that puts committed data at risk; `make test-all` hits every moment.
+MOMENTS = {"save": [2, 4, 8], "step": [1, 5, 7], "validation": [3, 6], "start-up": None}
 
 
 def storm(job: Job, rng: random.Random) -> None:
@@ -75,7 +77,7 @@ def judge(out: Path) -> tuple[bool, str]:
     return not trained and not steps, f"never stopped at a step; trained {trained}, {steps}"
 
 
-@pytest.mark.parametrize("trials", trial_counts(2, 10))
+@pytest.mark.parametrize("trials", trial_counts(1, 10))
 def test_sigterm_storms_stop_at_a_step_boundary_or_before_training(
     trials: int, reference: dict[str, Tensor], tmp_path: Path, tally: Tally
 ) -> None:

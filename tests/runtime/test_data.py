@@ -213,7 +213,7 @@ def test_a_tensor_dataset_gives_the_batches_default_collate_makes_of_its_example
 
 
 def test_tensor_dataset_batches_across_several_gathers_and_a_resume_match_default_collate() -> None:
-    # 301 examples in micro-batches of 2: three gathers of 64 micro-batches each, a short last
+    # 301 examples in micro-batches of 2: gathers of 64, 64 and 23 micro-batches, a short last
     # micro-batch, and a resume that starts reading in the middle of a gather.
     dataset = torch.utils.data.TensorDataset(torch.arange(301.0), torch.arange(301))
 
