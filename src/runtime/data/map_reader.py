@@ -401,9 +401,8 @@ _MAX_GATHERED_BYTES = 16 * 2**20
 
 def _micro_batches_per_gather(tensors: tuple[Tensor, ...], batch_size: int) -> int:
     """How many micro-batches one gather from ``tensors`` reads, within the bounds above."""
-    example_bytes = sum(
-        tensor[0].numel() * tensor.element_size() for tensor in tensors if len(tensor)
-    )
+    # The reader refuses a dataset too small for one step, so every tensor has a first row here.
+    example_bytes = sum(tensor[0].nbytes for tensor in tensors)
     fitting = _MAX_GATHERED_BYTES // max(example_bytes * batch_size, 1)
     return max(1, min(_MAX_GATHERED_MICRO_BATCHES, fitting))
 
