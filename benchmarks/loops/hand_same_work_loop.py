@@ -1,11 +1,13 @@
 """The hand-written loop doing per step what the Trainer must: the floor of the Trainer's cost.
 
 On top of the hand-written loop it reads shuffled batches (the dataset's tensors gathered in a
-shuffled order once, then sliced, as a user would write it), normalizes the gradients of the
+shuffled order once, then sliced, as a user would write it), and normalizes the gradients of the
 summed loss after the backward (the Trainer cannot divide the loss before it: under DP the target
-total arrives during the backward), and takes the gradient norm that ``grad_norm``, clipping and
-``nan_policy`` need, keeping it and the loss on the device for the metric window. What the
-Trainer costs beyond this loop is its own bookkeeping.
+total arrives during the backward) in the one fused kernel that also raises the flag of a NaN or
+infinite gradient, which ``nan_policy`` checks at publish. It keeps the loss on the device for the
+metric window. The gradient norm is left out, as the Trainer measures it only on the steps that
+publish it (none of the timed ones). What the Trainer costs beyond this loop is its own
+bookkeeping.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ def run(workload: Workload, plan: StepPlan, options: LoopOptions) -> float:
     timer = StepTimer(num_warmup=plan.num_warmup, num_steps=plan.num_steps)
     batch_size = workload.batch_size
     steps_per_epoch = workload.num_examples() // batch_size
-    window: list[tuple[Tensor, Tensor]] = []
+    window: list[Tensor] = []
+    non_finite = torch.zeros(())
+    inverse, factor = torch.ones(()), 1.0
     shuffled = [tensor.index_select(0, order) for tensor in dataset.tensors]
     for step_nr in range(plan.num_steps):
         start = (step_nr % steps_per_epoch) * batch_size
@@ -42,9 +46,11 @@ def run(workload: Workload, plan: StepPlan, options: LoopOptions) -> float:
         loss, num_targets = workload.loss(model, batch)
         loss.backward()
         grads = [p.grad for p in params if p.grad is not None]
-        torch._foreach_mul_(grads, 1.0 / num_targets)
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
-        window.append((loss.detach(), norm))
+        if 1.0 / num_targets != factor:
+            factor = 1.0 / num_targets
+            inverse.fill_(factor)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, non_finite, inverse)
+        window.append(loss.detach())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         timer.step_end()

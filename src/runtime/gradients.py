@@ -1,4 +1,4 @@
-"""Gradients across DP and TP: deferring their sync, scaling them, and their norm.
+"""Gradients across DP and TP: deferring their sync, normalizing them, their norm, clipping.
 
 DDP, FSDP2 and DTensor are looked up only once something imported them: a model that uses none
 of them never needs them, and importing them costs a second.
@@ -85,12 +85,24 @@ def clip_gradient_norm(model: Module, max_norm: float | None) -> Tensor:
     Works for plain, DDP, FSDP2 and TP parameters alike: sharded (DTensor) gradients are reduced
     to their full norm, replicated ones count once. The norm stays on the device (no host sync).
     """
-    return Gradients(model).clip(max_norm)
+    gradients = Gradients(model)
+    total_norm = gradients.norm()
+    if max_norm is not None:
+        gradients.clip(max_norm, total_norm)
+    return total_norm
+
+
+# The gradient dtypes the fused unscale kernel takes: it multiplies in float32 by a float32 factor
+# and rounds once. For float32 those are the bits of ``_foreach_mul_`` with a Python float; for
+# bfloat16 and float16 more exact ones (``_foreach_mul_`` rounds the factor to their dtype first).
+# Float64 would lose the factor's precision, so it takes ``_foreach_mul_``.
+_FUSED_DTYPES: Final = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @final
 class Gradients:
-    """The gradients of a model's parameters, grouped by device mesh once, scaled and clipped.
+    """The gradients of a model's parameters, grouped by device mesh once: normalized, measured
+    and clipped.
 
     The groups are found on the first step and kept: a step only collects the ``.grad`` of each
     group's parameters, without walking the module tree.
@@ -100,42 +112,90 @@ class Gradients:
         self._model = model
         self._groups: list[list[torch.nn.Parameter]] | None = None
         self._plain: list[bool] = []
+        self._fused: list[bool] = []
+        self._device: torch.device | None = None
+        self._non_finite: Tensor | None = None
+        self._inverse: Tensor | None = None
+        self._factor = 1.0
 
-    def _grads(self) -> list[tuple[list[Tensor], bool]]:
-        """Each group's gradients (groups without any left out), and whether the group is plain."""
+    def _grads(self) -> list[tuple[list[Tensor], bool, bool]]:
+        """Each group's gradients (groups without any left out), whether the group is plain, and
+        whether its local tensors take the fused unscale kernel."""
         if self._groups is None:
             self._groups = _parameter_groups(self._model)
             self._plain = [_is_plain(group) for group in self._groups]
+            self._device = _local(self._groups[0][0]).device if self._groups else None
+            self._fused = [_is_fusable(group, self._device) for group in self._groups]
         grouped = []
-        for group, plain in zip(self._groups, self._plain, strict=True):
+        for group, plain, fused in zip(self._groups, self._plain, self._fused, strict=True):
             grads = [p.grad for p in group if p.grad is not None]
             if grads:
-                grouped.append((grads, plain))
+                grouped.append((grads, plain, fused))
         return grouped
 
-    def clip(self, max_norm: float | None) -> Tensor:
-        """Return the total norm and clip to ``max_norm`` if given (see :func:`clip_gradient_norm`)."""
-        return self.scale_and_clip(1.0, max_norm)
+    def normalize(self, factor: float) -> Tensor | None:
+        """Multiply the gradients by ``factor``; return this rank's non-finite flag (None if
+        there are no gradients).
 
-    def scale_and_clip(self, factor: float, max_norm: float | None) -> Tensor:
-        """Multiply the gradients by ``factor``; then return their total norm, and clip them to
-        ``max_norm`` if given."""
+        The flag is one tensor for the whole run, on the device: it turns non-zero at the first
+        NaN or infinite gradient and stays so, and nothing here waits for it. Every gradient is
+        read once, where it can be in one fused kernel that multiplies and checks together (the
+        one fp16 loss scaling unscales with): a step costs that kernel, plus a fill when the
+        factor changed, where ``_foreach_mul_`` and a norm would dispatch once per tensor each.
+        """
+        grouped = self._grads()
+        if not grouped:
+            return None
+        if self._non_finite is None or self._inverse is None:
+            self._non_finite = torch.zeros((), device=self._device)
+            self._inverse = torch.full((), factor, device=self._device)
+        elif factor != self._factor:
+            self._inverse.fill_(factor)
+        self._factor = factor
+        for grads, plain, fused in grouped:
+            local = grads if plain else [_local(g) for g in grads]
+            if fused:
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    local, self._non_finite, self._inverse
+                )
+                continue
+            if factor != 1.0:
+                torch._foreach_mul_(local, factor)
+            for tensor in local:
+                # Rare layouts only (float64, or mixed devices): a check per tensor.
+                bad = torch.isfinite(tensor).logical_not().any()
+                self._non_finite.add_(bad.to(self._non_finite.device, torch.float32))
+        return self._non_finite
+
+    def norm(self) -> Tensor:
+        """The total 2-norm of the gradients, in float32 or wider (a collective for sharded
+        gradients, none for plain and DDP ones)."""
         grouped = self._grads()
         if not grouped:
             return torch.zeros(())
-        if factor != 1.0:
-            for grads, _ in grouped:
-                torch._foreach_mul_(grads, factor)
-        norms = [_group_norm(grads, plain) for grads, plain in grouped]
+        norms = [_group_norm(grads, plain) for grads, plain, _ in grouped]
         # With one group, sqrt(norm ** 2) is norm exactly (binary floating point), so skip the ops.
-        total_norm = (
-            norms[0] if len(norms) == 1 else torch.stack([n**2 for n in norms]).sum().sqrt()
-        )
-        if max_norm is not None:
-            clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-            for grads, _ in grouped:
-                torch._foreach_mul_(grads, clip_coef.to(grads[0].dtype))
-        return total_norm
+        if len(norms) == 1:
+            return norms[0]
+        return torch.stack([n**2 for n in norms]).sum().sqrt()
+
+    def clip(self, max_norm: float, total_norm: Tensor) -> None:
+        """Scale the gradients down so that their norm, ``total_norm`` now, is at most
+        ``max_norm``."""
+        clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        for grads, _, _ in self._grads():
+            torch._foreach_mul_(grads, clip_coef.to(grads[0].dtype))
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """The tensor this rank holds: a DTensor's local shard, a plain tensor itself."""
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
+
+
+def _is_fusable(group: list[torch.nn.Parameter], device: torch.device | None) -> bool:
+    """Whether the fused unscale kernel takes the local gradients of ``group``: all on ``device``
+    (the flag's), and of the ``_FUSED_DTYPES``."""
+    return all(_local(p).device == device and p.dtype in _FUSED_DTYPES for p in group)
 
 
 def _group_norm(grads: list[Tensor], plain: bool) -> Tensor:

@@ -179,8 +179,14 @@ class TrainLoop(Generic[BatchT]):
                 if batches is None:
                     self._end_data_epoch()
                     continue
-                stop_requested = self._take_step(batches)
-                self._after_step(stop_requested=stop_requested)
+                step_nr = state.step_nr + 1
+                publish = self._schedules.publish.due_after_step(step_nr)
+                validate = self._schedules.validate.due_after_step(step_nr)
+                # The gradient norm is measured where it is published: on the publishing steps,
+                # and on those after which the run may end (the end publishes what is left).
+                measure_grad_norm = publish or validate or step_nr == max_steps
+                stop_requested = self._take_step(batches, measure_grad_norm=measure_grad_norm)
+                self._after_step(stop_requested=stop_requested, publish=publish, validate=validate)
 
         if state.stop_reason is StopReason.PREEMPTED:
             # The unpublished metric window is in the checkpoint, so after the resume the
@@ -211,12 +217,15 @@ class TrainLoop(Generic[BatchT]):
         self._epoch_had_batches = True
         return batches
 
-    def _take_step(self, batches: list[BatchT]) -> bool:
+    def _take_step(self, batches: list[BatchT], *, measure_grad_norm: bool) -> bool:
         """Take one optimizer step; return whether any rank asked to stop."""
         self.state.step_nr += 1
         step_nr = self.state.step_nr
         output = self._train_step(
-            batches, step_nr=step_nr, stop_requested=self.stop_signals.requested
+            batches,
+            step_nr=step_nr,
+            stop_requested=self.stop_signals.requested,
+            measure_grad_norm=measure_grad_norm,
         )
         self._metrics.add_step(step_nr, output)
         self.observers.progress.advance(step_nr)
@@ -224,13 +233,11 @@ class TrainLoop(Generic[BatchT]):
         self._callbacks.on_step_end(step_nr=step_nr)
         return output.stop_requested
 
-    def _after_step(self, *, stop_requested: bool) -> None:
+    def _after_step(self, *, stop_requested: bool, publish: bool, validate: bool) -> None:
         state, schedules = self.state, self._schedules
-        if schedules.publish.due_after_step(state.step_nr):
+        if publish:
             self._publish_train_metrics()
-        early_stop = schedules.validate.due_after_step(state.step_nr) and self._validator.validate(
-            state.step_nr
-        )
+        early_stop = validate and self._validator.validate(state.step_nr)
         # Known before the save, so a checkpoint of the last step says the run is over.
         if early_stop:
             state.stop_reason = StopReason.EARLY_STOP

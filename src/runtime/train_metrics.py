@@ -22,6 +22,7 @@ from units import MetricBag
 _WINDOW_KEYS = (
     "loss_sum",
     "grad_norm_sum",
+    "num_grad_norms",
     "num_local_targets",
     "num_targets",
     "num_examples",
@@ -62,11 +63,12 @@ class Throughput:
 class TrainMetrics:
     """Keeps the steps of a publish window; :meth:`compute` reads them once.
 
-    A step only appends its loss and gradient norm tensors to lists: no device work, no sync.
-    :meth:`compute` sums them in step order (so a resumed window sums exactly as an uninterrupted
-    one), checks them for non-finite values, and makes the publish's collectives: an all-reduce
-    of the loss sum and target count over the DP gang, one of the non-finite check and peak memory
-    over the root gang, and the unit's metrics merged over the DP gang.
+    A step only appends its loss tensors and (on the steps that measure it) its gradient norm to
+    lists, and keeps the run's non-finite-gradient flag: no device work, no sync. :meth:`compute` sums them in
+    step order (so a resumed window sums exactly as an uninterrupted one), checks them for
+    non-finite values, and makes the publish's collectives: an all-reduce of the loss sum and
+    target count over the DP gang, one of the non-finite check and peak memory over the root
+    gang, and the unit's metrics merged over the DP gang.
     """
 
     def __init__(
@@ -82,6 +84,11 @@ class TrainMetrics:
         self._device = gangs.dp.device
         self._guard = guard
         self._throughput = throughput
+        self._gradient_flag: Tensor | None = None
+        # The steps since the last check of the flag, which stays set once a gradient was not
+        # finite; a check at a checkpoint may fall in the middle of a window.
+        self._first_unchecked_step: int | None = None
+        self._last_step = 0
         self.reset()
 
     def reset(self) -> None:
@@ -90,8 +97,8 @@ class TrainMetrics:
         self._carried_grad_norm_sum = torch.zeros((), dtype=torch.float32)
         self._losses: list[Tensor] = []
         self._loss_steps: list[int] = []
+        self._carried_num_grad_norms = 0
         self._grad_norms: list[Tensor] = []
-        self._norm_steps: list[int] = []
         # A skipped step's non-finite values were dealt with when it was skipped.
         self._skipped_steps: set[int] = set()
         self._num_local_targets = 0
@@ -113,8 +120,12 @@ class TrainMetrics:
     def add_step(self, step_nr: int, output: StepOutput) -> None:
         self._losses.extend(output.losses)
         self._loss_steps.extend([step_nr] * len(output.losses))
-        self._grad_norms.append(output.grad_norm)
-        self._norm_steps.append(step_nr)
+        if output.grad_norm is not None:
+            self._grad_norms.append(output.grad_norm)
+        self._gradient_flag = output.non_finite_gradients
+        if self._first_unchecked_step is None:
+            self._first_unchecked_step = step_nr
+        self._last_step = step_nr
         if not output.applied:
             self._skipped_steps.add(step_nr)
         self._num_local_targets += output.num_targets
@@ -127,18 +138,19 @@ class TrainMetrics:
         self._data_wait_time += seconds
 
     def check_finite(self) -> None:
-        """Stop every rank if a loss or gradient norm of the window is not finite (every rank of
-        the root gang must call it)."""
+        """Stop every rank if a loss or gradient of the window was not finite (every rank of the
+        root gang must call it)."""
         skipped = self._skipped_steps
         losses = [
             (s, v) for s, v in zip(self._loss_steps, self._losses, strict=True) if s not in skipped
         ]
-        norms = [
-            (s, v)
-            for s, v in zip(self._norm_steps, self._grad_norms, strict=True)
-            if s not in skipped
-        ]
-        self._guard.raise_if_non_finite(losses=losses, grad_norms=norms)
+        first = self._first_unchecked_step
+        self._guard.raise_if_non_finite(
+            losses=losses,
+            gradient_flag=self._gradient_flag,
+            unchecked_steps=None if first is None else (first, self._last_step),
+        )
+        self._first_unchecked_step = None
 
     def compute(self, extra_values: Mapping[str, Any]) -> dict[str, Any]:
         """The window's values, then ``extra_values``, then the unit's metrics over the DP gang;
@@ -159,9 +171,11 @@ class TrainMetrics:
         elapsed = max(time.perf_counter() - self._start, 1e-9)
         steps = max(self._num_steps, 1)
         per_device = self._num_targets / elapsed / self._gangs.root.size
-        values: dict[str, Any] = {
-            "loss": loss_total / num_targets if num_targets else math.nan,
-            "grad_norm": grad_norm_sum.item() / steps,
+        values: dict[str, Any] = {"loss": loss_total / num_targets if num_targets else math.nan}
+        num_grad_norms = self._carried_num_grad_norms + len(self._grad_norms)
+        if num_grad_norms > 0:  # a window that ends at an unscheduled step may have none
+            values["grad_norm"] = grad_norm_sum.item() / num_grad_norms
+        values |= {
             "num_targets": self._num_targets,
             "targets_per_second": self._num_targets / elapsed,
             "targets_per_second_per_device": per_device,
@@ -209,6 +223,7 @@ class TrainMetrics:
             "window": {
                 "loss_sum": loss_sum.cpu(),
                 "grad_norm_sum": grad_norm_sum.cpu(),
+                "num_grad_norms": self._carried_num_grad_norms + len(self._grad_norms),
                 "num_local_targets": self._num_local_targets,
                 "num_targets": self._num_targets,
                 "num_examples": self._num_examples,
@@ -225,6 +240,7 @@ class TrainMetrics:
         self.reset()
         self._carried_loss_sum = window["loss_sum"].to(torch.float64)
         self._carried_grad_norm_sum = window["grad_norm_sum"].to(torch.float32)
+        self._carried_num_grad_norms = int(window["num_grad_norms"])
         self._num_local_targets = int(window["num_local_targets"])
         self._num_targets = float(window["num_targets"])
         self._num_examples = float(window["num_examples"])

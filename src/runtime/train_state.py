@@ -11,8 +11,9 @@ the part of the Trainer that reads and writes it::
     train_metrics  the unpublished metric window and the unit's metrics
     validation     last and best scores, early stopper
 
-Checkpoints of the first format (flat, with three booleans for the stop reason) are mapped onto
-it by :func:`upgrade_trainer_state`.
+Checkpoints of older formats are mapped onto it by :func:`upgrade_trainer_state`: the first
+format was flat, with three booleans for the stop reason; the second measured the gradient norm
+of every step, so its metric window has no count of measured norms.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, Final, final
 
 from checkpoint import CheckpointError
 
-TRAINER_STATE_VERSION: Final = 2
+TRAINER_STATE_VERSION: Final = 3
 
 TRAINER_STATE_SECTIONS: Final = frozenset(
     {
@@ -134,15 +135,22 @@ _V1_KEYS: Final = frozenset(
 def upgrade_trainer_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """The trainer state of a checkpoint in the current format; older formats are mapped onto it."""
     version = state.get("version", 1)
+    if version == 1:
+        return _upgrade_format_2(_upgrade_format_1(state))
+    if version == 2:
+        check_state_keys(state, TRAINER_STATE_SECTIONS, what="trainer (format 2)")
+        return _upgrade_format_2(state)
     if version == TRAINER_STATE_VERSION:
         check_state_keys(state, TRAINER_STATE_SECTIONS, what="trainer")
         return dict(state)
-    if version != 1:
-        raise CheckpointError(
-            f"The trainer state of the checkpoint has format version {version}, but this version "
-            f"of the runtime reads versions 1 to {TRAINER_STATE_VERSION}. Resume with a newer "
-            "version of the runtime."
-        )
+    raise CheckpointError(
+        f"The trainer state of the checkpoint has format version {version}, but this version "
+        f"of the runtime reads versions 1 to {TRAINER_STATE_VERSION}. Resume with a newer "
+        "version of the runtime."
+    )
+
+
+def _upgrade_format_1(state: Mapping[str, Any]) -> dict[str, Any]:
     check_state_keys(
         state,
         _V1_KEYS | ({"lr_scheduler", "early_stopper"} & set(state)),
@@ -157,7 +165,7 @@ def upgrade_trainer_state(state: Mapping[str, Any]) -> dict[str, Any]:
     else:
         reason = StopReason.MAX_NUM_STEPS.value
     return {
-        "version": TRAINER_STATE_VERSION,
+        "version": 2,
         "train_state": {
             "step_nr": state["step_nr"],
             "data_epoch_nr": state["data_epoch_nr"],
@@ -181,6 +189,18 @@ def upgrade_trainer_state(state: Mapping[str, Any]) -> dict[str, Any]:
             "early_stopper": state.get("early_stopper"),
         },
     }
+
+
+def _upgrade_format_2(state: Mapping[str, Any]) -> dict[str, Any]:
+    upgraded = {**state, "version": TRAINER_STATE_VERSION}
+    metrics = state["train_metrics"]
+    window = metrics.get("window") if isinstance(metrics, Mapping) else None
+    if isinstance(window, Mapping) and "num_steps" in window:
+        # Format 2 measured the gradient norm of every step of the window. (A window without
+        # its step count is left to the metrics' own key check, which names what it lacks.)
+        window = {**window, "num_grad_norms": window["num_steps"]}
+        upgraded["train_metrics"] = {**metrics, "window": window}
+    return upgraded
 
 
 def _window_of_format_1(window: Mapping[str, Any]) -> dict[str, Any]:

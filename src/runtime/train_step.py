@@ -7,7 +7,7 @@ import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Generic, TypeVar, final
+from typing import Any, Final, Generic, NamedTuple, TypeVar, final
 
 import torch
 from torch import Tensor
@@ -31,9 +31,12 @@ BatchT = TypeVar("BatchT")
 
 
 @final
-@dataclass(frozen=True)
-class StepOutput:
-    """What one step measured; tensors stay on the device, so reading them is left to publish."""
+class StepOutput(NamedTuple):
+    """What one step measured; tensors stay on the device, so reading them is left to publish.
+
+    A named tuple, not a frozen dataclass: it is made every step, and a frozen dataclass sets
+    each field through ``object.__setattr__``.
+    """
 
     losses: list[Tensor]
     """This rank's summed loss of each micro-batch."""
@@ -43,8 +46,12 @@ class StepOutput:
     """The targets of the whole DP gang: the normalizer of the step."""
     total_examples: float
     """The examples of the whole DP gang."""
-    grad_norm: Tensor
-    """The gradient norm before clipping."""
+    grad_norm: Tensor | None
+    """The gradient norm before clipping, on the steps that measure it (see
+    :meth:`TrainStep.__call__`)."""
+    non_finite_gradients: Tensor | None
+    """This rank's flag, one tensor for the run: non-zero since the first NaN or infinite
+    gradient (None without gradients)."""
     stop_requested: bool
     """Whether any rank asked to stop (a signal) before this step."""
     applied: bool = True
@@ -108,12 +115,23 @@ class TrainStep(Generic[BatchT]):
             policy=nan_policy,
             max_consecutive_skipped_steps=max_consecutive_skipped_steps,
             root_gang=gangs.root,
-            checks_grad_norm=not self._loss_scaler.enabled,
+            checks_gradients=not self._loss_scaler.enabled,
         )
         self._gradients = Gradients(self._model)
         self._carrier = DdpCountCarrier.attach(self._model, gangs)
 
-    def __call__(self, batches: list[BatchT], *, step_nr: int, stop_requested: bool) -> StepOutput:
+    def __call__(
+        self,
+        batches: list[BatchT],
+        *,
+        step_nr: int,
+        stop_requested: bool,
+        measure_grad_norm: bool = True,
+    ) -> StepOutput:
+        """Take the step. The gradient norm is measured when ``measure_grad_norm`` (the loop
+        asks on the steps that publish it), and always with clipping, ``nan_policy="skip"`` or
+        fp16, which decide on it: elsewhere it is work no one reads.
+        """
         self._unit.set_step_nr(step_nr)
         may_skip = self._loss_scaler.enabled or self.guard.skips
         if may_skip:
@@ -130,13 +148,19 @@ class TrainStep(Generic[BatchT]):
         with trace_range(GRADIENT_SYNC, self._trace):
             # DDP and FSDP average gradients over the DP gang; this turns the average of
             # per-rank sums into the sum over all targets divided by their count.
-            grad_norm = self._gradients.scale_and_clip(
-                self._gangs.dp.size / (total_targets * self._loss_scaler.scale),
-                self._max_gradient_norm,
+            non_finite = self._gradients.normalize(
+                self._gangs.dp.size / (total_targets * self._loss_scaler.scale)
             )
+            grad_norm = None
+            max_norm = self._max_gradient_norm
+            if measure_grad_norm or may_skip or max_norm is not None:
+                grad_norm = self._gradients.norm()
+                if max_norm is not None:
+                    self._gradients.clip(max_norm, grad_norm)
 
         applied = True
         if may_skip:
+            assert grad_norm is not None
             applied = self._loss_scaler.update(grad_norm, step_nr) and (
                 not self.guard.skips
                 or self.guard.allows_step(
@@ -153,6 +177,7 @@ class TrainStep(Generic[BatchT]):
             total_targets=total_targets,
             total_examples=total_examples,
             grad_norm=grad_norm,
+            non_finite_gradients=non_finite,
             stop_requested=stop_votes > 0,
             applied=applied,
         )

@@ -40,6 +40,27 @@ def test_a_nan_loss_stops_the_run_before_any_checkpoint_of_it(tmp_path: Path) ->
     assert checkpoint_steps(tmp_path) == [2, 4]
 
 
+def test_nan_gradients_name_the_unchecked_steps_and_the_loss_they_poisoned(
+    tmp_path: Path,
+) -> None:
+    unit = PoisonedToyUnit(
+        ToyModel(), poison=1.0, steps=[5], rank=0, my_rank=0, gradients_only=True
+    )
+    trainer = make_toy_trainer(
+        tmp_path, unit=unit, max_num_steps=8, publish_metrics_every_n_steps=4
+    )
+    # Step 5's loss is finite and its gradients are not; the weights they make give step 6 a
+    # NaN loss. The check at step 8 knows the loss's step, and that a gradient since step 5 was
+    # not finite.
+    with pytest.raises(
+        TrainerError,
+        match=r"The loss was not finite at step 6 on rank 0, and a gradient at a step from 5 to "
+        r"6 on rank 0 \(nan_policy='error'\)",
+    ):
+        trainer.run()
+    assert checkpoint_steps(tmp_path) == []
+
+
 def test_skip_leaves_the_weights_of_a_non_finite_step_and_counts_it(tmp_path: Path) -> None:
     unit = PoisonedToyUnit(ToyModel(), poison=math.inf, steps=[3], rank=0, my_rank=0)
     model = unit.model
@@ -127,6 +148,33 @@ def test_two_ranks_stop_on_a_nan_of_one_rank_naming_step_and_rank(
     assert result.returncode != 0
     assert "The loss was not finite at step 3 on rank 1 (nan_policy='error')" in result.stderr
     # Found at the publish of step 4, before its checkpoint.
+    assert checkpoint_steps(tmp_path) == [2]
+
+
+@pytest.mark.distributed
+def test_fsdp_ranks_stop_on_nan_gradients_of_a_finite_loss(
+    run_torchrun: RunTorch, tmp_path: Path
+) -> None:
+    # Each rank flags its own shards of the reduced gradients; one all-reduce at the check
+    # agrees on the lowest rank flagged. Checks at steps 2 (checkpoint) and 3 (publish).
+    result = train(
+        run_torchrun,
+        tmp_path,
+        2,
+        kind="fsdp",
+        batch_size=4,
+        max_num_steps=8,
+        checkpoint_every=2,
+        publish_every=3,
+        poison=1.0,
+        poison_gradients_only=True,
+        poison_steps=[3],
+        poison_rank=1,
+    )
+    assert result.returncode != 0
+    assert "The gradients were not finite at step 3 on rank 0 (nan_policy='error')" in (
+        result.stderr
+    )
     assert checkpoint_steps(tmp_path) == [2]
 
 

@@ -113,13 +113,28 @@ def test_format_1_maps_its_booleans_onto_one_stop_reason(
     }
     assert upgraded["train_metrics"]["window"]["num_local_targets"] == 4
     assert upgraded["train_metrics"]["window"]["num_targets"] == 8.0
+    # Formats 1 and 2 measured the gradient norm of every step.
+    assert upgraded["train_metrics"]["window"]["num_grad_norms"] == 1
     assert upgraded["validation"]["best_step_nr"] == 4
     assert upgraded["validation"]["early_stopper"] is None
 
 
+def test_a_format_2_window_counts_a_gradient_norm_for_each_of_its_steps(tmp_path: Path) -> None:
+    trainer, _ = format_1_trainer(tmp_path, max_num_steps=3)
+    trainer.run()
+    state = torch.load(tmp_path / "checkpoints/step_3/trainer/rank_0.pt", weights_only=True)
+    assert state["version"] == 3
+    window = state["train_metrics"]["window"]
+    assert window["num_steps"] == 1 and window["num_grad_norms"] == 1  # clipping measures each
+    del window["num_grad_norms"]
+    upgraded = upgrade_trainer_state({**state, "version": 2})
+    assert upgraded["version"] == 3
+    assert upgraded["train_metrics"]["window"] == {**window, "num_grad_norms": 1}
+
+
 def test_unknown_formats_and_entries_are_clear_errors() -> None:
-    with pytest.raises(CheckpointError, match="format version 3, but this version"):
-        upgrade_trainer_state({"version": 3})
+    with pytest.raises(CheckpointError, match="format version 4, but this version"):
+        upgrade_trainer_state({"version": 4})
     with pytest.raises(CheckpointError, match="has unknown entries surprise"):
         upgrade_trainer_state({**format_1_state(), "surprise": 1})
     with pytest.raises(CheckpointError, match="lacks window"):
@@ -165,7 +180,7 @@ def test_todays_code_trains_exactly_as_format_1_did(tmp_path: Path) -> None:
     assert trainer.run() == 0
     assert_params_equal(model, FORMAT_1_RUN / "params_step_9.pt")
     state = torch.load(tmp_path / "checkpoints/step_9/trainer/rank_0.pt", weights_only=True)
-    assert set(state) == TRAINER_STATE_SECTIONS and state["version"] == 2
+    assert set(state) == TRAINER_STATE_SECTIONS and state["version"] == 3
     assert state["train_state"] == {
         "step_nr": 9,
         "data_epoch_nr": 2,

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from runtime import Trainer, TrainerError
-from tests.conftest import make_toy_trainer
+from tests.conftest import make_toy_trainer, read_jsonl
 from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit, collate
 
 
@@ -136,6 +136,47 @@ def test_gradient_clipping_bounds_the_update(tmp_path: Path) -> None:
     assert step.norm().item() == pytest.approx(1e-3, rel=1e-3)
 
 
+def published_train_metrics(output_dir: Path, **kwargs: Any) -> dict[int, dict[str, Any]]:
+    make_toy_trainer(output_dir, metrics_dir=output_dir / "metrics", **kwargs).run()
+    return {r["step_nr"]: r for r in read_jsonl(output_dir / "metrics" / "train.jsonl")}
+
+
+def test_grad_norm_is_measured_on_publishing_steps_and_on_every_step_with_clipping(
+    tmp_path: Path,
+) -> None:
+    every = published_train_metrics(
+        tmp_path / "every", max_num_steps=8, publish_metrics_every_n_steps=1
+    )
+    sampled = published_train_metrics(
+        tmp_path / "sampled", max_num_steps=8, publish_metrics_every_n_steps=4
+    )
+    # Clipping that never clips measures every step, and trains as the others do.
+    clipped = published_train_metrics(
+        tmp_path / "clipped",
+        max_num_steps=8,
+        publish_metrics_every_n_steps=4,
+        max_gradient_norm=1e9,
+    )
+    assert sorted(sampled) == sorted(clipped) == [4, 8]
+    for step_nr in (4, 8):
+        assert sampled[step_nr]["grad_norm"] == every[step_nr]["grad_norm"]
+        window = [every[s]["grad_norm"] for s in range(step_nr - 3, step_nr + 1)]
+        assert len(set(window)) == 4
+        assert clipped[step_nr]["grad_norm"] == pytest.approx(sum(window) / 4, rel=1e-6)
+
+
+def test_a_window_the_data_ends_has_no_grad_norm_if_none_of_its_steps_measured_one(
+    tmp_path: Path,
+) -> None:
+    # 32 examples in batches of 4: the data ends after step 8, which no schedule names.
+    records = published_train_metrics(
+        tmp_path, max_num_steps=None, max_num_data_epochs=1, publish_metrics_every_n_steps=3
+    )
+    assert sorted(records) == [3, 6, 8]
+    assert "grad_norm" in records[3] and "grad_norm" in records[6]
+    assert "grad_norm" not in records[8] and records[8]["num_steps"] == 2
+
+
 class NanInBackward(ToyUnit):
     """sqrt at 0 has an infinite gradient, so backward produces NaN."""
 
@@ -149,7 +190,7 @@ class NanInBackward(ToyUnit):
 def test_anomaly_detection_names_the_backward_that_made_nan(tmp_path: Path) -> None:
     unit = NanInBackward(ToyModel(), mean_loss=False, zero_targets=False)
     # Without it, the non-finite guard stops the run, but cannot say which backward made the NaN.
-    with pytest.raises(TrainerError, match="The gradient norm was not finite at step 1"):
+    with pytest.raises(TrainerError, match="The gradients were not finite at step 1 on rank 0"):
         make_toy_trainer(tmp_path / "off", unit=unit).run()
     assert not (tmp_path / "off" / "checkpoints" / "step_1").exists()
 

@@ -105,13 +105,23 @@ class ToyUnit(TrainUnit[ToyBatch]):
 
 class PoisonedToyUnit(ToyUnit):
     """A ToyUnit whose loss is multiplied by ``poison`` (NaN or infinity) at some steps on one
-    rank, as a bad batch or an fp16 overflow would make it."""
+    rank, as a bad batch or an fp16 overflow would make it; with ``gradients_only``, the loss
+    stays finite and its gradients are NaN instead (the poison's value does not matter then)."""
 
     def __init__(
-        self, model: nn.Module, *, poison: float, steps: list[int], rank: int, my_rank: int
+        self,
+        model: nn.Module,
+        *,
+        poison: float,
+        steps: list[int],
+        rank: int,
+        my_rank: int,
+        gradients_only: bool = False,
     ) -> None:
         super().__init__(model, mean_loss=False, zero_targets=False)
         self._poison = poison if rank == my_rank else 1.0
+        self._poisons_here = rank == my_rank
+        self._gradients_only = gradients_only
         self._steps = steps
         self._step_nr = 0
 
@@ -121,7 +131,11 @@ class PoisonedToyUnit(ToyUnit):
     def __call__(self, batch: ToyBatch) -> tuple[Tensor, int | None]:
         loss, num_targets = super().__call__(batch)
         if self._step_nr in self._steps:
-            loss = loss * self._poison
+            if not self._gradients_only:
+                loss = loss * self._poison
+            elif self._poisons_here:
+                # sqrt at 0: the value 0, an infinite slope, so NaN gradients for a finite loss.
+                loss = loss + torch.sqrt(loss * 0.0)
         return loss, num_targets
 
 
@@ -159,6 +173,7 @@ def make_unit(model: nn.Module, options: dict[str, Any], rank: int) -> ToyUnit:
         steps=options["poison_steps"],
         rank=options.get("poison_rank", 0),
         my_rank=rank,
+        gradients_only=options.get("poison_gradients_only", False),
     )
 
 
