@@ -128,7 +128,7 @@ class Gradients:
             self._fused = [_is_fusable(group, self._device) for group in self._groups]
         grouped = []
         for group, plain, fused in zip(self._groups, self._plain, self._fused, strict=True):
-            grads = [p.grad for p in group if p.grad is not None]
+            grads = [grad for p in group if (grad := p.grad) is not None]
             if grads:
                 grouped.append((grads, plain, fused))
         return grouped
