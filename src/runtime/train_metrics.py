@@ -64,11 +64,11 @@ class TrainMetrics:
     """Keeps the steps of a publish window; :meth:`compute` reads them once.
 
     A step only appends its loss tensors and (on the steps that measure it) its gradient norm to
-    lists, and keeps the run's non-finite-gradient flag: no device work, no sync. :meth:`compute` sums them in
-    step order (so a resumed window sums exactly as an uninterrupted one), checks them for
-    non-finite values, and makes the publish's collectives: an all-reduce of the loss sum and
-    target count over the DP gang, one of the non-finite check and peak memory over the root
-    gang, and the unit's metrics merged over the DP gang.
+    lists, and keeps the run's non-finite-gradient flag: no device work, no sync.
+    :meth:`compute` sums them in step order (so a resumed window sums exactly as an uninterrupted
+    one), checks them for non-finite values, and makes the publish's collectives: an all-reduce
+    of the loss sum and target count over the DP gang, one of the non-finite check and peak
+    memory over the root gang, and the unit's metrics merged over the DP gang.
     """
 
     def __init__(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, ValuesView
 from dataclasses import dataclass
 from typing import Any, Final, Generic, NamedTuple, TypeVar, final
 
@@ -341,10 +341,18 @@ def _check_target_count(batch_targets: object, counted_targets: bool | None, ste
 
 
 def _num_examples(batch: object) -> int:
-    """Examples in a micro-batch: ``batch.batch_size`` if it has one, else ``len(batch)``."""
+    """Examples in a micro-batch: ``batch.batch_size`` if it has one; for what ``default_collate``
+    makes (a list, tuple or dict whose tensors share their first dimension), that dimension;
+    else ``len(batch)``. A list of per-example tensors of one length reads as that length: such
+    a batch should say its ``batch_size``."""
     size = getattr(batch, "batch_size", None)
     if isinstance(size, int):
         return size
+    fields = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(fields, (list, tuple, ValuesView)):
+        sizes = {f.shape[0] for f in fields if isinstance(f, Tensor) and f.dim() > 0}
+        if len(sizes) == 1:
+            return int(sizes.pop())
     try:
         return len(batch)  # type: ignore[arg-type]
     except TypeError:

@@ -10,10 +10,15 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils.data import TensorDataset
 
-from runtime import Trainer, TrainerError
+from checkpoint import CheckpointManager
+from gangs import Gangs
+from runtime import MapDataReader, Trainer, TrainerError
+from runtime.train_step import _num_examples
 from tests.conftest import make_toy_trainer, read_jsonl
 from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit, collate
+from units import TrainUnit
 
 
 def manual_update(
@@ -134,6 +139,48 @@ def test_gradient_clipping_bounds_the_update(tmp_path: Path) -> None:
     after = dict(trainer._unit.model.named_parameters())
     step = torch.cat([(after[n].detach() - before[n]).flatten() for n in before])
     assert step.norm().item() == pytest.approx(1e-3, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("batch", "num_examples"),
+    [
+        ([torch.zeros(5, 3), torch.zeros(5)], 5),  # default_collate of (input, label) examples
+        ({"x": torch.zeros(6, 2), "y": torch.zeros(6), "id": ["a"] * 6}, 6),
+        ((torch.zeros(7, 2), ["text"] * 7), 7),
+        ([torch.zeros(3), torch.zeros(5)], 2),  # per-example sequences of several lengths
+        (["a", "b", "c"], 3),
+        (object(), 0),
+    ],
+)
+def test_the_examples_of_a_micro_batch_are_counted_on_its_first_dimension(
+    batch: object, num_examples: int
+) -> None:
+    assert _num_examples(batch) == num_examples
+
+
+def test_a_tensor_dataset_publishes_its_batch_size(tmp_path: Path) -> None:
+    gangs = Gangs.single()
+    model = nn.Linear(3, 2)
+    dataset = TensorDataset(torch.randn(24, 3), torch.randint(0, 2, (24,)))
+
+    class Classify(TrainUnit[list[Tensor]]):
+        def __call__(self, batch: list[Tensor]) -> tuple[Tensor, int | None]:
+            inputs, labels = batch
+            loss = nn.functional.cross_entropy(self.model(inputs), labels, reduction="sum")
+            return loss, labels.numel()
+
+    Trainer(
+        unit=Classify(model),
+        data_reader=MapDataReader(dataset=dataset, batch_size=6, gang=gangs.dp, seed=0),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        checkpoint_manager=CheckpointManager(tmp_path / "checkpoints", gangs),
+        gangs=gangs,
+        max_num_steps=2,
+        metrics_dir=tmp_path / "metrics",
+        progress=False,
+    ).run()
+    (record,) = read_jsonl(tmp_path / "metrics" / "train.jsonl")
+    assert record["batch_size"] == 6 and record["num_targets"] == 12
 
 
 def published_train_metrics(output_dir: Path, **kwargs: Any) -> dict[int, dict[str, Any]]:
