@@ -16,6 +16,7 @@ from benchmarks.cases import (
     imports,
     large_models,
     w1_mlp,
+    w1_paired,
     w2_lm,
     w3_ddp,
 )
@@ -23,6 +24,7 @@ from benchmarks.cases.base import SuiteSettings
 
 CASES: tuple[ModuleType, ...] = (
     w1_mlp,
+    w1_paired,
     w2_lm,
     w3_ddp,
     data_bound,

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 
 from benchmarks.loops.common import rank, world_size
 from benchmarks.loops.registry import LoopOptions
@@ -25,9 +27,15 @@ def run(workload: Workload, plan: StepPlan, options: LoopOptions) -> float:
     steps_per_epoch = workload.num_examples() // (batch_size * num_ranks)
     for step_nr in range(plan.num_steps):
         start = ((step_nr % steps_per_epoch) * num_ranks + my_rank) * batch_size
-        loss, num_targets = workload.loss(model, workload.slice_batch(start, start + batch_size))
-        (loss / num_targets).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        hand_step(workload, model, optimizer, start)
         timer.step_end()
     return timer.seconds_per_step()
+
+
+def hand_step(workload: Workload, model: nn.Module, optimizer: Optimizer, start: int) -> None:
+    """One step as a user writes it: the batch at ``start``, the mean loss, the update."""
+    batch = workload.slice_batch(start, start + workload.batch_size)
+    loss, num_targets = workload.loss(model, batch)
+    (loss / num_targets).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)

@@ -39,13 +39,21 @@ class StepClock(TrainerCallback):
 
 
 def run(workload: Workload, plan: StepPlan, options: LoopOptions) -> float:
+    timer = StepTimer(num_warmup=plan.num_warmup, num_steps=plan.num_steps)
+    make_trainer(workload, plan, options, StepClock(timer)).run()
+    return timer.seconds_per_step()
+
+
+def make_trainer(
+    workload: Workload, plan: StepPlan, options: LoopOptions, callback: TrainerCallback
+) -> Trainer[Any]:
+    """The Trainer every step-time case times: ``callback`` sees each step's end."""
     gangs = setup_gangs(tp_size=1)
     model = apply_data_parallel(workload.make_model(), gangs, kind="ddp")
-    timer = StepTimer(num_warmup=plan.num_warmup, num_steps=plan.num_steps)
     # The runner gives every rank of a run the same fresh directory; the only checkpoint is the
     # one the Trainer writes after the last step, outside the timed steps.
     scratch = Path(os.environ["BENCH_SCRATCH"])
-    trainer = Trainer(
+    return Trainer(
         unit=WorkloadUnit(model, workload),
         data_reader=MapDataReader(
             # Every workload's dataset has __len__, which MapDataset asks for.
@@ -61,8 +69,6 @@ def run(workload: Workload, plan: StepPlan, options: LoopOptions) -> float:
         gangs=gangs,
         max_num_steps=plan.num_steps,
         publish_metrics_every_n_steps=plan.num_steps,
-        callbacks=[StepClock(timer)],
+        callbacks=[callback],
         progress=False,
     )
-    trainer.run()
-    return timer.seconds_per_step()

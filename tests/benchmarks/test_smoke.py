@@ -69,6 +69,38 @@ def test_quick_suite_writes_json_and_markdown(tmp_path: Path) -> None:
     assert "vs hand-written" in table
 
 
+def test_the_paired_case_reports_both_steps_and_their_difference(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "--quick",
+            "--runs",
+            "1",
+            "--cases",
+            "W1-paired",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        env=child_env(),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    [comparison] = json.loads((tmp_path / "results.json").read_text())["comparisons"]
+    assert comparison["key"] == "W1-paired"
+    [contender] = comparison["contenders"]
+    assert contender["status"] == "ok", contender["note"]
+    figures = contender["metrics"]
+    assert set(figures) == {"trainer_step_s", "hand_step_s", "extra_s"}
+    assert figures["trainer_step_s"]["median"] > 0 and figures["hand_step_s"]["median"] > 0
+    assert "| Trainer step - hand-written step (median) |" in (tmp_path / "results.md").read_text()
+
+
 def test_bad_runs_is_a_usage_error() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--runs", "0"],
