@@ -137,7 +137,9 @@ class TrainStep(Generic[BatchT]):
         if may_skip:
             self._unit.metric_bag.begin_updates()
 
-        losses, num_targets, totals = self._forward_backward(batches, step_nr, stop_requested)
+        losses, num_targets, totals, last_loss = self._forward_backward(
+            batches, step_nr, stop_requested
+        )
         total_targets, total_examples, stop_votes, non_finite_votes = totals.wait()
         if total_targets == 0:
             raise TrainerError(
@@ -171,6 +173,12 @@ class TrainStep(Generic[BatchT]):
                 )
             )
         self._update(applied, may_skip)
+        # Held until the update is done: its autograd graph (spent, but not yet freed) references
+        # every parameter, and while a parameter has a second C++ owner, the optimizer's own
+        # references to it skip torch's Python-object bookkeeping, which otherwise takes the GIL
+        # for each one (1% of W1's step, see README "Performance"). A hand-written loop holds its
+        # loss this long too.
+        del last_loss
         return StepOutput(
             losses=losses,
             num_targets=num_targets,
@@ -184,9 +192,10 @@ class TrainStep(Generic[BatchT]):
 
     def _forward_backward(
         self, batches: list[BatchT], step_nr: int, stop_requested: bool
-    ) -> tuple[list[Tensor], int, StepTotals]:
+    ) -> tuple[list[Tensor], int, StepTotals, Tensor]:
         """Backpropagate each micro-batch's summed loss; return the losses, this rank's target
-        count, and the step's totals over the ranks, under way during the last backward."""
+        count, the step's totals over the ranks (under way during the last backward), and the
+        last micro-batch's loss itself, with its graph."""
         losses: list[Tensor] = []
         num_targets = 0
         num_examples = 0
@@ -218,7 +227,7 @@ class TrainStep(Generic[BatchT]):
                     scale = self._loss_scaler.scale
                     torch.autograd.backward(loss if scale == 1.0 else loss * scale)
         assert totals is not None
-        return losses, num_targets, totals
+        return losses, num_targets, totals, loss
 
     def _update(self, applied: bool, may_skip: bool) -> None:
         with trace_range(OPTIMIZER_STEP, self._trace):
