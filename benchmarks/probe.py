@@ -10,9 +10,21 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from typing import final
 
 from benchmarks.runner import RESULT_PREFIX
+
+# Called where the timed steps begin and end: a measurement wrapped around the loop (instruction
+# counting) sees the same steps as the timer, whichever loop runs them.
+_window_hooks: tuple[Callable[[], None], Callable[[], None]] | None = None
+
+
+def watch_timed_steps(*, begin: Callable[[], None], end: Callable[[], None]) -> None:
+    """Call ``begin`` where every :class:`StepTimer` of this process starts timing, ``end``
+    where it stops."""
+    global _window_hooks
+    _window_hooks = (begin, end)
 
 
 def use_one_thread() -> None:
@@ -73,9 +85,13 @@ class StepTimer:
     def step_end(self) -> None:
         self._num_seen += 1
         if self._num_seen == self._num_warmup:
+            if _window_hooks is not None:
+                _window_hooks[0]()
             self._start = time.perf_counter()
         elif self._num_seen == self._num_steps:
             self._end = time.perf_counter()
+            if _window_hooks is not None:
+                _window_hooks[1]()
 
     def seconds_per_step(self) -> float:
         if self._start is None or self._end is None:

@@ -15,6 +15,7 @@ from benchmarks.cases import (
     data_bound,
     imports,
     large_models,
+    w1_instructions,
     w1_mlp,
     w1_paired,
     w2_lm,
@@ -25,6 +26,7 @@ from benchmarks.cases.base import SuiteSettings
 CASES: tuple[ModuleType, ...] = (
     w1_mlp,
     w1_paired,
+    w1_instructions,
     w2_lm,
     w3_ddp,
     data_bound,

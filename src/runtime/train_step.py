@@ -176,8 +176,8 @@ class TrainStep(Generic[BatchT]):
         # Held until the update is done: its autograd graph (spent, but not yet freed) references
         # every parameter, and while a parameter has a second C++ owner, the optimizer's own
         # references to it skip torch's Python-object bookkeeping, which otherwise takes the GIL
-        # for each one (1% of W1's step, see README "Performance"). A hand-written loop holds its
-        # loss this long too.
+        # for each one (1 to 2% of W1's step, see README "Performance"). A hand-written loop
+        # holds its loss this long too.
         del last_loss
         return StepOutput(
             losses=losses,

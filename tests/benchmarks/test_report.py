@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.report import summary_tables
+from benchmarks.report import format_value, summary_tables
 
 STEP_TIME = {"key": "step_time_s", "label": "step time", "unit": "s", "summary": "median"}
 
@@ -57,3 +57,8 @@ def test_a_comparison_sharing_nothing_but_metric_and_baseline_has_no_summary() -
         )
         == []
     )
+
+
+def test_counts_read_in_millions_or_thousands() -> None:
+    assert format_value(2_317_773.0, "count") == "2.318 M"
+    assert format_value(5_300.0, "count") == "5.3 k"
