@@ -116,6 +116,25 @@ def run_python(
     )
 
 
+def run_quick_benchmark(
+    case: str, output_dir: Path, *, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """One quick run of the benchmark suite's ``case`` (``--quick --runs 1``) into
+    ``output_dir``; asserts nothing."""
+    return run_python(
+        "-m",
+        "benchmarks",
+        "--quick",
+        "--runs",
+        "1",
+        "--cases",
+        case,
+        "--output-dir",
+        str(output_dir),
+        timeout=timeout,
+    )
+
+
 def rank_reports(out: Path, num_ranks: int) -> list[Any]:
     """What each rank of a worker wrote to ``out/rank_R.json``, by rank."""
     return [json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(num_ranks)]

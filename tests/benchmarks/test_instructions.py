@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +10,7 @@ import pytest
 import benchmarks.probe as probe
 from benchmarks.instructions_worker import missing_tool
 from benchmarks.probe import StepTimer, watch_timed_steps
-from tests.conftest import REPO_ROOT, child_env
+from tests.conftest import assert_ok, run_quick_benchmark
 
 
 def test_the_window_hooks_see_the_timed_steps(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -40,27 +38,7 @@ def test_a_host_without_valgrind_skips_the_case(monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.slow
 @pytest.mark.skipif(missing_tool() is not None, reason="valgrind is not installed")
 def test_the_trainer_costs_more_instructions_than_the_hand_written_loop(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks",
-            "--quick",
-            "--runs",
-            "1",
-            "--cases",
-            "W1-instructions",
-            "--output-dir",
-            str(tmp_path),
-        ],
-        env=child_env(),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_ok(run_quick_benchmark("W1-instructions", tmp_path, timeout=900))
     [comparison] = json.loads((tmp_path / "results.json").read_text())["comparisons"]
     contenders = {c["name"]: c for c in comparison["contenders"]}
     assert list(contenders) == [

@@ -3,35 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.conftest import REPO_ROOT, child_env
+from tests.conftest import assert_ok, run_python, run_quick_benchmark
 
 
 def test_quick_suite_writes_json_and_markdown(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks",
-            "--quick",
-            "--runs",
-            "1",
-            "--cases",
-            "W1",
-            "--output-dir",
-            str(tmp_path),
-        ],
-        env=child_env(),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_ok(run_quick_benchmark("W1", tmp_path))
 
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["suite"]["runs"] == 1
@@ -70,27 +48,7 @@ def test_quick_suite_writes_json_and_markdown(tmp_path: Path) -> None:
 
 
 def test_the_paired_case_reports_both_steps_and_their_difference(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks",
-            "--quick",
-            "--runs",
-            "1",
-            "--cases",
-            "W1-paired",
-            "--output-dir",
-            str(tmp_path),
-        ],
-        env=child_env(),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert_ok(run_quick_benchmark("W1-paired", tmp_path))
     [comparison] = json.loads((tmp_path / "results.json").read_text())["comparisons"]
     assert comparison["key"] == "W1-paired"
     [contender] = comparison["contenders"]
@@ -102,14 +60,6 @@ def test_the_paired_case_reports_both_steps_and_their_difference(tmp_path: Path)
 
 
 def test_bad_runs_is_a_usage_error() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--runs", "0"],
-        env=child_env(),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = run_python("-m", "benchmarks", "--runs", "0")
     assert result.returncode == 2
     assert "error: --runs must be at least 1, but is 0 instead." in result.stderr
