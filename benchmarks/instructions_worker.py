@@ -4,9 +4,10 @@ by valgrind's callgrind.
 ``python -m benchmarks.instructions_worker --workload mlp --loop trainer [--quick]``. Prints
 ``BENCH_RESULT {"instructions_per_step": ...}``.
 
-A count of instructions moves by about 0.1% from run to run, whatever else the machine does,
-where a step time on a shared host moves by more than a small runtime cost. It misses what instructions
-do not show (cache misses, waits), so it complements the timed cases rather than replacing them.
+With Python's hash seed fixed, a count of instructions is the same from run to run, whatever
+else the machine does, where a step time on a shared host moves by more than a small runtime
+cost. It misses what instructions do not show (cache misses, waits), so it complements the timed
+cases rather than replacing them.
 
 The process starts itself again under ``valgrind --tool=callgrind`` with counting off, so that
 starting Python and importing torch (a few seconds of instructions) are not counted. Where the

@@ -29,9 +29,9 @@ def comparisons(settings: SuiteSettings) -> list[Comparison]:
                 for loop in ("hand", "hand_same_work", "trainer")
             ),
             notes=(
-                "Instructions of the steps after warm-up; they move by about 0.1% from run to "
-                "run, whatever the host does: the cost of the runtime's own work without the "
-                "noise of a shared machine. Cache misses and waits do not show in a count, so "
+                "Instructions of the steps after warm-up; with the hash seed fixed, the same "
+                "from run to run whatever the host does: the cost of the runtime's own work "
+                "without the noise of a shared machine. Cache misses and waits do not show in a count, so "
                 "the timed W1 remains the figure the target is set on.",
             ),
         )
