@@ -6,9 +6,8 @@ of them never needs them, and importing them costs a second.
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, final
 
 import torch
@@ -18,8 +17,6 @@ from typing_extensions import TypeIs
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
-
-_NO_SYNC_NEEDED: Final = contextlib.nullcontext()
 
 
 def loaded_class(module: str, name: str) -> Any:
@@ -34,26 +31,26 @@ def _is_dtensor(tensor: object) -> TypeIs[DTensor]:
     return dtensor is not None and isinstance(tensor, dtensor)
 
 
-def skip_gradient_sync(model: Module, skip: bool) -> contextlib.AbstractContextManager[Any]:
-    """Defer DP gradient reduction while ``skip`` (all but the last accumulated micro-batch)."""
-    if not skip:
-        return _NO_SYNC_NEEDED
+def gradient_sync_switch(model: Module) -> Callable[[bool], None] | None:
+    """A switch for DP gradient reduction in ``model``'s next backwards: off while micro-batches
+    accumulate, on for the last. None for a model that reduces nothing (neither DDP nor FSDP2).
+
+    A switch, not a context manager around each micro-batch: a ``with`` costs more Python than
+    the rest of a small step's bookkeeping.
+    """
     ddp = loaded_class("torch.nn.parallel", "DistributedDataParallel")
     if ddp is not None and isinstance(model, ddp):
-        return model.no_sync()  # type: ignore[no-any-return]
+
+        def switch_ddp(enabled: bool) -> None:
+            # The flag DistributedDataParallel.no_sync() sets; its forward reads it.
+            model.require_backward_grad_sync = enabled
+
+        return switch_ddp
     fsdp = loaded_class("torch.distributed.fsdp", "FSDPModule")
     if fsdp is not None and isinstance(model, fsdp):
-        return _fsdp_no_sync(model)
-    return _NO_SYNC_NEEDED
-
-
-@contextlib.contextmanager
-def _fsdp_no_sync(model: Any) -> Iterator[None]:
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
+        switch_fsdp: Callable[[bool], None] = model.set_requires_gradient_sync
+        return switch_fsdp
+    return None
 
 
 def _parameter_groups(model: Module) -> list[list[torch.nn.Parameter]]:

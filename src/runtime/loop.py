@@ -28,7 +28,7 @@ from runtime.recorders import MetricRecorder
 from runtime.rng import rng_state, seed_rngs, set_rng_state
 from runtime.schedule import Schedule
 from runtime.signals import StopSignals
-from runtime.tracing import CHECKPOINT, DATA_WAIT, trace_range
+from runtime.tracing import CHECKPOINT, DATA_WAIT, trace_range, traced
 from runtime.train_metrics import TrainMetrics, describe_devices
 from runtime.train_state import (
     TRAINER_STATE_VERSION,
@@ -112,6 +112,7 @@ class TrainLoop(Generic[BatchT]):
         self.stop_signals = StopSignals()
         self._profiler = observers.profiler
         self._trace = observers.profiler is not None
+        self._next_batches = traced(DATA_WAIT, data_reader.__next__, enabled=self._trace)
         self._garbage_collection = garbage_collection
         self._run_start = time.perf_counter()
         # Whether the data epoch being read gave a batch; a resumed position may be at its end.
@@ -203,8 +204,7 @@ class TrainLoop(Generic[BatchT]):
         """The next step's micro-batches, or None at the end of the data epoch."""
         start = time.perf_counter()
         try:
-            with trace_range(DATA_WAIT, self._trace):
-                batches = next(self._data_reader)
+            batches = self._next_batches()
         except StopIteration:
             return None
         finally:

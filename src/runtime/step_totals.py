@@ -36,76 +36,69 @@ _NUM_TOTALS = 4
 
 @final
 class StepTotals:
-    """The step's target and example counts, stop requests and non-finite losses over all ranks.
+    """Sums each step's target and example counts, stop requests and non-finite losses over all
+    ranks: :meth:`start` before the step's last backward, :meth:`wait` after it. One per
+    :class:`~runtime.train_step.TrainStep`, for the whole run.
 
     The sums run over the root gang; TP ranks of one DP rank see the same batch, so they count
     each of them ``tp.size`` times, which :meth:`wait` divides out.
     """
 
     def __init__(
-        self,
-        *,
-        gangs: Gangs,
-        values: list[float],
-        loss_finite_here: bool,
-        carrier: DdpCountCarrier | None,
+        self, *, gangs: Gangs, check_losses: bool, carrier: DdpCountCarrier | None
     ) -> None:
-        self.loss_finite_here = loss_finite_here
-        self._gangs = gangs
-        self._values = values
+        self.loss_finite_here = True
+        """Whether this rank's losses of the last step started were finite (checked only with
+        ``check_losses``)."""
+        self._root_gang = gangs.root
+        self._num_ranks = gangs.root.size
+        self._tp_size = gangs.tp.size
+        self._check_losses = check_losses
         self._carrier = carrier
+        self._values: list[float] = []
         self._tensor: Tensor | None = None
         self._pending: PendingCollective | None = None
-        if gangs.root.size == 1:
-            return
-        if carrier is not None:
-            carrier.send(values)
-        else:
-            self._tensor = torch.tensor(values, dtype=torch.float64)
-            self._pending = gangs.root.all_reduce_async(self._tensor, ReduceOperation.SUM)
 
-    @staticmethod
     def start(
-        gangs: Gangs,
-        *,
-        num_targets: int,
-        num_examples: int,
-        stop_requested: bool,
-        losses: list[Tensor],
-        check_losses: bool,
-        carrier: DdpCountCarrier | None,
-    ) -> StepTotals:
+        self, *, num_targets: int, num_examples: int, stop_requested: bool, losses: list[Tensor]
+    ) -> None:
         """Start summing, before the last backward: under DDP it carries the sums."""
         # With nan_policy="skip" every rank must know whether any rank's loss was finite: a
         # CPU-GPU sync point, which that policy pays every step.
-        loss_finite = not check_losses or bool(torch.isfinite(torch.stack(losses)).all())
-        values = [
+        loss_finite = not self._check_losses or bool(torch.isfinite(torch.stack(losses)).all())
+        self.loss_finite_here = loss_finite
+        self._values = [
             float(num_targets),
             float(num_examples),
             float(stop_requested),
             float(not loss_finite),
         ]
-        return StepTotals(gangs=gangs, values=values, loss_finite_here=loss_finite, carrier=carrier)
+        if self._num_ranks == 1:
+            return
+        if self._carrier is not None:
+            self._carrier.send(self._values)
+        else:
+            self._tensor = torch.tensor(self._values, dtype=torch.float64)
+            self._pending = self._root_gang.all_reduce_async(self._tensor, ReduceOperation.SUM)
 
     def wait(self) -> tuple[float, float, float, float]:
         """Targets and examples of the DP gang, stop votes and non-finite-loss votes."""
+        values = self._values
         if self._carrier is not None:  # attached only where the root gang has several ranks
             received = self._carrier.receive()
             if received is None:
                 # DDP did not reduce gradients in this step's backward, so nothing carried the
                 # totals: every rank is in the same case, and sums them the plain way.
-                tensor = torch.tensor(self._values, dtype=torch.float64)
-                self._gangs.root.all_reduce(tensor, ReduceOperation.SUM)
+                tensor = torch.tensor(values, dtype=torch.float64)
+                self._root_gang.all_reduce(tensor, ReduceOperation.SUM)
                 received = tensor.tolist()
-            self._values = received
-            self._carrier = None
+            values = received
         elif self._pending is not None and self._tensor is not None:
             self._pending.wait()
-            self._values = self._tensor.tolist()
-            self._pending = None
-        targets, examples, stops, non_finite = self._values
-        tp_size = self._gangs.tp.size
-        return targets / tp_size, examples / tp_size, stops, non_finite
+            values = self._tensor.tolist()
+            self._pending = self._tensor = None
+        targets, examples, stops, non_finite = values
+        return targets / self._tp_size, examples / self._tp_size, stops, non_finite
 
 
 @final

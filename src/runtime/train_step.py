@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping, ValuesView
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Generic, NamedTuple, TypeVar, final
 
@@ -17,11 +17,11 @@ from torch.optim.lr_scheduler import LRScheduler
 from gangs import Gangs
 from runtime.arguments import check_positive
 from runtime.errors import TrainerError
-from runtime.gradients import Gradients, skip_gradient_sync
+from runtime.gradients import Gradients, gradient_sync_switch
 from runtime.loss_scale import LossScaler
 from runtime.non_finite import NanPolicy, NonFiniteGuard
 from runtime.step_totals import DdpCountCarrier, StepTotals
-from runtime.tracing import BACKWARD, FORWARD, GRADIENT_SYNC, OPTIMIZER_STEP, trace_range
+from runtime.tracing import BACKWARD, FORWARD, GRADIENT_SYNC, OPTIMIZER_STEP, traced
 from runtime.train_state import check_state_keys
 from units import TrainUnit
 
@@ -105,7 +105,7 @@ class TrainStep(Generic[BatchT]):
         self._lr_scheduler = lr_scheduler
         self._gangs = gangs
         self._dtype = precision.dtype
-        self._amp = precision.amp
+        self._autocasts = precision.amp and precision.dtype != torch.float32
         self._max_gradient_norm = max_gradient_norm
         self._trace = trace
         self._loss_scaler = LossScaler.from_option(
@@ -118,7 +118,21 @@ class TrainStep(Generic[BatchT]):
             checks_gradients=not self._loss_scaler.enabled,
         )
         self._gradients = Gradients(self._model)
-        self._carrier = DdpCountCarrier.attach(self._model, gangs)
+        self._totals = StepTotals(
+            gangs=gangs,
+            check_losses=self.guard.skips,
+            carrier=DdpCountCarrier.attach(self._model, gangs),
+        )
+        self._dp_size = gangs.dp.size
+        self._switch_gradient_sync = gradient_sync_switch(self._model)
+        # A step is skipped on an fp16 overflow, or with nan_policy="skip" on a non-finite value.
+        self._may_skip = self._loss_scaler.enabled or self.guard.skips
+        # The phases of a step. With a profiler each runs in its named range, bound here rather
+        # than entered in the step: a step without a profiler enters no context at all.
+        self._forward = traced(FORWARD, self._forward_micro_batch, enabled=trace)
+        self._backward = traced(BACKWARD, self._backward_micro_batch, enabled=trace)
+        self._normalize = traced(GRADIENT_SYNC, self._normalize_gradients, enabled=trace)
+        self._update = traced(OPTIMIZER_STEP, self._update_model, enabled=trace)
 
     def __call__(
         self,
@@ -133,33 +147,19 @@ class TrainStep(Generic[BatchT]):
         fp16, which decide on it: elsewhere it is work no one reads.
         """
         self._unit.set_step_nr(step_nr)
-        may_skip = self._loss_scaler.enabled or self.guard.skips
+        may_skip = self._may_skip
         if may_skip:
             self._unit.metric_bag.begin_updates()
 
-        losses, num_targets, totals, last_loss = self._forward_backward(
-            batches, step_nr, stop_requested
-        )
-        total_targets, total_examples, stop_votes, non_finite_votes = totals.wait()
+        losses, num_targets, last_loss = self._forward_backward(batches, step_nr, stop_requested)
+        total_targets, total_examples, stop_votes, non_finite_votes = self._totals.wait()
         if total_targets == 0:
             raise TrainerError(
                 f"The batches of step {step_nr} have no targets on any data-parallel rank, so the "
                 "loss cannot be normalized. Check that the data yields non-empty targets."
             )
 
-        with trace_range(GRADIENT_SYNC, self._trace):
-            # DDP and FSDP average gradients over the DP gang; this turns the average of
-            # per-rank sums into the sum over all targets divided by their count.
-            non_finite = self._gradients.normalize(
-                self._gangs.dp.size / (total_targets * self._loss_scaler.scale)
-            )
-            grad_norm = None
-            max_norm = self._max_gradient_norm
-            if measure_grad_norm or may_skip or max_norm is not None:
-                grad_norm = self._gradients.norm()
-                if max_norm is not None:
-                    self._gradients.clip(max_norm, grad_norm)
-
+        non_finite, grad_norm = self._normalize(total_targets, measure_grad_norm or may_skip)
         applied = True
         if may_skip:
             assert grad_norm is not None
@@ -167,7 +167,7 @@ class TrainStep(Generic[BatchT]):
                 not self.guard.skips
                 or self.guard.allows_step(
                     step_nr=step_nr,
-                    loss_finite_here=totals.loss_finite_here,
+                    loss_finite_here=self._totals.loss_finite_here,
                     losses_finite_everywhere=non_finite_votes == 0,
                     grad_norm=grad_norm,
                 )
@@ -192,21 +192,22 @@ class TrainStep(Generic[BatchT]):
 
     def _forward_backward(
         self, batches: list[BatchT], step_nr: int, stop_requested: bool
-    ) -> tuple[list[Tensor], int, StepTotals, Tensor]:
-        """Backpropagate each micro-batch's summed loss; return the losses, this rank's target
-        count, the step's totals over the ranks (under way during the last backward), and the
+    ) -> tuple[list[Tensor], int, Tensor]:
+        """Backpropagate each micro-batch's summed loss, and start the step's totals over the
+        ranks during the last backward; return the losses, this rank's target count, and the
         last micro-batch's loss itself, with its graph."""
         losses: list[Tensor] = []
         num_targets = 0
         num_examples = 0
         counted_targets: bool | None = None
         last = len(batches) - 1
-        totals: StepTotals | None = None
-        for index, batch in enumerate(batches):
-            # DP gradient reduction waits for the last micro-batch.
-            with skip_gradient_sync(self._model, index < last):
-                with trace_range(FORWARD, self._trace), self.autocast():
-                    loss, batch_targets = _check_unit_output(self._unit(batch), step_nr)
+        # DP gradient reduction waits for the last micro-batch.
+        switch_sync = self._switch_gradient_sync if last > 0 else None
+        try:
+            for index, batch in enumerate(batches):
+                if switch_sync is not None:
+                    switch_sync(index == last)
+                loss, batch_targets = self._forward(batch, step_nr)
                 counted_targets = _check_target_count(batch_targets, counted_targets, step_nr)
                 losses.append(loss.detach())
                 num_targets += 1 if batch_targets is None else batch_targets
@@ -214,37 +215,62 @@ class TrainStep(Generic[BatchT]):
                 if index == last:
                     # Everything the totals need is known now: their all-reduce overlaps the
                     # last backward (and DDP's gradient reduction within it).
-                    totals = StepTotals.start(
-                        self._gangs,
+                    self._totals.start(
                         num_targets=num_targets,
                         num_examples=num_examples,
                         stop_requested=stop_requested,
                         losses=losses,
-                        check_losses=self.guard.skips,
-                        carrier=self._carrier,
                     )
-                with trace_range(BACKWARD, self._trace):
-                    scale = self._loss_scaler.scale
-                    torch.autograd.backward(loss if scale == 1.0 else loss * scale)
-        assert totals is not None
-        return losses, num_targets, totals, loss
+                self._backward(loss)
+        finally:
+            if switch_sync is not None:
+                switch_sync(True)
+        return losses, num_targets, loss
 
-    def _update(self, applied: bool, may_skip: bool) -> None:
-        with trace_range(OPTIMIZER_STEP, self._trace):
+    def _forward_micro_batch(self, batch: BatchT, step_nr: int) -> tuple[Tensor, int | None]:
+        """The unit's summed loss over ``batch`` and its target count, checked."""
+        if self._autocasts:
+            with self.autocast():
+                return _check_unit_output(self._unit(batch), step_nr)
+        return _check_unit_output(self._unit(batch), step_nr)
+
+    def _backward_micro_batch(self, loss: Tensor) -> None:
+        scale = self._loss_scaler.scale
+        torch.autograd.backward(loss if scale == 1.0 else loss * scale)
+
+    def _normalize_gradients(
+        self, total_targets: float, measure_grad_norm: bool
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """Normalize, and clip with ``max_gradient_norm``; return the non-finite flag and the
+        gradient norm, measured when ``measure_grad_norm`` or clipping."""
+        # DDP and FSDP average gradients over the DP gang; this turns the average of per-rank
+        # sums into the sum over all targets divided by their count.
+        non_finite = self._gradients.normalize(
+            self._dp_size / (total_targets * self._loss_scaler.scale)
+        )
+        max_norm = self._max_gradient_norm
+        if not measure_grad_norm and max_norm is None:
+            return non_finite, None
+        grad_norm = self._gradients.norm()
+        if max_norm is not None:
+            self._gradients.clip(max_norm, grad_norm)
+        return non_finite, grad_norm
+
+    def _update_model(self, applied: bool, may_skip: bool) -> None:
+        if applied:
+            self._optimizer.step()
+        if may_skip:
             if applied:
-                self._optimizer.step()
-            if may_skip:
-                if applied:
-                    self._unit.metric_bag.commit_updates()
-                else:
-                    self._unit.metric_bag.rollback_updates()
-            self._optimizer.zero_grad(set_to_none=True)
-            if self._lr_scheduler is not None:
-                self._lr_scheduler.step()
+                self._unit.metric_bag.commit_updates()
+            else:
+                self._unit.metric_bag.rollback_updates()
+        self._optimizer.zero_grad(set_to_none=True)
+        if self._lr_scheduler is not None:
+            self._lr_scheduler.step()
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The unit's forward context: autocast to ``dtype`` with ``amp``, nothing otherwise."""
-        if not self._amp or self._dtype == torch.float32:
+        if not self._autocasts:
             return _NO_AUTOCAST
         return torch.autocast(device_type=self._gangs.dp.device.type, dtype=self._dtype)
 
@@ -357,12 +383,28 @@ def _num_examples(batch: object) -> int:
     size = getattr(batch, "batch_size", None)
     if isinstance(size, int):
         return size
-    fields = batch.values() if isinstance(batch, Mapping) else batch
-    if isinstance(fields, (list, tuple, ValuesView)):
-        sizes = {f.shape[0] for f in fields if isinstance(f, Tensor) and f.dim() > 0}
-        if len(sizes) == 1:
-            return int(sizes.pop())
+    shared = None
+    # list and tuple first: an isinstance check against the Mapping ABC runs Python code.
+    if isinstance(batch, (list, tuple)):
+        shared = _shared_first_dim(batch)
+    elif isinstance(batch, Mapping):
+        shared = _shared_first_dim(batch.values())
+    if shared is not None:
+        return shared
     try:
         return len(batch)  # type: ignore[arg-type]
     except TypeError:
         return 0
+
+
+def _shared_first_dim(fields: Iterable[object]) -> int | None:
+    """The first dimension the tensors among ``fields`` share, or None if they do not."""
+    shared: int | None = None
+    for field in fields:
+        # One read of .shape, the cheapest of torch's ways to a tensor's first dimension.
+        shape = field.shape if isinstance(field, Tensor) else None
+        if shape:
+            if shared is not None and shape[0] != shared:
+                return None
+            shared = shape[0]
+    return shared

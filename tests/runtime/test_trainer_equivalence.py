@@ -154,6 +154,15 @@ def test_a_ddp_step_makes_no_collective_beyond_ddps_own(
         assert publishes == [{"publish:all_reduce": 2}] * 2
 
 
+def test_accumulated_micro_batches_leave_ddps_gradients_unreduced_until_the_last(
+    run_torchrun: RunTorch, tmp_path: Path
+) -> None:
+    for steps, _ in _collectives_per_step(run_torchrun, tmp_path, "ddp-hooked"):
+        # The toy model's gradients fit one bucket: one all-reduce of it a step, not one per
+        # micro-batch. The user's hook leaves the counts no bucket to ride in.
+        assert steps == [{"ddp_bucket": 1, "all_reduce_async": 1}] * 6
+
+
 def test_an_fsdp_step_makes_one_collective_of_its_own_and_does_not_wait_for_it(
     run_torchrun: RunTorch, tmp_path: Path
 ) -> None:

@@ -1,8 +1,10 @@
 """Count the collectives a training run makes on the root gang; each rank writes JSON.
 
 Usage: ``collective_count.py OUTPUT_DIR KIND``. Six steps of two accumulated micro-batches under
-``KIND`` data parallelism (``ddp`` or ``fsdp``), publishing every third step, no validation and no checkpoint but the final one is skipped by
-counting only until the last step ends.
+``KIND`` data parallelism, publishing every third step, no validation and no checkpoint but the
+final one, which is skipped by counting only until the last step ends. ``KIND`` is ``ddp``,
+``fsdp``, or ``ddp-hooked``: DDP with a communication hook of the user's, which counts DDP's
+own bucket all-reduces too (as ``ddp_bucket``).
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ from pathlib import Path
 from typing import Any, final
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.futures import Future
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from checkpoint import CheckpointManager
@@ -132,12 +137,27 @@ class CountSteps(TrainerCallback):
             path.write_text(json.dumps(self.per_step))
 
 
+def count_bucket_all_reduces(root: CountingGang, bucket: dist.GradBucket) -> Future[Tensor]:
+    """DDP's default reduction (the mean over the ranks), counted on ``root``."""
+    root._count("ddp_bucket")
+    buffer = bucket.buffer().div_(root.size)
+    work = dist.all_reduce(buffer, async_op=True)
+    assert work is not None
+    return work.get_future().then(lambda future: future.value()[0])
+
+
 def main(output_dir: Path, kind: str) -> None:
     gangs = setup_gangs()
     root = CountingGang(gangs.root)
     counted = Gangs(root=root, dp=gangs.dp, tp=gangs.tp, device_mesh=gangs.device_mesh)
     torch.manual_seed(0)
-    model = apply_data_parallel(ToyModel(), counted, kind="ddp" if kind == "ddp" else "fsdp")
+    model = apply_data_parallel(ToyModel(), counted, kind="fsdp" if kind == "fsdp" else "ddp")
+    if kind == "ddp-hooked":
+        assert isinstance(model, DistributedDataParallel)
+        # A lambda: DDP checks a hook's annotations, and this module's are strings.
+        model.register_comm_hook(
+            root, lambda state, bucket: count_bucket_all_reduces(state, bucket)
+        )
     reader = MapDataReader(
         dataset=ToyDataset(256), batch_size=2, collate=collate, gang=gangs.dp, num_accumulate=2
     )
