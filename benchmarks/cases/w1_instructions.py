@@ -31,8 +31,8 @@ def comparisons(settings: SuiteSettings) -> list[Comparison]:
             notes=(
                 "Instructions of the steps after warm-up; with the hash seed fixed, the same "
                 "from run to run whatever the host does: the cost of the runtime's own work "
-                "without the noise of a shared machine. Cache misses and waits do not show in a count, so "
-                "the timed W1 remains the figure the target is set on.",
+                "without the noise of a shared machine. Cache misses and waits do not show in "
+                "a count, so the timed W1 remains the figure the target is set on.",
             ),
         )
     ]

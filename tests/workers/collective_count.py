@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -138,12 +139,9 @@ class CountSteps(TrainerCallback):
 
 
 def count_bucket_all_reduces(root: CountingGang, bucket: dist.GradBucket) -> Future[Tensor]:
-    """DDP's default reduction (the mean over the ranks), counted on ``root``."""
+    """DDP's default reduction (torch's own ``allreduce_hook``), counted on ``root``."""
     root._count("ddp_bucket")
-    buffer = bucket.buffer().div_(root.size)
-    work = dist.all_reduce(buffer, async_op=True)
-    assert work is not None
-    return work.get_future().then(lambda future: future.value()[0])
+    return allreduce_hook(root.as_process_group(), bucket)
 
 
 def main(output_dir: Path, kind: str) -> None:
