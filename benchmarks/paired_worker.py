@@ -1,19 +1,23 @@
-"""One process of the paired W1 case: each Trainer step is followed by one hand-written step.
+"""One process of the paired W1 case: the Trainer and the hand-written loop take turns, a block
+of steps each.
 
-``python -m benchmarks.paired_worker [--quick]``. Prints ``BENCH_RESULT {"trainer_step_s": ...,
-"hand_step_s": ..., "extra_s": ...}``: the medians, over the steps after warm-up, of the
-Trainer's step, of the hand-written step, and of the difference between each Trainer step and
-the hand-written step right after it.
+``python -m benchmarks.paired_worker [--quick] [--block-size N]``. Prints ``BENCH_RESULT {"trainer_step_s": ...,
+"hand_step_s": ..., "extra_s": ..., "ratio": ...}``: over the blocks after warm-up, the medians
+of the Trainer's time per step, of the hand-written loop's, of their difference and of their
+ratio. Each Trainer block is compared with the mean of the hand-written blocks right before and
+after it, so a host that speeds up or slows down steadily cancels out.
 
 Separate processes see the host at different moments, and on a shared host their step times
-move by more than the Trainer's cost. Here the two loops alternate step by step, so both see the
-same moment, and the median difference holds to a few microseconds. Each model evicts the
-other's caches in between, so both steps cost more than they do alone.
+move by more than the Trainer's cost. Here the two loops alternate every few tens of
+milliseconds, so each pair sees the same moment of the host. The blocks are long enough that
+each loop runs with its caches warm, as it does alone: only its first step after a switch pays
+for the other's evictions.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from typing import final
@@ -29,49 +33,72 @@ from runtime import TrainerCallback
 
 
 @final
-class PairedSteps(TrainerCallback):
-    """Times the Trainer's steps from the end of one hand-written step to the next step's end,
-    and takes a hand-written step (its own model and optimizer) after each."""
+class BlockTurns(TrainerCallback):
+    """After every ``block_size``-th Trainer step, takes ``block_size`` hand-written steps (its
+    own model and optimizer); records each block's time per step."""
 
-    def __init__(self, workload: Workload) -> None:
+    def __init__(self, workload: Workload, *, block_size: int) -> None:
         self._workload = workload
+        self._block_size = block_size
         self._model = workload.make_model()
         self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=workload.lr)
         self._steps_per_epoch = workload.num_examples() // workload.batch_size
-        self._hand_end: float | None = None
-        self.trainer_steps: list[float] = []
-        self.hand_steps: list[float] = []
+        self._hand_step_nr = 0
+        self._trainer_start: float | None = None
+        self.trainer_blocks: list[float] = []
+        self.hand_blocks: list[float] = []
 
     def on_step_end(self, *, step_nr: int) -> None:
+        if step_nr % self._block_size != 0:
+            return
         trainer_end = time.perf_counter()
-        if self._hand_end is not None:
-            self.trainer_steps.append(trainer_end - self._hand_end)
-        start = (step_nr % self._steps_per_epoch) * self._workload.batch_size
-        hand_step(self._workload, self._model, self._optimizer, start)
-        self._hand_end = time.perf_counter()
-        self.hand_steps.append(self._hand_end - trainer_end)
+        if self._trainer_start is not None:
+            self.trainer_blocks.append((trainer_end - self._trainer_start) / self._block_size)
+        batch_size = self._workload.batch_size
+        for _ in range(self._block_size):
+            start = (self._hand_step_nr % self._steps_per_epoch) * batch_size
+            hand_step(self._workload, self._model, self._optimizer, start)
+            self._hand_step_nr += 1
+        self._trainer_start = time.perf_counter()
+        self.hand_blocks.append((self._trainer_start - trainer_end) / self._block_size)
+
+
+def block_figures(
+    trainer_blocks: list[float], hand_blocks: list[float], *, skip: int
+) -> dict[str, float]:
+    """The medians over the block pairs after the first ``skip`` (they hold the warm-up).
+
+    Trainer block k ran between hand-written blocks k and k + 1; it is compared with their mean.
+    """
+    around = [(before + after) / 2 for before, after in itertools.pairwise(hand_blocks)]
+    pairs = list(zip(trainer_blocks, around, strict=False))[skip:]
+    if not pairs:
+        raise ValueError(
+            f"{len(trainer_blocks)} Trainer blocks make no pair after the {skip} of warm-up."
+        )
+    return {
+        "trainer_step_s": statistics.median(trainer for trainer, _ in pairs),
+        "hand_step_s": statistics.median(hand for _, hand in pairs),
+        "extra_s": statistics.median(trainer - hand for trainer, hand in pairs),
+        "ratio": statistics.median(trainer / hand for trainer, hand in pairs),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--block-size", type=int, help="steps per turn (default 50, 10 quick)")
     args = parser.parse_args()
     use_one_thread()
     workload = make_workload("mlp")
     plan = workload.plan(quick=args.quick)
-    paired = PairedSteps(workload)
-    make_trainer(workload, plan, LoopOptions(), paired).run()
-    # Trainer step k (from the index 0 on) ran between hand-written steps k and k + 1.
-    skip = plan.num_warmup
-    trainer_steps = paired.trainer_steps[skip:]
-    hand_steps = paired.hand_steps[skip + 1 :]
-    extra = [t - h for t, h in zip(trainer_steps, hand_steps, strict=False)]
+    block_size = args.block_size or (10 if args.quick else 50)
+    turns = BlockTurns(workload, block_size=block_size)
+    make_trainer(workload, plan, LoopOptions(), turns).run()
     emit(
-        {
-            "trainer_step_s": statistics.median(trainer_steps),
-            "hand_step_s": statistics.median(hand_steps),
-            "extra_s": statistics.median(extra),
-        },
+        block_figures(
+            turns.trainer_blocks, turns.hand_blocks, skip=-(-plan.num_warmup // block_size)
+        ),
         with_rss=False,
     )
     exit_now()

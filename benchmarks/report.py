@@ -15,6 +15,8 @@ def format_value(value: float, unit: str) -> str:
         return f"{value / 2**20:.0f} MiB"
     if unit == "count":
         return f"{value / 1e6:.3f} M" if value >= 1e6 else f"{value / 1e3:.1f} k"
+    if unit == "ratio":
+        return f"{value:.3f}x"
     if value < 1e-3:
         return f"{value * 1e6:.0f} us"
     if value < 1.0:

@@ -37,7 +37,7 @@ class Metric:
 
     key: str
     label: str
-    unit: Literal["s", "bytes", "count"]
+    unit: Literal["s", "bytes", "count", "ratio"]
     summary: Statistic = "median"
     """The statistic the ratio compares: the median, or the min for figures that noise only raises."""
     ratio: bool = True

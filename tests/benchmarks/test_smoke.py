@@ -47,16 +47,20 @@ def test_quick_suite_writes_json_and_markdown(tmp_path: Path) -> None:
     assert "vs hand-written" in table
 
 
-def test_the_paired_case_reports_both_steps_and_their_difference(tmp_path: Path) -> None:
+def test_the_paired_case_reports_both_steps_their_difference_and_ratio(tmp_path: Path) -> None:
     assert_ok(run_quick_benchmark("W1-paired", tmp_path))
     [comparison] = json.loads((tmp_path / "results.json").read_text())["comparisons"]
     assert comparison["key"] == "W1-paired"
     [contender] = comparison["contenders"]
     assert contender["status"] == "ok", contender["note"]
     figures = contender["metrics"]
-    assert set(figures) == {"trainer_step_s", "hand_step_s", "extra_s"}
-    assert figures["trainer_step_s"]["median"] > 0 and figures["hand_step_s"]["median"] > 0
-    assert "| Trainer step - hand-written step (median) |" in (tmp_path / "results.md").read_text()
+    assert set(figures) == {"trainer_step_s", "hand_step_s", "extra_s", "ratio"}
+    trainer, hand = figures["trainer_step_s"]["median"], figures["hand_step_s"]["median"]
+    assert trainer > 0 and hand > 0
+    # Medians of per-block figures: the ratio is near that of the medians, not a fixed number.
+    assert 0.5 < figures["ratio"]["median"] / (trainer / hand) < 2
+    table = (tmp_path / "results.md").read_text()
+    assert "| Trainer step / hand-written step (median) |" in table
 
 
 def test_bad_runs_is_a_usage_error() -> None:
