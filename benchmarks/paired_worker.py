@@ -1,11 +1,12 @@
 """One process of the paired W1 case: the Trainer and the hand-written loop take turns, a block
 of steps each.
 
-``python -m benchmarks.paired_worker [--quick] [--block-size N]``. Prints ``BENCH_RESULT {"trainer_step_s": ...,
-"hand_step_s": ..., "extra_s": ..., "ratio": ...}``: over the blocks after warm-up, the medians
-of the Trainer's time per step, of the hand-written loop's, of their difference and of their
-ratio. Each Trainer block is compared with the mean of the hand-written blocks right before and
-after it, so a host that speeds up or slows down steadily cancels out.
+``python -m benchmarks.paired_worker [--quick] [--block-size N]``. Prints
+``BENCH_RESULT {"trainer_step_s": ..., "hand_step_s": ..., "extra_s": ..., "ratio": ...}``: over
+the blocks after warm-up, the medians of the Trainer's time per step, of the hand-written
+loop's, of their difference and of their ratio. Each Trainer block is compared with the mean of
+the hand-written blocks right before and after it, so a host that speeds up or slows down
+steadily cancels out.
 
 Separate processes see the host at different moments, and on a shared host their step times
 move by more than the Trainer's cost. Here the two loops alternate every few tens of

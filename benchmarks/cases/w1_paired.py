@@ -30,10 +30,11 @@ def comparisons(settings: SuiteSettings) -> list[Comparison]:
                 ),
             ),
             notes=(
-                "The loops alternate in blocks of 50 steps (about 50 ms); each Trainer block "
-                "is compared with the mean of the hand-written blocks before and after it, so "
-                "each pair sees the same moment of the host. Each figure is the median over "
-                "the blocks of a process; the table gives the median of the processes.",
+                "The loops alternate in blocks of 50 steps (10 with --quick), about 50 ms; each "
+                "Trainer block is compared with the mean of the hand-written blocks before and "
+                "after it, so each pair sees the same moment of the host. Each figure is the "
+                "median over the blocks of a process; the table gives the median of the "
+                "processes.",
             ),
         )
     ]
