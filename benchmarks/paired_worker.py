@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import statistics
 import time
 from typing import final
@@ -98,7 +99,7 @@ def main() -> None:
     make_trainer(workload, plan, LoopOptions(), turns).run()
     emit(
         block_figures(
-            turns.trainer_blocks, turns.hand_blocks, skip=-(-plan.num_warmup // block_size)
+            turns.trainer_blocks, turns.hand_blocks, skip=math.ceil(plan.num_warmup / block_size)
         ),
         with_rss=False,
     )
