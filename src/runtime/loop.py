@@ -221,7 +221,7 @@ class TrainLoop(Generic[BatchT]):
         """Take one optimizer step; return whether any rank asked to stop."""
         self.state.step_nr += 1
         step_nr = self.state.step_nr
-        output = self._train_step(
+        output = self._train_step.take(
             batches,
             step_nr=step_nr,
             stop_requested=self.stop_signals.requested,

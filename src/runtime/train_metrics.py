@@ -60,15 +60,29 @@ class Throughput:
 
 
 @final
+@dataclass(frozen=True)
+class _WindowCounts:
+    """What a window counts: its own steps, plus what a loaded state carried into it."""
+
+    num_local_targets: int = 0
+    num_targets: float = 0.0
+    num_examples: float = 0.0
+    num_steps: int = 0
+    num_skipped_steps: int = 0
+    num_grad_norms: int = 0
+
+
+@final
 class TrainMetrics:
     """Keeps the steps of a publish window; :meth:`compute` reads them once.
 
-    A step only appends its loss tensors and (on the steps that measure it) its gradient norm to
-    lists, and keeps the run's non-finite-gradient flag: no device work, no sync.
-    :meth:`compute` sums them in step order (so a resumed window sums exactly as an uninterrupted
-    one), checks them for non-finite values, and makes the publish's collectives: an all-reduce
-    of the loss sum and target count over the DP gang, one of the non-finite check and peak
-    memory over the root gang, and the unit's metrics merged over the DP gang.
+    A step only appends its output (its loss tensors, counts and, on the steps that measure it,
+    its gradient norm) to the window, and keeps the run's non-finite-gradient flag: no device
+    work, no sync. :meth:`compute` sums them in step order (so a resumed window sums exactly as
+    an uninterrupted one), checks them for non-finite values, and makes the publish's
+    collectives: an all-reduce of the loss sum and target count over the DP gang, one of the
+    non-finite check and peak memory over the root gang, and the unit's metrics merged over the
+    DP gang.
     """
 
     def __init__(
@@ -85,27 +99,20 @@ class TrainMetrics:
         self._guard = guard
         self._throughput = throughput
         self._gradient_flag: Tensor | None = None
-        # The steps since the last check of the flag, which stays set once a gradient was not
-        # finite; a check at a checkpoint may fall in the middle of a window.
-        self._first_unchecked_step: int | None = None
-        self._last_step = 0
         self.reset()
 
     def reset(self) -> None:
         """Start an empty window (the unit's persistent metrics carry on)."""
+        # What a loaded state carries into the window: the sums of its steps before the resume.
         self._carried_loss_sum = torch.zeros((), dtype=torch.float64)
         self._carried_grad_norm_sum = torch.zeros((), dtype=torch.float32)
-        self._losses: list[Tensor] = []
-        self._loss_steps: list[int] = []
-        self._carried_num_grad_norms = 0
-        self._grad_norms: list[Tensor] = []
-        # A skipped step's non-finite values were dealt with when it was skipped.
-        self._skipped_steps: set[int] = set()
-        self._num_local_targets = 0
-        self._num_targets = 0.0
-        self._num_examples = 0.0
-        self._num_steps = 0
-        self._num_skipped_steps = 0
+        self._carried_counts = _WindowCounts()
+        # The window's steps, as they came. A step only appends its output: the sums wait for
+        # a publish or a checkpoint, which read the window once.
+        self._steps: list[tuple[int, StepOutput]] = []
+        # The steps before this index were checked by check_finite (a checkpoint may check in
+        # the middle of a window); the gradient flag stays set once a gradient was not finite.
+        self._num_checked_steps = 0
         self._data_wait_time = 0.0
         self.restart_clock()
 
@@ -115,24 +122,11 @@ class TrainMetrics:
     @property
     def num_steps(self) -> int:
         """The steps in the window, not published yet."""
-        return self._num_steps
+        return self._carried_counts.num_steps + len(self._steps)
 
     def add_step(self, step_nr: int, output: StepOutput) -> None:
-        self._losses.extend(output.losses)
-        self._loss_steps.extend([step_nr] * len(output.losses))
-        if output.grad_norm is not None:
-            self._grad_norms.append(output.grad_norm)
+        self._steps.append((step_nr, output))
         self._gradient_flag = output.non_finite_gradients
-        if self._first_unchecked_step is None:
-            self._first_unchecked_step = step_nr
-        self._last_step = step_nr
-        if not output.applied:
-            self._skipped_steps.add(step_nr)
-        self._num_local_targets += output.num_targets
-        self._num_targets += output.total_targets
-        self._num_examples += output.total_examples
-        self._num_steps += 1
-        self._num_skipped_steps += not output.applied
 
     def add_data_wait(self, seconds: float) -> None:
         self._data_wait_time += seconds
@@ -140,17 +134,20 @@ class TrainMetrics:
     def check_finite(self) -> None:
         """Stop every rank if a loss or gradient of the window was not finite (every rank of the
         root gang must call it)."""
-        skipped = self._skipped_steps
+        # A skipped step's non-finite values were dealt with when it was skipped.
         losses = [
-            (s, v) for s, v in zip(self._loss_steps, self._losses, strict=True) if s not in skipped
+            (step_nr, loss)
+            for step_nr, output in self._steps
+            if output.applied
+            for loss in output.losses
         ]
-        first = self._first_unchecked_step
+        unchecked = self._steps[self._num_checked_steps :]
         self._guard.raise_if_non_finite(
             losses=losses,
             gradient_flag=self._gradient_flag,
-            unchecked_steps=None if first is None else (first, self._last_step),
+            unchecked_steps=(unchecked[0][0], unchecked[-1][0]) if unchecked else None,
         )
-        self._first_unchecked_step = None
+        self._num_checked_steps = len(self._steps)
 
     def compute(self, extra_values: Mapping[str, Any]) -> dict[str, Any]:
         """The window's values, then ``extra_values``, then the unit's metrics over the DP gang;
@@ -158,34 +155,34 @@ class TrainMetrics:
         """
         self.check_finite()
         loss_sum, grad_norm_sum = self._sums()
+        counts = self._counts()
         sums = torch.stack(
             [
                 loss_sum.to(self._device),
                 torch.tensor(
-                    float(self._num_local_targets), device=self._device, dtype=torch.float64
+                    float(counts.num_local_targets), device=self._device, dtype=torch.float64
                 ),
             ]
         )
         self._gangs.dp.all_reduce(sums, ReduceOperation.SUM)
         loss_total, num_targets = sums.tolist()
         elapsed = max(time.perf_counter() - self._start, 1e-9)
-        steps = max(self._num_steps, 1)
-        per_device = self._num_targets / elapsed / self._gangs.root.size
+        steps = max(counts.num_steps, 1)
+        per_device = counts.num_targets / elapsed / self._gangs.root.size
         values: dict[str, Any] = {"loss": loss_total / num_targets if num_targets else math.nan}
-        num_grad_norms = self._carried_num_grad_norms + len(self._grad_norms)
-        if num_grad_norms > 0:  # a window that ends at an unscheduled step may have none
-            values["grad_norm"] = grad_norm_sum.item() / num_grad_norms
+        if counts.num_grad_norms > 0:  # a window that ends at an unscheduled step may have none
+            values["grad_norm"] = grad_norm_sum.item() / counts.num_grad_norms
         values |= {
-            "num_targets": self._num_targets,
-            "targets_per_second": self._num_targets / elapsed,
+            "num_targets": counts.num_targets,
+            "targets_per_second": counts.num_targets / elapsed,
             "targets_per_second_per_device": per_device,
-            "batch_size": self._num_examples / steps,
+            "batch_size": counts.num_examples / steps,
             "data_wait_time": self._data_wait_time,
-            "num_steps": self._num_steps,
+            "num_steps": counts.num_steps,
             "peak_memory_bytes": self._peak_memory_bytes(),
         }
         if self._guard.skips:
-            values["num_skipped_steps"] = self._num_skipped_steps
+            values["num_skipped_steps"] = counts.num_skipped_steps
         mfu = self._throughput.mfu(per_device)
         if mfu is not None:
             values["mfu"] = mfu
@@ -198,12 +195,37 @@ class TrainMetrics:
     def _sums(self) -> tuple[Tensor, Tensor]:
         # Step by step, as the steps came: the sums do not depend on where a resume split them.
         loss_sum = self._carried_loss_sum.to(self._device)
-        for loss in self._losses:
-            loss_sum = loss_sum + loss
         grad_norm_sum = self._carried_grad_norm_sum.to(self._device)
-        for norm in self._grad_norms:
-            grad_norm_sum = grad_norm_sum + norm.detach().to(self._device, torch.float32)
+        for _, output in self._steps:
+            for loss in output.losses:
+                loss_sum = loss_sum + loss
+            if output.grad_norm is not None:
+                norm = output.grad_norm.detach().to(self._device, torch.float32)
+                grad_norm_sum = grad_norm_sum + norm
         return loss_sum, grad_norm_sum
+
+    def _counts(self) -> _WindowCounts:
+        carried = self._carried_counts
+        local_targets, targets, examples = (
+            carried.num_local_targets,
+            carried.num_targets,
+            carried.num_examples,
+        )
+        skipped, grad_norms = carried.num_skipped_steps, carried.num_grad_norms
+        for _, output in self._steps:
+            local_targets += output.num_targets
+            targets += output.total_targets
+            examples += output.total_examples
+            skipped += not output.applied
+            grad_norms += output.grad_norm is not None
+        return _WindowCounts(
+            num_local_targets=local_targets,
+            num_targets=targets,
+            num_examples=examples,
+            num_steps=carried.num_steps + len(self._steps),
+            num_skipped_steps=skipped,
+            num_grad_norms=grad_norms,
+        )
 
     def _peak_memory_bytes(self) -> int:
         """The most any rank used since the last publish (CUDA) or since it started (CPU)."""
@@ -219,16 +241,17 @@ class TrainMetrics:
 
     def state_dict(self) -> dict[str, Any]:
         loss_sum, grad_norm_sum = self._sums()
+        counts = self._counts()
         return {
             "window": {
                 "loss_sum": loss_sum.cpu(),
                 "grad_norm_sum": grad_norm_sum.cpu(),
-                "num_grad_norms": self._carried_num_grad_norms + len(self._grad_norms),
-                "num_local_targets": self._num_local_targets,
-                "num_targets": self._num_targets,
-                "num_examples": self._num_examples,
-                "num_steps": self._num_steps,
-                "num_skipped_steps": self._num_skipped_steps,
+                "num_grad_norms": counts.num_grad_norms,
+                "num_local_targets": counts.num_local_targets,
+                "num_targets": counts.num_targets,
+                "num_examples": counts.num_examples,
+                "num_steps": counts.num_steps,
+                "num_skipped_steps": counts.num_skipped_steps,
             },
             "unit_metrics": self._unit_metrics.state_dict(),
         }
@@ -240,12 +263,14 @@ class TrainMetrics:
         self.reset()
         self._carried_loss_sum = window["loss_sum"].to(torch.float64)
         self._carried_grad_norm_sum = window["grad_norm_sum"].to(torch.float32)
-        self._carried_num_grad_norms = int(window["num_grad_norms"])
-        self._num_local_targets = int(window["num_local_targets"])
-        self._num_targets = float(window["num_targets"])
-        self._num_examples = float(window["num_examples"])
-        self._num_steps = int(window["num_steps"])
-        self._num_skipped_steps = int(window["num_skipped_steps"])
+        self._carried_counts = _WindowCounts(
+            num_local_targets=int(window["num_local_targets"]),
+            num_targets=float(window["num_targets"]),
+            num_examples=float(window["num_examples"]),
+            num_steps=int(window["num_steps"]),
+            num_skipped_steps=int(window["num_skipped_steps"]),
+            num_grad_norms=int(window["num_grad_norms"]),
+        )
         self._unit_metrics.load_state_dict(state["unit_metrics"])
 
 

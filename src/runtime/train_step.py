@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Generic, NamedTuple, TypeVar, final
 
@@ -48,7 +48,7 @@ class StepOutput(NamedTuple):
     """The examples of the whole DP gang."""
     grad_norm: Tensor | None
     """The gradient norm before clipping, on the steps that measure it (see
-    :meth:`TrainStep.__call__`)."""
+    :meth:`TrainStep.take`)."""
     non_finite_gradients: Tensor | None
     """This rank's flag, one tensor for the run: non-zero since the first NaN or infinite
     gradient (None without gradients)."""
@@ -128,13 +128,17 @@ class TrainStep(Generic[BatchT]):
         # A step is skipped on an fp16 overflow, or with nan_policy="skip" on a non-finite value.
         self._may_skip = self._loss_scaler.enabled or self.guard.skips
         # The phases of a step. With a profiler each runs in its named range, bound here rather
-        # than entered in the step: a step without a profiler enters no context at all.
-        self._forward = traced(FORWARD, self._forward_micro_batch, enabled=trace)
-        self._backward = traced(BACKWARD, self._backward_micro_batch, enabled=trace)
+        # than entered in the step: a step without a profiler enters no context at all. The unit
+        # runs through its bound __call__, which calling the instance would look up every time.
+        forward: Callable[[BatchT], tuple[Tensor, int | None]] = unit.__call__
+        if self._autocasts:
+            forward = _in_autocast(forward, self.autocast)
+        self._forward = traced(FORWARD, forward, enabled=trace)
+        self._backward = traced(BACKWARD, torch.autograd.backward, enabled=trace)
         self._normalize = traced(GRADIENT_SYNC, self._normalize_gradients, enabled=trace)
         self._update = traced(OPTIMIZER_STEP, self._update_model, enabled=trace)
 
-    def __call__(
+    def take(
         self,
         batches: list[BatchT],
         *,
@@ -145,13 +149,19 @@ class TrainStep(Generic[BatchT]):
         """Take the step. The gradient norm is measured when ``measure_grad_norm`` (the loop
         asks on the steps that publish it), and always with clipping, ``nan_policy="skip"`` or
         fp16, which decide on it: elsewhere it is work no one reads.
+
+        A method rather than ``__call__``: a call of an instance with keywords builds a dict of
+        them every time.
         """
         self._unit.set_step_nr(step_nr)
         may_skip = self._may_skip
         if may_skip:
             self._unit.metric_bag.begin_updates()
 
-        losses, num_targets, last_loss = self._forward_backward(batches, step_nr, stop_requested)
+        loss_scale = self._loss_scaler.scale
+        losses, num_targets, last_loss = self._forward_backward(
+            batches, step_nr, stop_requested, loss_scale
+        )
         total_targets, total_examples, stop_votes, non_finite_votes = self._totals.wait()
         if total_targets == 0:
             raise TrainerError(
@@ -179,19 +189,21 @@ class TrainStep(Generic[BatchT]):
         # for each one (1 to 2% of W1's step, see README "Performance"). A hand-written loop
         # holds its loss this long too.
         del last_loss
+        # By position, in the order of the fields: a class called with keywords gets them as a
+        # dict, built every step.
         return StepOutput(
-            losses=losses,
-            num_targets=num_targets,
-            total_targets=total_targets,
-            total_examples=total_examples,
-            grad_norm=grad_norm,
-            non_finite_gradients=non_finite,
-            stop_requested=stop_votes > 0,
-            applied=applied,
+            losses,
+            num_targets,
+            total_targets,
+            total_examples,
+            grad_norm,
+            non_finite,
+            stop_votes > 0,
+            applied,
         )
 
     def _forward_backward(
-        self, batches: list[BatchT], step_nr: int, stop_requested: bool
+        self, batches: list[BatchT], step_nr: int, stop_requested: bool, loss_scale: float
     ) -> tuple[list[Tensor], int, Tensor]:
         """Backpropagate each micro-batch's summed loss, and start the step's totals over the
         ranks during the last backward; return the losses, this rank's target count, and the
@@ -207,7 +219,7 @@ class TrainStep(Generic[BatchT]):
             for index, batch in enumerate(batches):
                 if switch_sync is not None:
                     switch_sync(index == last)
-                loss, batch_targets = self._forward(batch, step_nr)
+                loss, batch_targets = _check_unit_output(self._forward(batch), step_nr)
                 counted_targets = _check_target_count(batch_targets, counted_targets, step_nr)
                 losses.append(loss.detach())
                 num_targets += 1 if batch_targets is None else batch_targets
@@ -221,22 +233,11 @@ class TrainStep(Generic[BatchT]):
                         stop_requested=stop_requested,
                         losses=losses,
                     )
-                self._backward(loss)
+                self._backward(loss if loss_scale == 1.0 else loss * loss_scale)
         finally:
             if switch_sync is not None:
                 switch_sync(True)
         return losses, num_targets, loss
-
-    def _forward_micro_batch(self, batch: BatchT, step_nr: int) -> tuple[Tensor, int | None]:
-        """The unit's summed loss over ``batch`` and its target count, checked."""
-        if self._autocasts:
-            with self.autocast():
-                return _check_unit_output(self._unit(batch), step_nr)
-        return _check_unit_output(self._unit(batch), step_nr)
-
-    def _backward_micro_batch(self, loss: Tensor) -> None:
-        scale = self._loss_scaler.scale
-        torch.autograd.backward(loss if scale == 1.0 else loss * scale)
 
     def _normalize_gradients(
         self, total_targets: float, measure_grad_norm: bool
@@ -317,6 +318,20 @@ class TrainStep(Generic[BatchT]):
 
 
 _NO_AUTOCAST: Final = contextlib.nullcontext()
+
+R = TypeVar("R")
+
+
+def _in_autocast(
+    forward: Callable[[BatchT], R], autocast: Callable[[], contextlib.AbstractContextManager[Any]]
+) -> Callable[[BatchT], R]:
+    """``forward`` run in the context ``autocast`` makes."""
+
+    def forward_in_autocast(batch: BatchT) -> R:
+        with autocast():
+            return forward(batch)
+
+    return forward_in_autocast
 
 
 def _check_unit_output(output: object, step_nr: int) -> tuple[Tensor, int | None]:
