@@ -78,8 +78,9 @@ class TrainMetrics:
 
     A step only appends its output (its loss tensors, counts and, on the steps that measure it,
     its gradient norm) to the window, and keeps the run's non-finite-gradient flag: no device
-    work, no sync. :meth:`compute` sums them in step order (so a resumed window sums exactly as
-    an uninterrupted one), checks them for non-finite values, and makes the publish's
+    work, no sync. :meth:`check_finite` (at a publish, and before a checkpoint) checks the
+    window for non-finite values and folds it into running sums, in step order, so a resumed
+    window sums exactly as an uninterrupted one. :meth:`compute` makes the publish's
     collectives: an all-reduce of the loss sum and target count over the DP gang, one of the
     non-finite check and peak memory over the root gang, and the unit's metrics merged over the
     DP gang.
@@ -107,12 +108,10 @@ class TrainMetrics:
         self._carried_loss_sum = torch.zeros((), dtype=torch.float64)
         self._carried_grad_norm_sum = torch.zeros((), dtype=torch.float32)
         self._carried_counts = _WindowCounts()
-        # The window's steps, as they came. A step only appends its output: the sums wait for
-        # a publish or a checkpoint, which read the window once.
+        # The window's steps since the last check, as they came. A step only appends its
+        # output; a check (at a publish or a checkpoint) folds them into the carried sums, so
+        # the list holds no step past the next checkpoint, even in a run that never publishes.
         self._steps: list[tuple[int, StepOutput]] = []
-        # The steps before this index were checked by check_finite (a checkpoint may check in
-        # the middle of a window); the gradient flag stays set once a gradient was not finite.
-        self._num_checked_steps = 0
         self._data_wait_time = 0.0
         self.restart_clock()
 
@@ -141,13 +140,19 @@ class TrainMetrics:
             if output.applied
             for loss in output.losses
         ]
-        unchecked = self._steps[self._num_checked_steps :]
+        steps = self._steps
+        # The flag stays set once a gradient was not finite; only steps since the last check
+        # can have set it unseen.
         self._guard.raise_if_non_finite(
             losses=losses,
             gradient_flag=self._gradient_flag,
-            unchecked_steps=(unchecked[0][0], unchecked[-1][0]) if unchecked else None,
+            unchecked_steps=(steps[0][0], steps[-1][0]) if steps else None,
         )
-        self._num_checked_steps = len(self._steps)
+        # The same additions in the same order as summing the whole window at its end, so a
+        # fold changes no bit of what is published.
+        self._carried_loss_sum, self._carried_grad_norm_sum = self._sums()
+        self._carried_counts = self._counts()
+        self._steps = []
 
     def compute(self, extra_values: Mapping[str, Any]) -> dict[str, Any]:
         """The window's values, then ``extra_values``, then the unit's metrics over the DP gang;

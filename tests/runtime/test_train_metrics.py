@@ -1,15 +1,95 @@
-"""Memory and throughput in the train metrics, and Python's garbage collection on a schedule."""
+"""The train metrics' window, memory and throughput, and Python's garbage collection on a
+schedule."""
 
 from __future__ import annotations
 
 import gc
 import logging
+import math
+import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
-from runtime import TrainerCallback
+from gangs import Gangs
+from runtime import TrainerCallback, TrainerError
+from runtime.non_finite import NonFiniteGuard
+from runtime.train_metrics import TrainMetrics
+from runtime.train_step import StepOutput
 from tests.conftest import make_toy_trainer, read_jsonl
+from units import MetricBag
+
+
+def make_metrics() -> TrainMetrics:
+    gangs = Gangs.single()
+    guard = NonFiniteGuard(
+        policy="error",
+        max_consecutive_skipped_steps=10,
+        root_gang=gangs.root,
+        checks_gradients=True,
+    )
+    return TrainMetrics(unit_metrics=MetricBag(), gangs=gangs, guard=guard)
+
+
+def step_output(step_nr: int, *, loss: float | None = None) -> StepOutput:
+    """A step of 3 targets in 2 examples, with an awkward loss and a gradient norm."""
+    return StepOutput(
+        losses=[torch.tensor(loss if loss is not None else 0.1 * step_nr + 1 / 3)],
+        num_targets=3,
+        total_targets=3.0,
+        total_examples=2.0,
+        grad_norm=torch.tensor(1.0 / step_nr),
+        non_finite_gradients=torch.zeros(()),
+        stop_requested=False,
+    )
+
+
+def window_of(metrics: TrainMetrics) -> dict[str, Any]:
+    window: dict[str, Any] = metrics.state_dict()["window"]
+    return window
+
+
+def test_a_check_in_mid_window_changes_no_bit_of_the_window() -> None:
+    checked, unchecked = make_metrics(), make_metrics()
+    for step_nr in range(1, 8):
+        for metrics in (checked, unchecked):
+            metrics.add_step(step_nr, step_output(step_nr))
+        if step_nr in (3, 5):
+            checked.check_finite()  # as a checkpoint does
+
+    checked_window, unchecked_window = window_of(checked), window_of(unchecked)
+    for key in ("loss_sum", "grad_norm_sum"):
+        assert torch.equal(checked_window.pop(key), unchecked_window.pop(key))
+    assert checked_window == unchecked_window
+    assert checked_window["num_steps"] == 7 and checked_window["num_local_targets"] == 21
+    published = checked.compute({}), unchecked.compute({})
+    for key in ("loss", "grad_norm", "num_targets", "batch_size", "num_steps"):
+        assert published[0][key] == published[1][key]
+    assert published[0]["batch_size"] == 2.0
+
+
+def test_a_checked_window_holds_no_step() -> None:
+    metrics = make_metrics()
+    output = step_output(1)
+    loss = weakref.ref(output.losses[0])
+    metrics.add_step(1, output)
+    del output
+    assert loss() is not None
+    # A run that never publishes still checks at each checkpoint: its window must not grow.
+    metrics.check_finite()
+    assert loss() is None
+    assert window_of(metrics)["num_steps"] == 1
+
+
+def test_a_non_finite_loss_after_a_check_is_found_at_its_step() -> None:
+    metrics = make_metrics()
+    metrics.add_step(1, step_output(1))
+    metrics.check_finite()
+    metrics.add_step(2, step_output(2, loss=math.nan))
+    with pytest.raises(TrainerError, match="The loss was not finite at step 2 on rank 0"):
+        metrics.check_finite()
 
 
 def test_memory_and_throughput_are_published(
