@@ -104,7 +104,8 @@ class TrainMetrics:
 
     def reset(self) -> None:
         """Start an empty window (the unit's persistent metrics carry on)."""
-        # What a loaded state carries into the window: the sums of its steps before the resume.
+        # The sums of the window's steps that were checked already, or that a loaded state
+        # carried in from before the resume.
         self._carried_loss_sum = torch.zeros((), dtype=torch.float64)
         self._carried_grad_norm_sum = torch.zeros((), dtype=torch.float32)
         self._carried_counts = _WindowCounts()
@@ -133,14 +134,11 @@ class TrainMetrics:
     def check_finite(self) -> None:
         """Stop every rank if a loss or gradient of the window was not finite (every rank of the
         root gang must call it)."""
+        steps = self._steps
         # A skipped step's non-finite values were dealt with when it was skipped.
         losses = [
-            (step_nr, loss)
-            for step_nr, output in self._steps
-            if output.applied
-            for loss in output.losses
+            (step_nr, loss) for step_nr, output in steps if output.applied for loss in output.losses
         ]
-        steps = self._steps
         # The flag stays set once a gradient was not finite; only steps since the last check
         # can have set it unseen.
         self._guard.raise_if_non_finite(
