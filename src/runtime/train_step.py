@@ -28,6 +28,7 @@ from units import TrainUnit
 log = logging.getLogger(__name__)
 
 BatchT = TypeVar("BatchT")
+R = TypeVar("R")
 
 
 @final
@@ -318,8 +319,6 @@ class TrainStep(Generic[BatchT]):
 
 
 _NO_AUTOCAST: Final = contextlib.nullcontext()
-
-R = TypeVar("R")
 
 
 def _in_autocast(
