@@ -11,18 +11,18 @@ import gc
 from types import TracebackType
 from typing import final
 
-from runtime.arguments import check_positive
+from runtime.schedule import Schedule
 
 
 @final
 class GarbageCollection:
     def __init__(self, every_n_steps: int | None) -> None:
-        check_positive("gc_every_n_steps", every_n_steps)
-        self._every_n_steps = every_n_steps
+        self.schedule = Schedule("gc", every_n_steps=every_n_steps)
+        """The steps to collect after; the loop calls :meth:`after_step` on those only."""
         self._was_enabled = False
 
     def __enter__(self) -> GarbageCollection:
-        if self._every_n_steps is not None:
+        if self.schedule.is_set:
             self._was_enabled = gc.isenabled()
             gc.disable()
         return self
@@ -33,9 +33,9 @@ class GarbageCollection:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._every_n_steps is not None and self._was_enabled:
+        if self.schedule.is_set and self._was_enabled:
             gc.enable()
 
     def after_step(self, step_nr: int) -> None:
-        if self._every_n_steps is not None and step_nr % self._every_n_steps == 0:
+        if self.schedule.due_after_step(step_nr):
             gc.collect()

@@ -107,9 +107,9 @@ class Gradients:
 
     def __init__(self, model: Module) -> None:
         self._model = model
-        self._groups: list[list[torch.nn.Parameter]] | None = None
-        self._plain: list[bool] = []
-        self._fused: list[bool] = []
+        # Each group's parameters, whether the group is plain, and whether its local tensors
+        # take the fused unscale kernel: found on the first step.
+        self._groups: list[tuple[list[torch.nn.Parameter], bool, bool]] | None = None
         self._device: torch.device | None = None
         self._non_finite: Tensor | None = None
         self._inverse: Tensor | None = None
@@ -119,12 +119,13 @@ class Gradients:
         """Each group's gradients (groups without any left out), whether the group is plain, and
         whether its local tensors take the fused unscale kernel."""
         if self._groups is None:
-            self._groups = _parameter_groups(self._model)
-            self._plain = [_is_plain(group) for group in self._groups]
-            self._device = _local(self._groups[0][0]).device if self._groups else None
-            self._fused = [_is_fusable(group, self._device) for group in self._groups]
+            groups = _parameter_groups(self._model)
+            self._device = _local(groups[0][0]).device if groups else None
+            self._groups = [
+                (group, _is_plain(group), _is_fusable(group, self._device)) for group in groups
+            ]
         grouped = []
-        for group, plain, fused in zip(self._groups, self._plain, self._fused, strict=True):
+        for group, plain, fused in self._groups:
             grads = [grad for p in group if (grad := p.grad) is not None]
             if grads:
                 grouped.append((grads, plain, fused))

@@ -9,6 +9,7 @@ stopped is one value, ``state.stop_reason``.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from typing import Any, Generic, TypeVar, final
 from checkpoint import CheckpointLayoutError
 from gangs import Gangs
 from runtime.arguments import check_positive
-from runtime.callbacks import TrainerCallback
+from runtime.callbacks import CallbackList, overrides
 from runtime.checkpointer import Checkpointer
 from runtime.data import DataReader
 from runtime.errors import TrainerError
@@ -60,7 +61,7 @@ class Observers:
     """Who watches the loop: the callbacks, the metric recorder, the progress display, the
     profiler."""
 
-    callbacks: TrainerCallback
+    callbacks: CallbackList
     recorder: MetricRecorder
     progress: ProgressDisplay
     profiler: TorchProfiler | None = None
@@ -108,6 +109,11 @@ class TrainLoop(Generic[BatchT]):
         self._gangs = gangs
         self._seed = seed
         self._callbacks = observers.callbacks
+        # What runs after every step: only the callbacks that do something then, and the
+        # progress display if it shows one.
+        self._step_end_hooks = list(observers.callbacks.step_end_hooks)
+        if overrides(observers.progress, ProgressDisplay, "advance"):
+            self._step_end_hooks.insert(0, observers.progress.advance)
         self._recorder = observers.recorder
         self.stop_signals = StopSignals()
         self._profiler = observers.profiler
@@ -171,23 +177,24 @@ class TrainLoop(Generic[BatchT]):
         self._run_start = time.perf_counter()
         self._metrics.restart_clock()
         max_steps = self.limits.max_num_steps
+        if max_steps is not None and state.step_nr >= max_steps:
+            state.stop_reason = StopReason.MAX_NUM_STEPS
+        # The next step after which something falls due: between two such steps, a step only
+        # compares its number with this one.
+        due_step = self._next_due_step()
         with self._garbage_collection:
             while state.stop_reason is None:
-                if max_steps is not None and state.step_nr >= max_steps:
-                    state.stop_reason = StopReason.MAX_NUM_STEPS
-                    break
                 batches = self._read_step()
                 if batches is None:
                     self._end_data_epoch()
                     continue
-                step_nr = state.step_nr + 1
-                publish = self._schedules.publish.due_after_step(step_nr)
-                validate = self._schedules.validate.due_after_step(step_nr)
-                # The gradient norm is measured where it is published: on the publishing steps,
-                # and on those after which the run may end (the end publishes what is left).
-                measure_grad_norm = publish or validate or step_nr == max_steps
-                stop_requested = self._take_step(batches, measure_grad_norm=measure_grad_norm)
-                self._after_step(stop_requested=stop_requested, publish=publish, validate=validate)
+                due = state.step_nr + 1 >= due_step
+                stop_requested = self._take_step(
+                    batches, measure_grad_norm=due and self._measures_grad_norm(state.step_nr + 1)
+                )
+                if due or stop_requested:
+                    self._after_step(stop_requested=stop_requested)
+                    due_step = self._next_due_step()
 
         if state.stop_reason is StopReason.PREEMPTED:
             # The unpublished metric window is in the checkpoint, so after the resume the
@@ -195,6 +202,36 @@ class TrainLoop(Generic[BatchT]):
             log.warning("Stopped at step %d as requested by a signal.", state.step_nr)
         else:
             self._finish()
+
+    def _next_due_step(self) -> int:
+        """The first step after this one that a schedule, garbage collection, the profiler or the
+        step limit needs :meth:`_after_step` after (``sys.maxsize`` if none does)."""
+        step_nr = self.state.step_nr
+        if self._profiler is not None:
+            return step_nr + 1
+        schedules = self._schedules
+        due_steps = [
+            schedule.next_step_due(step_nr)
+            for schedule in (
+                schedules.publish,
+                schedules.validate,
+                schedules.checkpoint,
+                self._garbage_collection.schedule,
+            )
+        ]
+        due_steps.append(self.limits.max_num_steps)
+        return min((due for due in due_steps if due is not None), default=sys.maxsize)
+
+    def _measures_grad_norm(self, step_nr: int) -> bool:
+        """Whether step ``step_nr`` measures the gradient norm: where it is published, on the
+        publishing steps and on those after which the run may end (the end publishes what is
+        left)."""
+        schedules = self._schedules
+        return (
+            schedules.publish.due_after_step(step_nr)
+            or schedules.validate.due_after_step(step_nr)
+            or step_nr == self.limits.max_num_steps
+        )
 
     def finish_pending_save(self) -> None:
         """Commit an asynchronous save still in flight (every rank must call it)."""
@@ -227,25 +264,29 @@ class TrainLoop(Generic[BatchT]):
             stop_requested=self.stop_signals.requested,
             measure_grad_norm=measure_grad_norm,
         )
-        self._metrics.add_step(step_nr, output)
-        self.observers.progress.advance(step_nr)
-        self._garbage_collection.after_step(step_nr)
-        self._callbacks.on_step_end(step_nr=step_nr)
+        self._metrics.add_step(output)
+        for hook in self._step_end_hooks:
+            hook(step_nr=step_nr)
         return output.stop_requested
 
-    def _after_step(self, *, stop_requested: bool, publish: bool, validate: bool) -> None:
+    def _after_step(self, *, stop_requested: bool) -> None:
+        """Collect, publish, validate and checkpoint where due, and decide whether to stop."""
         state, schedules = self.state, self._schedules
-        if publish:
+        step_nr = state.step_nr
+        self._garbage_collection.after_step(step_nr)
+        if schedules.publish.due_after_step(step_nr):
             self._publish_train_metrics()
-        early_stop = validate and self._validator.validate(state.step_nr)
+        early_stop = schedules.validate.due_after_step(step_nr) and self._validator.validate(
+            step_nr
+        )
         # Known before the save, so a checkpoint of the last step says the run is over.
         if early_stop:
             state.stop_reason = StopReason.EARLY_STOP
-        elif state.step_nr == self.limits.max_num_steps:
+        elif step_nr == self.limits.max_num_steps:
             state.stop_reason = StopReason.MAX_NUM_STEPS
         elif stop_requested:
             state.stop_reason = StopReason.PREEMPTED
-        if schedules.checkpoint.due_after_step(state.step_nr) or stop_requested:
+        if schedules.checkpoint.due_after_step(step_nr) or stop_requested:
             self._save_checkpoint()
         # A profiled step holds its own validation and checkpoint.
         if self._profiler is not None:

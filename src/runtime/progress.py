@@ -18,14 +18,14 @@ if TYPE_CHECKING:
 class ProgressDisplay:
     """Shows the step and the latest published values; the default shows nothing.
 
-    ``advance`` runs once per step, so it must not read device values: the Trainer passes values
-    only at publish time, when they are on the host anyway.
+    ``advance`` runs once per step (when a subclass overrides it), so it must not read device
+    values: the Trainer passes values only at publish time, when they are on the host anyway.
     """
 
     def start(self, *, total_steps: int | None, initial_step: int) -> None:
         pass
 
-    def advance(self, step_nr: int) -> None:
+    def advance(self, *, step_nr: int) -> None:
         pass
 
     def update_values(self, values: Mapping[str, float]) -> None:
@@ -67,7 +67,7 @@ class RichProgressDisplay(ProgressDisplay):
             "train", total=total_steps, completed=initial_step, values=""
         )
 
-    def advance(self, step_nr: int) -> None:
+    def advance(self, *, step_nr: int) -> None:
         if self._task is not None:
             self._progress.update(self._task, completed=step_nr)
 

@@ -36,6 +36,13 @@ class Schedule:
         every = self.every_n_steps
         return every is not None and step_nr > self.after_n_steps and step_nr % every == 0
 
+    def next_step_due(self, step_nr: int) -> int | None:
+        """The first step after ``step_nr`` that this schedule is due after, None if none is."""
+        every = self.every_n_steps
+        if every is None:
+            return None
+        return (max(step_nr, self.after_n_steps) // every + 1) * every
+
     def due_after_data_epoch(self, data_epoch_nr: int) -> bool:
         every = self.every_n_data_epochs
         return every is not None and data_epoch_nr % every == 0

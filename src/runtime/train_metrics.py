@@ -112,7 +112,7 @@ class TrainMetrics:
         # The window's steps since the last check, as they came. A step only appends its
         # output; a check (at a publish or a checkpoint) folds them into the carried sums, so
         # the list holds no step past the next checkpoint, even in a run that never publishes.
-        self._steps: list[tuple[int, StepOutput]] = []
+        self._steps: list[StepOutput] = []
         self._data_wait_time = 0.0
         self.restart_clock()
 
@@ -124,9 +124,8 @@ class TrainMetrics:
         """The steps in the window, not published yet."""
         return self._carried_counts.num_steps + len(self._steps)
 
-    def add_step(self, step_nr: int, output: StepOutput) -> None:
-        self._steps.append((step_nr, output))
-        self._gradient_flag = output.non_finite_gradients
+    def add_step(self, output: StepOutput) -> None:
+        self._steps.append(output)
 
     def add_data_wait(self, seconds: float) -> None:
         self._data_wait_time += seconds
@@ -137,14 +136,16 @@ class TrainMetrics:
         steps = self._steps
         # A skipped step's non-finite values were dealt with when it was skipped.
         losses = [
-            (step_nr, loss) for step_nr, output in steps if output.applied for loss in output.losses
+            (output.step_nr, loss) for output in steps if output.applied for loss in output.losses
         ]
-        # The flag stays set once a gradient was not finite; only steps since the last check
-        # can have set it unseen.
+        # The flag is one tensor for the run, and stays set once a gradient was not finite; only
+        # steps since the last check can have set it unseen.
+        if steps:
+            self._gradient_flag = steps[-1].non_finite_gradients
         self._guard.raise_if_non_finite(
             losses=losses,
             gradient_flag=self._gradient_flag,
-            unchecked_steps=(steps[0][0], steps[-1][0]) if steps else None,
+            unchecked_steps=(steps[0].step_nr, steps[-1].step_nr) if steps else None,
         )
         # The same additions in the same order as summing the whole window at its end, so a
         # fold changes no bit of what is published.
@@ -199,7 +200,7 @@ class TrainMetrics:
         # Step by step, as the steps came: the sums do not depend on where a resume split them.
         loss_sum = self._carried_loss_sum.to(self._device)
         grad_norm_sum = self._carried_grad_norm_sum.to(self._device)
-        for _, output in self._steps:
+        for output in self._steps:
             for loss in output.losses:
                 loss_sum = loss_sum + loss
             if output.grad_norm is not None:
@@ -215,7 +216,7 @@ class TrainMetrics:
             carried.num_examples,
         )
         skipped, grad_norms = carried.num_skipped_steps, carried.num_grad_norms
-        for _, output in self._steps:
+        for output in self._steps:
             local_targets += output.num_targets
             targets += output.total_targets
             examples += output.total_examples

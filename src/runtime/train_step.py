@@ -16,6 +16,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from gangs import Gangs
 from runtime.arguments import check_positive
+from runtime.callbacks import overrides
 from runtime.errors import TrainerError
 from runtime.gradients import Gradients, gradient_sync_switch
 from runtime.loss_scale import LossScaler
@@ -39,6 +40,8 @@ class StepOutput(NamedTuple):
     each field through ``object.__setattr__``.
     """
 
+    step_nr: int
+    """The number of the step."""
     losses: list[Tensor]
     """This rank's summed loss of each micro-batch."""
     num_targets: int
@@ -101,6 +104,10 @@ class TrainStep(Generic[BatchT]):
     ) -> None:
         check_positive("max_gradient_norm", max_gradient_norm)
         self._unit = unit
+        # Most units do not override the hook, and their steps skip the call.
+        self._set_unit_step_nr = (
+            unit.set_step_nr if overrides(unit, TrainUnit, "set_step_nr") else None
+        )
         self._model = unit.model
         self._optimizer = optimizer
         self._lr_scheduler = lr_scheduler
@@ -154,7 +161,8 @@ class TrainStep(Generic[BatchT]):
         A method rather than ``__call__``: a call of an instance with keywords builds a dict of
         them every time.
         """
-        self._unit.set_step_nr(step_nr)
+        if self._set_unit_step_nr is not None:
+            self._set_unit_step_nr(step_nr)
         may_skip = self._may_skip
         if may_skip:
             self._unit.metric_bag.begin_updates()
@@ -170,7 +178,9 @@ class TrainStep(Generic[BatchT]):
                 "loss cannot be normalized. Check that the data yields non-empty targets."
             )
 
-        non_finite, grad_norm = self._normalize(total_targets, measure_grad_norm or may_skip)
+        non_finite, grad_norm = self._normalize(
+            total_targets * loss_scale, measure_grad_norm or may_skip
+        )
         applied = True
         if may_skip:
             assert grad_norm is not None
@@ -193,6 +203,7 @@ class TrainStep(Generic[BatchT]):
         # By position, in the order of the fields: a class called with keywords gets them as a
         # dict, built every step.
         return StepOutput(
+            step_nr,
             losses,
             num_targets,
             total_targets,
@@ -220,8 +231,10 @@ class TrainStep(Generic[BatchT]):
             for index, batch in enumerate(batches):
                 if switch_sync is not None:
                     switch_sync(index == last)
-                loss, batch_targets = _check_unit_output(self._forward(batch), step_nr)
-                counted_targets = _check_target_count(batch_targets, counted_targets, step_nr)
+                loss, batch_targets = _check_unit_output(
+                    self._forward(batch), step_nr, counted_targets
+                )
+                counted_targets = batch_targets is not None
                 losses.append(loss.detach())
                 num_targets += 1 if batch_targets is None else batch_targets
                 num_examples += _num_examples(batch)
@@ -241,15 +254,14 @@ class TrainStep(Generic[BatchT]):
         return losses, num_targets, loss
 
     def _normalize_gradients(
-        self, total_targets: float, measure_grad_norm: bool
+        self, scaled_total_targets: float, measure_grad_norm: bool
     ) -> tuple[Tensor | None, Tensor | None]:
-        """Normalize, and clip with ``max_gradient_norm``; return the non-finite flag and the
-        gradient norm, measured when ``measure_grad_norm`` or clipping."""
+        """Normalize (dividing by the targets of the step times the loss scale), and clip with
+        ``max_gradient_norm``; return the non-finite flag and the gradient norm, measured when
+        ``measure_grad_norm`` or clipping."""
         # DDP and FSDP average gradients over the DP gang; this turns the average of per-rank
         # sums into the sum over all targets divided by their count.
-        non_finite = self._gradients.normalize(
-            self._dp_size / (total_targets * self._loss_scaler.scale)
-        )
+        non_finite = self._gradients.normalize(self._dp_size / scaled_total_targets)
         max_norm = self._max_gradient_norm
         if not measure_grad_norm and max_norm is None:
             return non_finite, None
@@ -333,8 +345,14 @@ def _in_autocast(
     return forward_in_autocast
 
 
-def _check_unit_output(output: object, step_nr: int) -> tuple[Tensor, int | None]:
-    """The unit's ``(loss, num_targets)``, or an error that names the step and the fix."""
+def _check_unit_output(
+    output: object, step_nr: int, counted_targets: bool | None
+) -> tuple[Tensor, int | None]:
+    """The unit's ``(loss, num_targets)``, or an error that names the step and the fix.
+
+    ``counted_targets`` says whether the unit returned a target count for the step's micro-batches
+    before this one (None for the first): it must not change its mind within a step.
+    """
     fix = (
         "A TrainUnit returns (loss, num_targets): the loss summed over the batch's targets as a "
         "0-dim tensor that depends on the model, and their count as an int (None if the loss "
@@ -358,35 +376,38 @@ def _check_unit_output(output: object, step_nr: int) -> tuple[Tensor, int | None
             "model's parameters (computed under torch.no_grad() or inference_mode, or detached, "
             "or the model's parameters do not require grad)."
         )
-    if num_targets is not None and (
+    if num_targets is None:
+        if counted_targets:
+            raise _changed_its_mind(step_nr)
+        return loss, None
+    # A plain int passes on the first test; bool is an int, but True is no count.
+    if type(num_targets) is not int and (
         not isinstance(num_targets, int) or isinstance(num_targets, bool)
     ):
         raise TrainerError(
             f"The unit returned a target count of {_describe(num_targets)} at step {step_nr}; it "
             "must be an int (for a tensor, .numel() of the targets, or int(mask.sum()))."
         )
+    if num_targets < 0:
+        raise TrainerError(
+            f"The unit returned {num_targets} targets at step {step_nr}; a count must be zero or "
+            "more."
+        )
+    if counted_targets is False:
+        raise _changed_its_mind(step_nr)
     return loss, num_targets
+
+
+def _changed_its_mind(step_nr: int) -> TrainerError:
+    return TrainerError(
+        f"The unit returned a target count for some micro-batches of step {step_nr} and None for "
+        "others. Return one or the other for every batch."
+    )
 
 
 def _describe(value: object) -> str:
     text = repr(value)
     return f"{text[:60]}{'...' if len(text) > 60 else ''} ({type(value).__name__})"
-
-
-def _check_target_count(batch_targets: object, counted_targets: bool | None, step_nr: int) -> bool:
-    """Whether the unit counts targets; an error if it changed its mind or counted below zero."""
-    counts = batch_targets is not None
-    if counted_targets is not None and counted_targets != counts:
-        raise TrainerError(
-            f"The unit returned a target count for some micro-batches of step {step_nr} "
-            "and None for others. Return one or the other for every batch."
-        )
-    if isinstance(batch_targets, int) and batch_targets < 0:
-        raise TrainerError(
-            f"The unit returned {batch_targets} targets at step {step_nr}; a count must "
-            "be zero or more."
-        )
-    return counts
 
 
 def _num_examples(batch: object) -> int:
@@ -397,28 +418,24 @@ def _num_examples(batch: object) -> int:
     size = getattr(batch, "batch_size", None)
     if isinstance(size, int):
         return size
-    shared = None
+    fields: Iterable[object] = ()
     # list and tuple first: an isinstance check against the Mapping ABC runs Python code.
     if isinstance(batch, (list, tuple)):
-        shared = _shared_first_dim(batch)
+        fields = batch
     elif isinstance(batch, Mapping):
-        shared = _shared_first_dim(batch.values())
-    if shared is not None:
-        return shared
-    try:
-        return len(batch)  # type: ignore[arg-type]
-    except TypeError:
-        return 0
-
-
-def _shared_first_dim(fields: Iterable[object]) -> int | None:
-    """The first dimension the tensors among ``fields`` share, or None if they do not."""
+        fields = batch.values()
     shared: int | None = None
     for field in fields:
         # One read of .shape, the cheapest of torch's ways to a tensor's first dimension.
         shape = field.shape if isinstance(field, Tensor) else None
         if shape:
             if shared is not None and shape[0] != shared:
-                return None
+                shared = None
+                break
             shared = shape[0]
-    return shared
+    if shared is not None:
+        return shared
+    try:
+        return len(batch)  # type: ignore[arg-type]
+    except TypeError:
+        return 0

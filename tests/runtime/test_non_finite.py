@@ -276,3 +276,24 @@ def test_a_unit_that_breaks_the_contract_gets_a_clear_error(
     trainer = make_toy_trainer(tmp_path, unit=BrokenUnit(make), max_num_steps=3)
     with pytest.raises(TrainerError, match=message):
         trainer.run()
+
+
+class FickleUnit(PoisonedToyUnit):
+    """Returns a target count for the first micro-batch of step 2 and None for the second."""
+
+    def __init__(self) -> None:
+        super().__init__(ToyModel(), poison=1.0, steps=[], rank=0, my_rank=0)
+        self._calls = 0
+
+    def __call__(self, batch: Any) -> Any:
+        loss, num_targets = super().__call__(batch)
+        self._calls += 1
+        return (loss, None) if self._step_nr == 2 and self._calls % 2 == 0 else (loss, num_targets)
+
+
+def test_a_unit_that_counts_targets_for_only_some_micro_batches_gets_a_clear_error(
+    tmp_path: Path,
+) -> None:
+    trainer = make_toy_trainer(tmp_path, unit=FickleUnit(), num_accumulate=2, max_num_steps=3)
+    with pytest.raises(TrainerError, match=r"for some micro-batches of step 2 and None for others"):
+        trainer.run()

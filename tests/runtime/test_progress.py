@@ -15,7 +15,7 @@ def test_rich_display_shows_the_step_and_the_published_values() -> None:
     out = io.StringIO()
     display = RichProgressDisplay(Console(file=out, force_terminal=True, width=120))
     display.start(total_steps=100, initial_step=40)
-    display.advance(50)
+    display.advance(step_nr=50)
     display.update_values({"loss": 2.3456, "lr": 0.001})
     display.close()
     text = out.getvalue()
@@ -28,7 +28,7 @@ def test_without_a_terminal_the_display_is_silent(capsys: pytest.CaptureFixture[
     display = make_progress_display(enabled=True)
     assert type(display) is ProgressDisplay
     display.start(total_steps=10, initial_step=0)
-    display.advance(1)
+    display.advance(step_nr=1)
     display.close()
     assert capsys.readouterr().err == ""
 

@@ -21,6 +21,16 @@ def test_every_n_steps_after_m() -> None:
     assert due_steps(Schedule("validate", every_n_steps=5, after_n_steps=5)) == [10, 15, 20]
 
 
+@pytest.mark.parametrize(("every", "after"), list(itertools.product([1, 3, 5], [0, 2, 5, 7])))
+def test_the_next_step_due_is_the_first_due_after_a_step(every: int, after: int) -> None:
+    # The loop compares each step with this one number instead of asking every schedule.
+    schedule = Schedule("validate", every_n_steps=every, after_n_steps=after)
+    for step in range(0, 30):
+        first_due = next(s for s in itertools.count(step + 1) if schedule.due_after_step(s))
+        assert schedule.next_step_due(step) == first_due
+    assert Schedule("validate", every_n_data_epochs=2).next_step_due(4) is None
+
+
 def test_every_n_data_epochs() -> None:
     schedule = Schedule("checkpoint", every_n_data_epochs=3)
     assert [e for e in range(1, 10) if schedule.due_after_data_epoch(e)] == [3, 6, 9]
