@@ -18,7 +18,8 @@ from runtime.schedule import Schedule
 class GarbageCollection:
     def __init__(self, every_n_steps: int | None) -> None:
         self.schedule = Schedule("gc", every_n_steps=every_n_steps)
-        """The steps to collect after; the loop calls :meth:`after_step` on those only."""
+        """The steps to collect after: the loop looks ahead to them, and :meth:`after_step`
+        collects on them."""
         self._was_enabled = False
 
     def __enter__(self) -> GarbageCollection:

@@ -204,8 +204,9 @@ class TrainLoop(Generic[BatchT]):
             self._finish()
 
     def _next_due_step(self) -> int:
-        """The first step after this one that a schedule, garbage collection, the profiler or the
-        step limit needs :meth:`_after_step` after (``sys.maxsize`` if none does)."""
+        """The next step after which :meth:`_after_step` has work: the first that a schedule,
+        garbage collection or the step limit falls due after; with a profiler, every step
+        (``sys.maxsize`` when nothing ever falls due)."""
         step_nr = self.state.step_nr
         if self._profiler is not None:
             return step_nr + 1
@@ -223,9 +224,9 @@ class TrainLoop(Generic[BatchT]):
         return min((due for due in due_steps if due is not None), default=sys.maxsize)
 
     def _measures_grad_norm(self, step_nr: int) -> bool:
-        """Whether step ``step_nr`` measures the gradient norm: where it is published, on the
-        publishing steps and on those after which the run may end (the end publishes what is
-        left)."""
+        """Whether step ``step_nr`` measures the gradient norm: where it is published, that is
+        on the publishing steps and on those after which the run may end (a validation may stop
+        it early, and the end publishes what is left)."""
         schedules = self._schedules
         return (
             schedules.publish.due_after_step(step_nr)

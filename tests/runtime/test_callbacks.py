@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from runtime import PREEMPTED_EXIT_CODE, PatienceEarlyStopper, TrainerCallback
+from runtime.callbacks import CallbackList
 from tests.conftest import read_jsonl
 from tests.runtime.test_validation import make_trainer, scripted
 
@@ -189,3 +190,24 @@ def test_preemption_skips_train_end_and_a_resume_begins_at_the_saved_step(tmp_pa
     third = CallRecorder()
     assert make_trainer(tmp_path, callbacks=[third], **kwargs).run() == 0
     assert third.calls == []
+
+
+class StepCounter(TrainerCallback):
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_step_end(self, *, step_nr: int) -> None:
+        self.steps.append(step_nr)
+
+
+class OnlyTrainEnd(TrainerCallback):
+    def on_train_end(self, *, step_nr: int) -> None:
+        pass
+
+
+def test_a_step_calls_only_the_callbacks_that_override_on_step_end() -> None:
+    counter, quiet = StepCounter(), OnlyTrainEnd()
+    callbacks = CallbackList([quiet, counter, OnlyTrainEnd()])
+    assert callbacks.step_end_hooks == [counter.on_step_end]
+    callbacks.on_step_end(step_nr=3)
+    assert counter.steps == [3]
