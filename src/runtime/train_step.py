@@ -418,24 +418,28 @@ def _num_examples(batch: object) -> int:
     size = getattr(batch, "batch_size", None)
     if isinstance(size, int):
         return size
-    fields: Iterable[object] = ()
+    shared = None
     # list and tuple first: an isinstance check against the Mapping ABC runs Python code.
     if isinstance(batch, (list, tuple)):
-        fields = batch
+        shared = _shared_first_dim(batch)
     elif isinstance(batch, Mapping):
-        fields = batch.values()
-    shared: int | None = None
-    for field in fields:
-        # One read of .shape, the cheapest of torch's ways to a tensor's first dimension.
-        shape = field.shape if isinstance(field, Tensor) else None
-        if shape:
-            if shared is not None and shape[0] != shared:
-                shared = None
-                break
-            shared = shape[0]
+        shared = _shared_first_dim(batch.values())
     if shared is not None:
         return shared
     try:
         return len(batch)  # type: ignore[arg-type]
     except TypeError:
         return 0
+
+
+def _shared_first_dim(fields: Iterable[object]) -> int | None:
+    """The first dimension the tensors among ``fields`` share, or None if they do not."""
+    shared: int | None = None
+    for field in fields:
+        # One read of .shape, the cheapest of torch's ways to a tensor's first dimension.
+        shape = field.shape if isinstance(field, Tensor) else None
+        if shape:
+            if shared is not None and shape[0] != shared:
+                return None
+            shared = shape[0]
+    return shared
