@@ -1,7 +1,8 @@
-"""One process of the paired W1 case: the Trainer and the hand-written loop take turns, a block
-of steps each.
+"""One process of the paired cases: the Trainer and the hand-written loop take turns, a block of
+steps each (W1 in one process; W3 under ``torchrun``, where every rank takes the same turns and
+the hand-written loop is DDP on the same process group).
 
-``python -m benchmarks.paired_worker [--quick] [--block-size N]``. Prints
+``python -m benchmarks.paired_worker [--quick] [--block-size N]``. Rank 0 prints
 ``BENCH_RESULT {"trainer_step_s": ..., "hand_step_s": ..., "extra_s": ..., "ratio": ...}``: over
 the blocks after warm-up, the medians of the Trainer's time per step, of the hand-written
 loop's, of their difference and of their ratio. Each Trainer block is compared with the mean of
@@ -25,11 +26,13 @@ import time
 from typing import final
 
 import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.loops.hand_loop import hand_step
+from benchmarks.loops.hand_loop import hand_step, slice_start
 from benchmarks.loops.registry import LoopOptions
 from benchmarks.loops.trainer_loop import make_trainer
-from benchmarks.probe import emit, exit_now, use_one_thread
+from benchmarks.probe import emit, exit_now, rank, use_one_thread, world_size
 from benchmarks.workloads import Workload, make_workload
 from runtime import TrainerCallback
 
@@ -37,18 +40,24 @@ from runtime import TrainerCallback
 @final
 class BlockTurns(TrainerCallback):
     """After every ``block_size``-th Trainer step, takes ``block_size`` hand-written steps (its
-    own model and optimizer); records each block's time per step."""
+    own model and optimizer, under DDP on several ranks); records each block's time per step."""
 
     def __init__(self, workload: Workload, *, block_size: int) -> None:
         self._workload = workload
         self._block_size = block_size
-        self._model = workload.make_model()
+        self._num_ranks, self._rank = world_size(), rank()
+        self._model: nn.Module = workload.make_model()
         self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=workload.lr)
-        self._steps_per_epoch = workload.num_examples() // workload.batch_size
         self._hand_step_nr = 0
         self._trainer_start: float | None = None
         self.trainer_blocks: list[float] = []
         self.hand_blocks: list[float] = []
+
+    def on_train_begin(self, *, step_nr: int) -> None:
+        # The Trainer has made the process group by now. Wrapping broadcasts rank 0's weights,
+        # and every rank gets here at the same point.
+        if self._num_ranks > 1:
+            self._model = DistributedDataParallel(self._model)
 
     def on_step_end(self, *, step_nr: int) -> None:
         if step_nr % self._block_size != 0:
@@ -56,9 +65,10 @@ class BlockTurns(TrainerCallback):
         trainer_end = time.perf_counter()
         if self._trainer_start is not None:
             self.trainer_blocks.append((trainer_end - self._trainer_start) / self._block_size)
-        batch_size = self._workload.batch_size
         for _ in range(self._block_size):
-            start = (self._hand_step_nr % self._steps_per_epoch) * batch_size
+            start = slice_start(
+                self._workload, self._hand_step_nr, num_ranks=self._num_ranks, rank=self._rank
+            )
             hand_step(self._workload, self._model, self._optimizer, start)
             self._hand_step_nr += 1
         self._trainer_start = time.perf_counter()

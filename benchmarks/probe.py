@@ -38,6 +38,10 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def peak_rss_bytes() -> float:
     # Linux reports kilobytes, macOS bytes.
     scale = 1 if sys.platform == "darwin" else 1024

@@ -20,6 +20,7 @@ from benchmarks.cases import (
     w1_paired,
     w2_lm,
     w3_ddp,
+    w3_paired,
 )
 from benchmarks.cases.base import SuiteSettings
 
@@ -29,6 +30,7 @@ CASES: tuple[ModuleType, ...] = (
     w1_instructions,
     w2_lm,
     w3_ddp,
+    w3_paired,
     data_bound,
     checkpoint,
     imports,

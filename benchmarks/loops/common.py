@@ -1,22 +1,13 @@
-"""Pieces several loops share: the world they run in and endless batches."""
+"""Pieces several loops share: the frameworks' data loader and endless batches."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from torch.utils.data import DataLoader, DistributedSampler
 
 from benchmarks.workloads import Workload
-
-
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
 
 
 def make_data_loader(workload: Workload, *, shard: bool) -> DataLoader[Any]:

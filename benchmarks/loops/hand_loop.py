@@ -8,9 +8,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from benchmarks.loops.common import rank, world_size
 from benchmarks.loops.registry import LoopOptions
-from benchmarks.probe import StepTimer
+from benchmarks.probe import StepTimer, rank, world_size
 from benchmarks.workloads import StepPlan, Workload
 
 
@@ -23,13 +22,19 @@ def run(workload: Workload, plan: StepPlan, options: LoopOptions) -> float:
         model = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr)
     timer = StepTimer(num_warmup=plan.num_warmup, num_steps=plan.num_steps)
-    batch_size = workload.batch_size
-    steps_per_epoch = workload.num_examples() // (batch_size * num_ranks)
     for step_nr in range(plan.num_steps):
-        start = ((step_nr % steps_per_epoch) * num_ranks + my_rank) * batch_size
+        start = slice_start(workload, step_nr, num_ranks=num_ranks, rank=my_rank)
         hand_step(workload, model, optimizer, start)
         timer.step_end()
     return timer.seconds_per_step()
+
+
+def slice_start(workload: Workload, step_nr: int, *, num_ranks: int, rank: int) -> int:
+    """The first example of this rank's batch of step ``step_nr`` (counted from 0): the ranks
+    take consecutive batches, and an epoch ends where the data runs out for all of them."""
+    batch_size = workload.batch_size
+    steps_per_epoch = workload.num_examples() // (batch_size * num_ranks)
+    return ((step_nr % steps_per_epoch) * num_ranks + rank) * batch_size
 
 
 def hand_step(workload: Workload, model: nn.Module, optimizer: Optimizer, start: int) -> None:

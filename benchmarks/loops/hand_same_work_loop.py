@@ -16,9 +16,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
-from benchmarks.loops.common import world_size
 from benchmarks.loops.registry import LoopOptions
-from benchmarks.probe import StepTimer
+from benchmarks.probe import StepTimer, world_size
 from benchmarks.workloads import StepPlan, Workload
 
 

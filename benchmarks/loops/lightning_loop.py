@@ -8,9 +8,9 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from benchmarks.loops.common import make_data_loader, world_size
+from benchmarks.loops.common import make_data_loader
 from benchmarks.loops.registry import LoopOptions
-from benchmarks.probe import StepTimer
+from benchmarks.probe import StepTimer, world_size
 from benchmarks.workloads import StepPlan, Workload
 
 

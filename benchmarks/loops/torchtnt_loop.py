@@ -14,9 +14,9 @@ from torchtnt.framework.train import train
 from torchtnt.framework.unit import TTrainUnit
 from torchtnt.utils.prepare_module import DDPStrategy
 
-from benchmarks.loops.common import make_data_loader, world_size
+from benchmarks.loops.common import make_data_loader
 from benchmarks.loops.registry import LoopOptions
-from benchmarks.probe import StepTimer
+from benchmarks.probe import StepTimer, world_size
 from benchmarks.workloads import StepPlan, Workload
 
 

@@ -1,0 +1,20 @@
+"""W3 paired: the Trainer's cost over the hand-written DDP loop on 2 ranks, taking turns."""
+
+from __future__ import annotations
+
+from benchmarks.cases.base import SuiteSettings
+from benchmarks.cases.w1_paired import paired_comparison
+from benchmarks.runner import Comparison
+
+KEY = "W3-paired"
+
+
+def comparisons(settings: SuiteSettings) -> list[Comparison]:
+    return [
+        paired_comparison(
+            key=KEY,
+            title="W3, the Trainer and the hand-written DDP loop taking turns on 2 ranks",
+            settings=settings,
+            nproc=2,
+        )
+    ]
