@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.loops.hand_loop import hand_step, slice_start
+from benchmarks.loops.hand_loop import hand_step, slice_starts
 from benchmarks.loops.registry import LoopOptions
 from benchmarks.loops.trainer_loop import make_trainer
 from benchmarks.probe import emit, exit_now, rank, use_one_thread, world_size
@@ -45,10 +45,10 @@ class BlockTurns(TrainerCallback):
     def __init__(self, workload: Workload, *, block_size: int) -> None:
         self._workload = workload
         self._block_size = block_size
-        self._num_ranks, self._rank = world_size(), rank()
+        self._num_ranks = world_size()
+        self._starts = slice_starts(workload, num_ranks=self._num_ranks, rank=rank())
         self._model: nn.Module = workload.make_model()
         self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=workload.lr)
-        self._hand_step_nr = 0
         self._trainer_start: float | None = None
         self.trainer_blocks: list[float] = []
         self.hand_blocks: list[float] = []
@@ -66,11 +66,7 @@ class BlockTurns(TrainerCallback):
         if self._trainer_start is not None:
             self.trainer_blocks.append((trainer_end - self._trainer_start) / self._block_size)
         for _ in range(self._block_size):
-            start = slice_start(
-                self._workload, self._hand_step_nr, num_ranks=self._num_ranks, rank=self._rank
-            )
-            hand_step(self._workload, self._model, self._optimizer, start)
-            self._hand_step_nr += 1
+            hand_step(self._workload, self._model, self._optimizer, next(self._starts))
         self._trainer_start = time.perf_counter()
         self.hand_blocks.append((self._trainer_start - trainer_end) / self._block_size)
 

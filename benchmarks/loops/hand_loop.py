@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -22,19 +25,22 @@ def run(workload: Workload, plan: StepPlan, options: LoopOptions) -> float:
         model = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=workload.lr)
     timer = StepTimer(num_warmup=plan.num_warmup, num_steps=plan.num_steps)
-    for step_nr in range(plan.num_steps):
-        start = slice_start(workload, step_nr, num_ranks=num_ranks, rank=my_rank)
-        hand_step(workload, model, optimizer, start)
+    starts = slice_starts(workload, num_ranks=num_ranks, rank=my_rank)
+    for _ in range(plan.num_steps):
+        hand_step(workload, model, optimizer, next(starts))
         timer.step_end()
     return timer.seconds_per_step()
 
 
-def slice_start(workload: Workload, step_nr: int, *, num_ranks: int, rank: int) -> int:
-    """The first example of this rank's batch of step ``step_nr`` (counted from 0): the ranks
-    take consecutive batches, and an epoch ends where the data runs out for all of them."""
+def slice_starts(workload: Workload, *, num_ranks: int, rank: int) -> Iterator[int]:
+    """The first example of this rank's batch of each step, endlessly: the ranks take
+    consecutive batches, and an epoch ends where the data runs out for all of them. Computed
+    ahead, so a step of the baseline pays only for ``next``."""
     batch_size = workload.batch_size
     steps_per_epoch = workload.num_examples() // (batch_size * num_ranks)
-    return ((step_nr % steps_per_epoch) * num_ranks + rank) * batch_size
+    return itertools.cycle(
+        [(step_nr * num_ranks + rank) * batch_size for step_nr in range(steps_per_epoch)]
+    )
 
 
 def hand_step(workload: Workload, model: nn.Module, optimizer: Optimizer, start: int) -> None:
