@@ -1,4 +1,5 @@
-"""What every case gets from the command line, and the step-time contenders several cases share."""
+"""What every case gets from the command line, and the step-time contenders and the paired
+comparison several cases share."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass
 from typing import final
 
 from benchmarks.loops import LOOPS, missing_requirement
-from benchmarks.runner import Contender, Metric
+from benchmarks.runner import Comparison, Contender, Metric
 
 
 @final
@@ -19,6 +20,7 @@ class SuiteSettings:
 STEP_TIME = Metric("step_time_s", "step time", "s")
 PEAK_RSS = Metric("max_rss_bytes", "peak RSS", "bytes")
 HAND_WRITTEN = LOOPS["hand"].label
+PAIRED = "this project, taking turns with the hand-written loop"
 
 
 def step_contender(
@@ -50,4 +52,42 @@ def all_loops(
     return tuple(
         step_contender(loop, workload, settings, nproc=nproc)
         for loop in ("hand", "lightning", "torchtnt", "accelerate", *also, "trainer")
+    )
+
+
+def paired_comparison(
+    *, key: str, title: str, settings: SuiteSettings, nproc: int = 1
+) -> Comparison:
+    """The Trainer and the hand-written loop taking turns on W1's workload in ``nproc``
+    processes (DDP over gloo when more than one)."""
+    notes = [
+        "The loops alternate in blocks of 50 steps (10 with --quick); each Trainer block is "
+        "compared with the mean of the hand-written blocks before and after it, so each pair "
+        "sees the same moment of the host. Each figure is the median over the blocks of a "
+        "process; the table gives the median of the processes."
+    ]
+    if nproc > 1:
+        notes.append(
+            f"Every one of the {nproc} ranks takes the same turns; the hand-written loop is DDP "
+            "on the Trainer's process group. The figures are rank 0's."
+        )
+    return Comparison(
+        key=key,
+        title=title,
+        baseline=PAIRED,
+        metrics=(
+            Metric("trainer_step_s", "Trainer step", "s", ratio=False),
+            Metric("hand_step_s", "hand-written step", "s", ratio=False),
+            Metric("extra_s", "Trainer step - hand-written step", "s", ratio=False),
+            Metric("ratio", "Trainer step / hand-written step", "ratio", ratio=False),
+        ),
+        contenders=(
+            Contender(
+                name=PAIRED,
+                module="benchmarks.paired_worker",
+                args=("--quick",) if settings.quick else (),
+                nproc=nproc,
+            ),
+        ),
+        notes=tuple(notes),
     )

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.cases.base import SuiteSettings
-from benchmarks.cases.w1_paired import paired_comparison
+from benchmarks.cases.base import SuiteSettings, paired_comparison
 from benchmarks.runner import Comparison
 
 KEY = "W3-paired"

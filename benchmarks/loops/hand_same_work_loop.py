@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
+from benchmarks.loops.hand_loop import slice_starts
 from benchmarks.loops.registry import LoopOptions
 from benchmarks.probe import StepTimer, world_size
 from benchmarks.workloads import StepPlan, Workload
@@ -34,13 +35,13 @@ def run(workload: Workload, plan: StepPlan, options: LoopOptions) -> float:
     order = torch.randperm(workload.num_examples(), generator=torch.Generator().manual_seed(0))
     timer = StepTimer(num_warmup=plan.num_warmup, num_steps=plan.num_steps)
     batch_size = workload.batch_size
-    steps_per_epoch = workload.num_examples() // batch_size
+    starts = slice_starts(workload, num_ranks=1, rank=0)
     window: list[Tensor] = []
     non_finite = torch.zeros(())
     inverse, factor = torch.ones(()), 1.0
     shuffled = [tensor.index_select(0, order) for tensor in dataset.tensors]
-    for step_nr in range(plan.num_steps):
-        start = (step_nr % steps_per_epoch) * batch_size
+    for _ in range(plan.num_steps):
+        start = next(starts)
         batch = [tensor[start : start + batch_size] for tensor in shuffled]
         loss, num_targets = workload.loss(model, batch)
         loss.backward()
