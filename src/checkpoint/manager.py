@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 from collections.abc import Callable, Mapping
+from concurrent.futures import wait
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -197,6 +198,17 @@ class CheckpointManager:
         log.info("Checkpoint of step %d committed to %s.", pending.step_nr, pending.final_dir)
 
     # ----------------------------------------------------------------- listing
+
+    def close(self) -> None:
+        """Let the background writes of an uncommitted save end, then release their groups.
+
+        The save stays uncommitted (a ``.tmp`` directory the next run removes): committing takes
+        every rank, and a rank that closes after an error cannot count on the others.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            wait(pending.uploads)
+        self._storage.close()
 
     def list_checkpoints(self) -> list[CheckpointInfo]:
         """The committed checkpoints (those with a readable manifest), oldest first."""

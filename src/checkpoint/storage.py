@@ -139,6 +139,16 @@ class DcpStorage:
         result.add_done_callback(pass_on)
         return done
 
+    def close(self) -> None:
+        """Destroy the process groups of the background writes; none may be in flight."""
+        import torch.distributed as dist
+
+        groups, self._async_groups = self._async_groups, []
+        if dist.is_initialized():
+            for group in groups:
+                dist.destroy_process_group(group)
+        self._staging.clear()
+
     def _staging_writer(self, writer_nr: int, state: StateDict) -> StagingWriter:
         """The ``writer_nr``-th writer of asynchronous saves, whose staging buffers fit ``state``.
 

@@ -12,6 +12,7 @@ from gangs.gang import (
     ReduceOperation,
     is_collective_timeout,
 )
+from gangs.launch import LaunchBarrier, LaunchRefused
 from gangs.setup import Gangs, default_device, setup_gangs, setup_parallel_gangs, setup_root_gang
 
 __all__ = [
@@ -19,6 +20,8 @@ __all__ = [
     "Gang",
     "GangError",
     "Gangs",
+    "LaunchBarrier",
+    "LaunchRefused",
     "PendingCollective",
     "ProcessGroupGang",
     "ReduceOperation",

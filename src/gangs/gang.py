@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+import signal
+import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from enum import Enum
 from typing import Any, TypeVar, final
@@ -212,7 +215,8 @@ class ProcessGroupGang(Gang):
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         try:
             if not dist.is_initialized():
-                dist.init_process_group(backend, timeout=timeout, device_id=_device_id(device))
+                with _stop_signals_end_the_process():
+                    dist.init_process_group(backend, timeout=timeout, device_id=_device_id(device))
                 # A process that exits with the group alive aborts in the C++ destructor.
                 atexit.register(_destroy_default_group)
         except (RuntimeError, ValueError) as ex:
@@ -408,6 +412,24 @@ def _check_ranks(ranks: Sequence[int], size: int) -> None:
     bad = [r for r in ranks if not 0 <= r < size]
     if bad:
         raise GangError(f"Ranks must be in [0, {size}), but {bad} are not.")
+
+
+@contextlib.contextmanager
+def _stop_signals_end_the_process() -> Iterator[None]:
+    """Give SIGTERM its default action (end the process) while a rank waits in the rendezvous.
+
+    That wait is in C++, where no Python signal handler runs: a rank whose peer never comes
+    (it refused to start, or died) would ignore the launcher's SIGTERM until the launcher kills
+    it. Outside the main thread, where Python cannot change handlers, it does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _destroy_default_group() -> None:

@@ -10,6 +10,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gangs.gang import FakeGang, Gang, GangError, ProcessGroupGang
+from gangs.launch import LaunchBarrier
 
 
 @final
@@ -147,6 +148,11 @@ def setup_root_gang(
         torch.cuda.set_device(device)
     if _int_env("WORLD_SIZE", 1) == 1:
         return FakeGang(device=device)
+    launch = LaunchBarrier.from_environment(timeout)
+    if launch is not None:
+        # A rank that failed before this point is not coming; learn that here, where waiting
+        # is interruptible and the reason is readable, not inside the group's rendezvous.
+        launch.wait("process group", timeout)
     return ProcessGroupGang.init_default(device=device, timeout=timeout)
 
 

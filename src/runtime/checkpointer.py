@@ -69,6 +69,9 @@ class Checkpointer:
         if step_nr is not None:
             self._after_commit(step_nr)
 
+    def close(self) -> None:
+        self._manager.close()
+
     def _after_commit(self, step_nr: int) -> None:
         self._manager.apply_retention(self._retention)
         self._callbacks.on_checkpoint_saved(

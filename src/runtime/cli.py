@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import logging.handlers
 import os
@@ -16,6 +17,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn, Protocol, TypeVar, final
 
@@ -29,7 +31,13 @@ from checkpoint import (
     CheckpointLayoutError,
 )
 from checkpoint.durable import write_text_atomically
-from gangs import GangError, ProcessGroupGang, is_collective_timeout
+from gangs import (
+    GangError,
+    LaunchBarrier,
+    LaunchRefused,
+    ProcessGroupGang,
+    is_collective_timeout,
+)
 from runtime.config import ConfigError, config_changes, dump_config, load_config
 from runtime.init_weights import InitialWeightsError
 from runtime.run_lock import LauncherWatchdog, RunLock, RunLockError
@@ -63,6 +71,10 @@ def main(
     out (one ``error:`` line naming the collective and the step, exit status 1) and a checkpoint
     this config cannot resume from (exit status 2, see below).
 
+    Under ``torchrun`` the ranks meet at a :class:`~gangs.LaunchBarrier` before the recipe runs:
+    when one rank refuses or fails during start-up, every rank of the launch exits within
+    seconds with the same ``error: rank N: ...`` line, and torchrun never has to kill a worker.
+
     Rank 0 holds ``OUTPUT_DIR/run.lock`` while training (see :mod:`runtime.run_lock`): a second
     run on a directory in use exits with status 2 and a message naming the holder, before it
     writes anything. Under ``torchrun`` every worker exits soon after its launcher dies.
@@ -78,7 +90,42 @@ def main(
     as the ``eval`` run (``metrics/eval.jsonl``, ``eval/<name>.jsonl``, ``tb/eval``) with the
     metric names of ``valid``, at the checkpoint's step. A missing checkpoint exits with status 2,
     and ``config.yaml`` is left as the training wrote it.
+
+    Every way out (a finished run, an evaluation, a refusal, an error) closes what the recipe
+    built (``close()`` of its trainer) and then destroys the process groups, while the
+    interpreter is still whole: gloo's threads must not outlive it.
     """
+    launch = LaunchBarrier.from_environment()
+    code = 1
+    try:
+        with contextlib.ExitStack() as stack:
+            # Registered first, so it runs last: after the trainer let go of its groups.
+            stack.callback(_destroy_process_groups)
+            code = _main(recipe, config_class, argv, launch, stack)
+    except _Refusal as ex:
+        if launch is not None:
+            launch.fail(ex.message, exit_code=ex.exit_code)
+        print(f"error: {ex.message}", file=sys.stderr)
+        code = ex.exit_code
+    except LaunchRefused as ex:
+        log.error("Another rank could not start: %s", ex.reason, extra=_FILE_ONLY)
+        print(f"error: {ex.reason}", file=sys.stderr)
+        code = ex.exit_code
+    except BaseException as ex:
+        if launch is not None and not isinstance(ex, SystemExit):
+            launch.fail(f"{type(ex).__name__}: {_one_line(str(ex))}", exit_code=1)
+        raise
+    sys.exit(code)
+
+
+def _main(
+    recipe: Callable[[ConfigT, Path], Runnable],
+    config_class: type[ConfigT],
+    argv: Sequence[str] | None,
+    launch: LaunchBarrier | None,
+    stack: contextlib.ExitStack,
+) -> int:
+    """:func:`main` between the launch barrier and the exit; returns the exit status."""
     args = _make_parser().parse_args(argv)
     try:
         config = load_config(config_class, config_files=args.config_files, overrides=args.config)
@@ -87,7 +134,7 @@ def main(
 
     if args.dump_config:
         sys.stdout.write(dump_config(config))
-        sys.exit(0)
+        return 0
 
     rank = _read_rank()
     output_dir: Path = args.output_dir
@@ -97,60 +144,86 @@ def main(
         _fail(f"The output directory '{output_dir}' cannot be created: {ex}")
 
     logs = _RankLogs(output_dir, rank)
-    finished = False
-    with contextlib.ExitStack() as stack:
-        # A process that exits with its process group alive aborts instead of exiting cleanly;
-        # a run that finished leaves through _leave instead (see there).
-        stack.callback(lambda: None if finished else _destroy_process_group())
-        startup_signals = stack.enter_context(StartupSignals())
-        stack.enter_context(_exit_on_startup_signal())
-        if rank == 0 and args.evaluate is None:
-            stack.enter_context(_claim(output_dir))
-        # Other ranks reach the log files once the recipe built their gangs, so only after rank 0
-        # holds the lock: a refused launch leaves the logs of the run it collided with alone.
-        if rank == 0:
-            logs.attach()
-        if LauncherWatchdog.wanted():
-            watchdog = LauncherWatchdog()
-            watchdog.start()
-            stack.callback(watchdog.stop)
-        run = _Run(config, output_dir, rank, logs)
-        runnable = run.build(recipe)
-        if args.evaluate is not None:
-            _evaluate(runnable, args.evaluate)
-            sys.exit(0)
-        startup_signals.disarm()
-        try:
-            code = run.train(runnable)
-        except BaseException as ex:
-            _let_the_launcher_see_the_vanished_peer(ex)
-            raise
-        log.info("The recipe finished with exit status %s.", code)
-        finished = dist.is_available() and dist.is_initialized()
-        if not finished:
-            sys.exit(code)
-    # The lock is released and the watchdog stopped: the run is over on this rank.
-    _leave(code)
+    startup_signals = stack.enter_context(StartupSignals())
+    stack.enter_context(_exit_on_startup_signal())
+    if rank == 0 and args.evaluate is None:
+        stack.enter_context(_claim(output_dir))
+    if launch is not None:
+        launch.wait("recipe", _LAUNCH_TIMEOUT)
+    # Other ranks reach the log files once the recipe built their gangs, so only after rank 0
+    # holds the lock: a refused launch leaves the logs of the run it collided with alone.
+    if rank == 0:
+        logs.attach()
+    if LauncherWatchdog.wanted():
+        watchdog = LauncherWatchdog()
+        watchdog.start()
+        stack.callback(watchdog.stop)
+    run = _Run(config, output_dir, rank, logs, launch)
+    return run.execute(recipe, args.evaluate, startup_signals)
+
+
+_LAUNCH_TIMEOUT = timedelta(minutes=15)
+"""How long the ranks of a launch wait for each other before the recipe, as the gangs do."""
 
 
 @final
 class _Run:
     """The steps of :func:`main` between the lock and the exit."""
 
-    def __init__(self, config: object, output_dir: Path, rank: int, logs: _RankLogs) -> None:
+    def __init__(
+        self,
+        config: object,
+        output_dir: Path,
+        rank: int,
+        logs: _RankLogs,
+        launch: LaunchBarrier | None,
+    ) -> None:
         self._config = config
         self._output_dir = output_dir
         self._rank = rank
         self._logs = logs
+        self._launch = launch
         self._config_text = dump_config(config)
         self._previous_text = _read_previous_config(output_dir / "config.yaml")
         self._changes = config_changes(self._previous_text, config)
+
+    def execute(
+        self,
+        recipe: Callable[[Any, Path], Runnable],
+        evaluate: CheckpointChoice | None,
+        startup_signals: StartupSignals,
+    ) -> int:
+        """Build the recipe's runnable, train or evaluate with it, and close it on every path."""
+        runnable = self.build(recipe)
+        try:
+            if evaluate is not None:
+                _evaluate(runnable, evaluate)
+                return 0
+            startup_signals.disarm()
+            try:
+                code = self.train(runnable)
+            except BaseException as ex:
+                _let_the_launcher_see_the_vanished_peer(ex)
+                raise
+            log.info("The recipe finished with exit status %s.", code)
+            return code
+        finally:
+            close = getattr(runnable, "close", None)
+            if callable(close):
+                close()
 
     def build(self, recipe: Callable[[Any, Path], Runnable]) -> Runnable:
         log.info("Effective config:\n%s", self._config_text.rstrip(), extra=_FILE_ONLY)
         try:
             runnable = recipe(self._config, self._output_dir)
-        except (ValueError, GangError) as ex:
+        except Exception as ex:
+            # A peer that could not start ends this rank's collectives with a closed connection;
+            # its own reason is the one to show.
+            peer_failure = None if self._launch is None else self._launch.failure()
+            if peer_failure is not None:
+                raise peer_failure from ex
+            if not isinstance(ex, ValueError | GangError):
+                raise
             # Bad values the config types cannot express (e.g. a negative step count, a tp_size
             # that does not divide the world) surface here; the traceback goes to the rank log in
             # case the error is a bug, not a bad value.
@@ -202,8 +275,7 @@ class _Run:
         step_nr = getattr(runnable, "step_nr", None)
         at_step = f" at step {step_nr}" if isinstance(step_nr, int) else ""
         log.exception("The run failed%s: %s", at_step, message, extra=_FILE_ONLY)
-        print(f"error: The run failed{at_step}: {_one_line(message)}", file=sys.stderr)
-        sys.exit(1)
+        raise _Refusal(f"The run failed{at_step}: {message}", exit_code=1)
 
     def _refuse_resume(self, ex: CheckpointError) -> NoReturn:
         """Keep the old config.yaml and say how to start fresh or resume anyway."""
@@ -290,22 +362,15 @@ def _origin(ex: BaseException) -> str:
     return where
 
 
-def _leave(code: int) -> NoReturn:
-    """End a distributed run that finished: flush the logs, exit without the groups' teardown.
+def _destroy_process_groups() -> None:
+    """Destroy every process group while the interpreter is whole.
 
-    torch 2.13 now and then aborts ("terminate called without an active exception") or hangs
-    while it destroys gloo groups that DDP or FSDP2 modules still use, which makes a run that
-    committed its last checkpoint look failed to torchrun. When run() returns, every collective of
-    the run is done on every rank, so skipping that teardown loses nothing.
+    Left to the interpreter's teardown, gloo's worker threads would free tensors after Python is
+    gone and abort the process ("terminate called without an active exception"). Modules that
+    still hold a group (DDP, FSDP2) are collected first, so none outlives its group.
     """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _destroy_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -477,6 +542,14 @@ def _read_rank() -> int:
         _fail(f"The RANK environment variable must be an integer, but is '{text}'.")
 
 
+class _Refusal(Exception):
+    """Ends :func:`main` with one ``error:`` line and an exit status, on every rank."""
+
+    def __init__(self, message: str, *, exit_code: int = USAGE_ERROR_EXIT_CODE) -> None:
+        super().__init__(message)
+        self.message = _one_line(message)
+        self.exit_code = exit_code
+
+
 def _fail(message: str) -> NoReturn:
-    print(f"error: {' '.join(message.splitlines())}", file=sys.stderr)
-    sys.exit(USAGE_ERROR_EXIT_CODE)
+    raise _Refusal(message)

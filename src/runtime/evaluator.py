@@ -126,6 +126,11 @@ class Evaluator:
         self._run_prefix = run_prefix
         self._autocast = autocast
 
+    def close(self) -> None:
+        """Stop the readers' background threads."""
+        for reader in self._data_readers:
+            reader.close()
+
     def with_run_prefix(self, run_prefix: str) -> Evaluator:
         """The same evaluation, published under ``run_prefix``."""
         return Evaluator(

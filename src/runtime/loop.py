@@ -234,6 +234,14 @@ class TrainLoop(Generic[BatchT]):
             or step_nr == self.limits.max_num_steps
         )
 
+    def close(self) -> None:
+        """Stop the readers' threads, let background writes end, close the recorders."""
+        self._data_reader.close()
+        self._validator.close()
+        self.checkpointer.close()
+        self.observers.progress.close()
+        self._recorder.close()
+
     def finish_pending_save(self) -> None:
         """Commit an asynchronous save still in flight (every rank must call it)."""
         self.checkpointer.finish_pending_save()

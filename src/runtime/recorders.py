@@ -166,6 +166,7 @@ class WandbRecorder(MetricRecorder):
     def close(self) -> None:
         if self._run is not None:
             self._run.finish()
+            self._run = None
 
     def _started_run(self) -> Any:
         if self._run is None:

@@ -19,6 +19,7 @@ import fcntl
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -29,9 +30,6 @@ from typing import Any, Final, final
 log = logging.getLogger(__name__)
 
 LOCK_FILE_NAME: Final = "run.lock"
-
-LAUNCHER_DIED_EXIT_CODE: Final = 70
-"""The exit status of a worker that ended itself because its launcher died (EX_SOFTWARE)."""
 
 
 class RunLockError(RuntimeError):
@@ -224,5 +222,6 @@ def _exit_now(launcher_pid: int) -> None:
     )
     for handler in logging.getLogger().handlers:
         handler.flush()
-    # Not sys.exit(): that only ends this thread. No atexit hooks, no flushes of training state.
-    os._exit(LAUNCHER_DIED_EXIT_CODE)
+    # What the launcher would have done. An orderly exit is not to be had: the main thread may
+    # wait in a collective for peers that are gone, and nothing of the run may be saved now.
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -294,6 +294,13 @@ class Trainer(Generic[BatchT]):
                 self._callbacks.on_train_end(step_nr=state.step_nr)
         return PREEMPTED_EXIT_CODE if state.stop_reason is StopReason.PREEMPTED else 0
 
+    def close(self) -> None:
+        """Release what the run holds: reader threads, background checkpoint writes and their
+        process groups, recorder files. Call it on every way out, before the process groups
+        are destroyed; the command line (:func:`runtime.main`) does. Closing twice is harmless.
+        """
+        self._loop.close()
+
     def evaluate_checkpoint(self, which: CheckpointChoice = "last") -> dict[str, dict[str, Any]]:
         """Load the model of a checkpoint and run the valid units on it, published as ``eval``.
 

@@ -92,6 +92,10 @@ class Validator:
             raise ValueError("Evaluating a checkpoint needs valid_units and valid_data_readers.")
         return self._evaluator.with_run_prefix(run_prefix)
 
+    def close(self) -> None:
+        if self._evaluator is not None:
+            self._evaluator.close()
+
     def score_at(self, step_nr: int) -> float | None:
         """The score of the validation at ``step_nr``, for its checkpoint; None if unscored."""
         return self._last_score if self.last_validated_step == step_nr else None

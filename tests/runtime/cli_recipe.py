@@ -14,6 +14,7 @@ from typing import Literal, final
 import torch
 import torch.distributed as dist
 
+from gangs import setup_root_gang
 from runtime import main
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,8 @@ class CliRecipeConfig:
     parallelism: Literal["ddp", "fsdp"] = "ddp"
     betas: tuple[float, float] = (0.9, 0.95)
     fail_in_run: bool = False
+    fail_on_rank: int | None = None
+    """This rank alone rejects the config while the recipe builds, before the process group."""
     exit_code: int = 0
 
     def validate(self) -> None:
@@ -65,8 +68,9 @@ def recipe(config: CliRecipeConfig, output_dir: Path) -> FakeTrainer:
         raise ValueError(
             f"max_num_steps must be greater than zero, but is {config.max_num_steps} instead."
         )
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("gloo")
+    if config.fail_on_rank == int(os.environ.get("RANK", "0")):
+        raise ValueError(f"data_dir {config.data_dir} is not readable on this rank.")
+    setup_root_gang(device=torch.device("cpu"))
     return FakeTrainer(config=config)
 
 

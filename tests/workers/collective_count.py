@@ -171,7 +171,7 @@ def main(output_dir: Path, kind: str) -> None:
         progress=False,
     )
     trainer.run()
-    leave(gangs.root)
+    leave(gangs.root, trainer)
 
 
 if __name__ == "__main__":

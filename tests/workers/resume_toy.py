@@ -133,7 +133,7 @@ class _Faults(TrainerCallback):
         # Stuck, but not deaf: the launcher's SIGTERM ends it at once instead of 30 s later.
         while not self.trainer.stop_requested:
             time.sleep(0.1)
-        os._exit(1)
+        raise SystemExit(1)  # ended by the launcher's SIGTERM, without a step boundary
 
     def _wait_for_sigterm(self) -> None:
         ready = self._output_dir / "ready"

@@ -227,7 +227,7 @@ def main(output_dir: Path, options: dict[str, Any]) -> None:
         torch.save(
             {k.removeprefix("module."): v for k, v in state.items()}, output_dir / "params.pt"
         )
-    leave(gangs.root)
+    leave(gangs.root, trainer)
 
 
 if __name__ == "__main__":
