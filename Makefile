@@ -11,7 +11,7 @@ BENCH_ARGS ?=
 
 BIN := $(VENV)/bin
 
-.PHONY: train test test-all lint bench clean
+.PHONY: train test test-all soak lint bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ test: $(BIN)/.installed
 
 test-all: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
+
+# The multi-process tests SOAK_RUNS times in a row, counting aborts at exit (none expected).
+SOAK_RUNS ?= 20
+soak: $(BIN)/.installed
+	PYTHON=$(BIN)/python scripts/soak_distributed.sh $(SOAK_RUNS)
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check src tests recipes benchmarks
