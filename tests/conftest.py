@@ -195,3 +195,26 @@ def make_toy_trainer(
         progress=False,
         **kwargs,
     )
+
+
+def make_tokenizer_dir(
+    directory: Path, texts: Sequence[str], *, config_file: str | None = "tokenizer_config.json"
+) -> Path:
+    """A Hugging Face tokenizer directory made here: a word-level ``tokenizer.json`` trained on
+    ``texts``, with ``<s>`` (id 1) and ``</s>`` (id 2) named BOS and EOS by ``config_file``
+    (``tokenizer_config.json``, ``special_tokens_map.json`` or ``config.json``; None: no file)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"])
+    tokenizer.train_from_iterator(list(texts), trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    if config_file == "config.json":
+        config: dict[str, Any] = {"bos_token_id": 1, "eos_token_id": [2, 0]}
+    else:
+        config = {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}}
+    if config_file is not None:
+        (directory / config_file).write_text(json.dumps(config))
+    return directory

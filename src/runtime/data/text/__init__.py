@@ -1,0 +1,29 @@
+"""Text data for language models: tokenizers, data files, packing, mixtures, and their reader."""
+
+from __future__ import annotations
+
+from runtime.data.text.files import FORMATS, TextDataError, find_files
+from runtime.data.text.mixture import MixtureSampler, TextSource, parse_mixture
+from runtime.data.text.packing import TextBatch
+from runtime.data.text.reader import TextDataReader
+from runtime.data.text.tokenizer import (
+    ByteTokenizer,
+    HuggingFaceTokenizer,
+    Tokenizer,
+    load_tokenizer,
+)
+
+__all__ = [
+    "FORMATS",
+    "ByteTokenizer",
+    "HuggingFaceTokenizer",
+    "MixtureSampler",
+    "TextBatch",
+    "TextDataError",
+    "TextDataReader",
+    "TextSource",
+    "Tokenizer",
+    "find_files",
+    "load_tokenizer",
+    "parse_mixture",
+]
