@@ -177,6 +177,14 @@ class DcpStorage:
             self._async_groups.append(dist.new_group(ranks, backend="gloo"))
         return self._async_groups[writer_nr]
 
+    def close(self) -> None:
+        """Release the process groups of background writes (the caller waited for them)."""
+        import torch.distributed as dist
+
+        groups, self._async_groups = self._async_groups, []
+        for group in groups:
+            dist.destroy_process_group(group)
+
     def _run(self, operation: Callable[..., object], state: StateDict, **storage: Any) -> None:
         from torch.distributed.checkpoint.api import CheckpointException
 
