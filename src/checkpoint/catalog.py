@@ -57,7 +57,6 @@ def resume_candidates(checkpoint_dir: Path) -> list[int]:
 def select_checkpoint(checkpoint_dir: Path, which: CheckpointChoice, *, lower_better: bool) -> int:
     """The step of the committed checkpoint in ``checkpoint_dir`` that ``which`` names (see
     :func:`choose_checkpoint`)."""
-    check_choice(which)
     infos = list_checkpoints(checkpoint_dir)
     return choose_checkpoint(infos, which, lower_better=lower_better, where=str(checkpoint_dir))
 

@@ -178,9 +178,11 @@ class DcpStorage:
         return self._async_groups[writer_nr]
 
     def close(self) -> None:
-        """Release the process groups of background writes (the caller waited for them)."""
+        """Release the process groups and staging buffers of background writes (the caller
+        waited for them); the next background write sets them up again."""
         import torch.distributed as dist
 
+        self._staging.clear()
         groups, self._async_groups = self._async_groups, []
         for group in groups:
             dist.destroy_process_group(group)

@@ -112,43 +112,38 @@ class Trainer(Generic[BatchT]):
         # The keywords above, each turned into the option group that uses it; from here on only
         # the groups travel.
         schedules = Schedules(
-            publish=Schedule("publish_metrics", every_n_steps=publish_metrics_every_n_steps),
+            publish=Schedule("publish_metrics", publish_metrics_every_n_steps),
             validate=Schedule(
                 "validate",
-                every_n_steps=validate_every_n_steps,
-                after_n_steps=validate_after_n_steps,
-                every_n_data_epochs=validate_every_n_data_epochs,
+                validate_every_n_steps,
+                validate_after_n_steps,
+                validate_every_n_data_epochs,
             ),
             checkpoint=Schedule(
                 "checkpoint",
-                every_n_steps=checkpoint_every_n_steps,
-                after_n_steps=checkpoint_after_n_steps,
-                every_n_data_epochs=checkpoint_every_n_data_epochs,
+                checkpoint_every_n_steps,
+                checkpoint_after_n_steps,
+                checkpoint_every_n_data_epochs,
             ),
             validate_at_start=validate_at_start,
         )
         scoring = Scoring(score_metric_name, lower_better, early_stopper)
-        checkpointing = CheckpointOptions(
-            retention=RetentionPolicy(
-                keep_last_n_checkpoints=keep_last_n_checkpoints,
-                keep_best_n_checkpoints=keep_best_n_checkpoints,
-                keep_last_n_models=keep_last_n_models,
-                keep_best_n_models=keep_best_n_models,
-            ),
-            async_checkpoint=async_checkpoint,
-            reshard_on_resume=reshard_on_resume,
-            init_from=init_from,
+        retention = RetentionPolicy(
+            keep_last_n_checkpoints=keep_last_n_checkpoints,
+            keep_best_n_checkpoints=keep_best_n_checkpoints,
+            keep_last_n_models=keep_last_n_models,
+            keep_best_n_models=keep_best_n_models,
         )
+        checkpointing = CheckpointOptions(retention, async_checkpoint, reshard_on_resume, init_from)
         recording = RecorderOptions(
             tb_dir, metrics_dir, wandb_project, wandb_run_name, wandb_dir, wandb_config
         )
-        _check_validation(valid_units, schedules, checkpointing.retention, scoring)
+        _check_validation(valid_units, schedules, retention, scoring)
         self._unit = unit
         self._gangs = gangs
         self._anomaly_detection = anomaly_detection
         self._callbacks = CallbackList(callbacks)
-        self._checkpoint_manager = checkpoint_manager
-        self._scoring = scoring
+        self._checkpoint_manager, self._scoring = checkpoint_manager, scoring
         self._data_readers = [data_reader, *(valid_data_readers or [])]
         self._closed = False
         self._train_step = TrainStep(
@@ -164,61 +159,47 @@ class Trainer(Generic[BatchT]):
         )
         self._recorder = make_recorder(gangs.root, recorders, recording)
         self._validator = self._make_validator(valid_units, valid_data_readers)
-        checkpointer = Checkpointer(
-            manager=checkpoint_manager,
-            options=checkpointing,
-            scoring=scoring,
-            model=unit.model,
-            optimizer=optimizer,
-            callbacks=self._callbacks,
-            gangs=gangs,
-        )
-        self._loop = self._make_loop(
-            data_reader,
-            checkpointer,
-            schedules,
-            Limits(max_num_steps, max_num_data_epochs),
-            Throughput(flops_per_target, device_peak_flops),
-            observers=Observers(
-                callbacks=self._callbacks,
-                recorder=self._recorder,
-                progress=make_progress_display(enabled=progress and gangs.root.rank == 0),
-                profiler=profiler,
-            ),
-            seed=seed,
-            gc_every_n_steps=gc_every_n_steps,
-        )
-
-    def _make_loop(
-        self,
-        data_reader: DataReader[BatchT],
-        checkpointer: Checkpointer,
-        schedules: Schedules,
-        limits: Limits,
-        throughput: Throughput,
-        *,
-        observers: Observers,
-        seed: int,
-        gc_every_n_steps: int | None,
-    ) -> TrainLoop[BatchT]:
-        gangs = self._gangs
-        return TrainLoop(
+        self._loop = TrainLoop(
             data_reader=data_reader,
             train_step=self._train_step,
-            metrics=TrainMetrics(
-                unit_metrics=self._unit.metric_bag,
-                gangs=gangs,
-                guard=self._train_step.guard,
-                throughput=throughput,
-            ),
+            metrics=self._make_metrics(Throughput(flops_per_target, device_peak_flops)),
             validator=self._validator,
-            checkpointer=checkpointer,
+            checkpointer=self._make_checkpointer(optimizer, checkpointing),
             schedules=schedules,
-            limits=limits,
-            observers=observers,
+            limits=Limits(max_num_steps, max_num_data_epochs),
+            observers=self._make_observers(progress, profiler),
             gangs=gangs,
             seed=seed,
             garbage_collection=GarbageCollection(gc_every_n_steps),
+        )
+
+    def _make_observers(self, progress: bool, profiler: TorchProfiler | None) -> Observers:
+        return Observers(
+            callbacks=self._callbacks,
+            recorder=self._recorder,
+            progress=make_progress_display(enabled=progress and self._gangs.root.rank == 0),
+            profiler=profiler,
+        )
+
+    def _make_checkpointer(
+        self, optimizer: Optimizer, checkpointing: CheckpointOptions
+    ) -> Checkpointer:
+        return Checkpointer(
+            manager=self._checkpoint_manager,
+            options=checkpointing,
+            scoring=self._scoring,
+            model=self._unit.model,
+            optimizer=optimizer,
+            callbacks=self._callbacks,
+            gangs=self._gangs,
+        )
+
+    def _make_metrics(self, throughput: Throughput) -> TrainMetrics:
+        return TrainMetrics(
+            unit_metrics=self._unit.metric_bag,
+            gangs=self._gangs,
+            guard=self._train_step.guard,
+            throughput=throughput,
         )
 
     def _make_validator(
