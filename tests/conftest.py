@@ -7,7 +7,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +18,29 @@ from torch import nn
 
 from checkpoint import CheckpointManager
 from gangs import Gangs
-from runtime import MapDataReader, Trainer
+from runtime import MapDataReader, MetricRecorder, Trainer
 from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit, collate
 from units import TrainUnit
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class ListRecorder(MetricRecorder):
+    """Keeps every record as ``(run, values, step_nr)``, and whether it was closed."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, dict[str, Any], int]] = []
+        self.num_closes = 0
+
+    def record(self, run: str, step_nr: int, values: Mapping[str, Any]) -> None:
+        self.records.append((run, dict(values), step_nr))
+
+    def close(self) -> None:
+        self.num_closes += 1
+
+    @property
+    def closed(self) -> bool:
+        return self.num_closes > 0
 
 
 def free_port() -> int:
@@ -162,12 +180,14 @@ def make_toy_trainer(
     unit: TrainUnit[ToyBatch] | None = None,
     unit_kwargs: dict[str, Any] | None = None,
     lr: float = 0.1,
+    momentum: float = 0.0,
     batch_size: int = 4,
     num_accumulate: int = 1,
     dataset_size: int = 32,
     **kwargs: Any,
 ) -> Trainer[ToyBatch]:
-    """A one-process Trainer on the toy data, unshuffled, with SGD; ``kwargs`` go to the Trainer.
+    """A one-process Trainer on the toy data, unshuffled, with SGD; ``kwargs`` go to the Trainer
+    (the checkpoint manager is a CheckpointManager of ``tmp_path / "checkpoints"`` unless given).
 
     ``unit`` (on its own model) replaces the default summed-loss ToyUnit.
     """
@@ -186,11 +206,11 @@ def make_toy_trainer(
         options = {"mean_loss": False, "zero_targets": False} | (unit_kwargs or {})
         unit = ToyUnit(model, **options)
     kwargs.setdefault("max_num_steps", 1)
+    kwargs.setdefault("checkpoint_manager", CheckpointManager(tmp_path / "checkpoints", gangs))
     return Trainer(
         unit=unit,
         data_reader=reader,
-        optimizer=torch.optim.SGD(model.parameters(), lr=lr),
-        checkpoint_manager=CheckpointManager(tmp_path / "checkpoints", gangs),
+        optimizer=torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
         gangs=gangs,
         progress=False,
         **kwargs,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from checkpoint.base import AbstractCheckpointManager, LoadedCheckpoint
 from checkpoint.catalog import CheckpointChoice
 from checkpoint.errors import (
     CheckpointDirectoryError,
@@ -11,7 +12,7 @@ from checkpoint.errors import (
     CheckpointNotFoundError,
 )
 from checkpoint.layout import WorldLayout
-from checkpoint.manager import CheckpointManager, LoadedCheckpoint
+from checkpoint.manager import CheckpointManager
 from checkpoint.retention import (
     CheckpointInfo,
     RetentionPlan,
@@ -22,6 +23,7 @@ from checkpoint.retention import (
 )
 
 __all__ = [
+    "AbstractCheckpointManager",
     "CheckpointChoice",
     "CheckpointDirectoryError",
     "CheckpointError",

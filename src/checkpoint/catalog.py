@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -54,31 +55,44 @@ def resume_candidates(checkpoint_dir: Path) -> list[int]:
 
 
 def select_checkpoint(checkpoint_dir: Path, which: CheckpointChoice, *, lower_better: bool) -> int:
-    """The step of the committed checkpoint ``which`` names; CheckpointNotFoundError if none.
+    """The step of the committed checkpoint in ``checkpoint_dir`` that ``which`` names (see
+    :func:`choose_checkpoint`)."""
+    infos = list_checkpoints(checkpoint_dir)
+    return choose_checkpoint(infos, which, lower_better=lower_better, where=str(checkpoint_dir))
 
-    ``which`` is ``"last"``, ``"best"`` (by the score stored with each checkpoint, oriented by
-    ``lower_better``; ties go to the newer one) or a step number.
-    """
+
+def check_choice(which: CheckpointChoice) -> None:
     if not (which in ("last", "best") or (isinstance(which, int) and which >= 0)):
         raise ValueError(
             f"which must be 'last', 'best' or a step number, but is {which!r} instead."
         )
-    infos = list_checkpoints(checkpoint_dir)
+
+
+def choose_checkpoint(
+    infos: Sequence[CheckpointInfo], which: CheckpointChoice, *, lower_better: bool, where: str
+) -> int:
+    """The step of the checkpoint among ``infos`` (of ``where``) that ``which`` names;
+    CheckpointNotFoundError if none.
+
+    ``which`` is ``"last"``, ``"best"`` (by the score stored with each checkpoint, oriented by
+    ``lower_better``; ties go to the newer one) or a step number.
+    """
+    check_choice(which)
     if not infos:
-        raise CheckpointNotFoundError(f"There are no committed checkpoints in {checkpoint_dir}.")
+        raise CheckpointNotFoundError(f"There are no committed checkpoints in {where}.")
     if which == "last":
         return infos[-1].step_nr
     if which == "best":
         best = best_checkpoint(infos, lower_better=lower_better)
         if best is None:
             raise CheckpointNotFoundError(
-                f"No checkpoint in {checkpoint_dir} has a validation score, so none is the best."
+                f"No checkpoint in {where} has a validation score, so none is the best."
             )
         return best.step_nr
     assert isinstance(which, int)
     if which not in {info.step_nr for info in infos}:
         raise CheckpointNotFoundError(
-            f"There is no committed checkpoint of step {which} in {checkpoint_dir}; "
+            f"There is no committed checkpoint of step {which} in {where}; "
             f"the steps there are {', '.join(str(i.step_nr) for i in infos)}."
         )
     return which

@@ -31,8 +31,6 @@ import logging
 import os
 import shutil
 from collections.abc import Callable, Mapping
-from concurrent.futures import wait
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar, final
@@ -40,8 +38,10 @@ from typing import Any, TypeVar, final
 import torch
 from torch.nn import Module
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from checkpoint import catalog, directory
+from checkpoint.base import AbstractCheckpointManager, LoadedCheckpoint
 from checkpoint.catalog import CheckpointChoice
 from checkpoint.durable import fsync_dir
 from checkpoint.errors import (
@@ -71,17 +71,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class LoadedCheckpoint:
-    step_nr: int
-    trainer_state: dict[str, Any]
-    manifest: dict[str, Any]
-    resharded: bool = False
-    """Saved by another world layout; ``trainer_state`` is rank 0's."""
-
-
 @final
-class CheckpointManager:
+class CheckpointManager(AbstractCheckpointManager):
     """Owns one checkpoint directory; every rank of ``gangs.root`` must make the same calls."""
 
     def __init__(self, checkpoint_dir: Path, gangs: Gangs) -> None:
@@ -96,12 +87,14 @@ class CheckpointManager:
         return self._dir
 
     @property
+    @override
     def pending_step_nr(self) -> int | None:
         """The step of an asynchronous save not committed yet, if there is one."""
         return None if self._pending is None else self._pending.step_nr
 
     # ------------------------------------------------------------------ saving
 
+    @override
     def save_checkpoint(
         self,
         step_nr: int,
@@ -158,6 +151,7 @@ class CheckpointManager:
             )
             self._commit(pending)
 
+    @override
     def finish_pending_save(self) -> int | None:
         """Wait for the asynchronous save in flight, if any, and commit it; return its step.
 
@@ -199,21 +193,12 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------- listing
 
-    def close(self) -> None:
-        """Let the background writes of an uncommitted save end, then release their groups.
-
-        The save stays uncommitted (a ``.tmp`` directory the next run removes): committing takes
-        every rank, and a rank that closes after an error cannot count on the others.
-        """
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            wait(pending.uploads)
-        self._storage.close()
-
+    @override
     def list_checkpoints(self) -> list[CheckpointInfo]:
         """The committed checkpoints (those with a readable manifest), oldest first."""
         return catalog.list_checkpoints(self._dir)
 
+    @override
     def select_checkpoint(self, which: CheckpointChoice, *, lower_better: bool) -> int:
         """The step of the committed checkpoint ``which`` names (see :func:`select_checkpoint`)."""
         return catalog.select_checkpoint(self._dir, which, lower_better=lower_better)
@@ -228,6 +213,7 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------- loading
 
+    @override
     def load_last_checkpoint(
         self, *, model: Module, optimizer: Optimizer, reshard: bool = False
     ) -> LoadedCheckpoint | None:
@@ -347,6 +333,7 @@ class CheckpointManager:
                 "and resume again."
             ) from error
 
+    @override
     def load_model(self, step_nr: int, *, model: Module) -> None:
         """Load only the model of the checkpoint of ``step_nr`` (full or model-only)."""
         path = directory.step_dir(self._dir, step_nr)
@@ -375,6 +362,29 @@ class CheckpointManager:
             lambda: verify_share(path, step_nr, rank=self._root.rank, world_size=self._root.size),
         )
 
+    @override
+    def prepare(self) -> None:
+        """Check that every rank shares the directory, then remove what interrupted saves and
+        deletes left behind (see :meth:`check_shared_directory`, :meth:`remove_leftovers`)."""
+        self.check_shared_directory()
+        self.remove_leftovers()
+
+    @override
+    def checkpoint_path(self, step_nr: int) -> Path:
+        return directory.step_dir(self._dir, step_nr)
+
+    @override
+    def close(self) -> None:
+        """Wait for the background writes of an uncommitted save (which stays uncommitted: its
+        ``.tmp`` directory goes when the next run starts) and release their process groups.
+
+        The manager stays usable: the next asynchronous save sets them up again.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()
+        self._storage.close()
+
     def check_shared_directory(self) -> None:
         """Make sure every rank sees rank 0's checkpoint directory; every rank must call it.
 
@@ -384,10 +394,11 @@ class CheckpointManager:
 
     # --------------------------------------------------------------- retention
 
-    def apply_retention(self, policy: RetentionPolicy) -> None:
+    @override
+    def apply_retention(self, policy: RetentionPolicy, *, lower_better: bool = True) -> None:
         """Delete or prune to model-only what ``policy`` does not keep; committed ones only."""
         if self._root.rank == 0:
-            plan = plan_retention(self.list_checkpoints(), policy)
+            plan = plan_retention(self.list_checkpoints(), policy, lower_better=lower_better)
             for step_nr in plan.prune_to_model:
                 prune_to_model(directory.step_dir(self._dir, step_nr))
                 log.info("Pruned the checkpoint of step %d to its model.", step_nr)

@@ -84,6 +84,10 @@ class PendingSave:
             upload = storage.async_save(state, self.tmp_dir / subdir, writer_nr=writer_nr)
             self.start_upload(subdir, upload)
 
+    def wait(self) -> None:
+        """Wait for the background writes to end, whether they succeed or fail."""
+        wait(self.uploads)
+
     def collect_uploads(self) -> None:
         """Wait for the background writes and take their digests; raise if one failed."""
         # Every write ends before a failure is reported, so the .tmp can then be removed.
@@ -99,7 +103,7 @@ def removing_on_failure(gang: Gang, pending: PendingSave) -> Iterator[None]:
     try:
         yield
     except CheckpointError as ex:
-        wait(pending.uploads)  # no background write may recreate what is removed
+        pending.wait()  # no background write may recreate what is removed
         if gang.rank == 0:
             shutil.rmtree(pending.tmp_dir, ignore_errors=True)
         raise CheckpointError(

@@ -32,7 +32,6 @@ class RetentionPolicy:
     keep_best_n_checkpoints: int | None = None
     keep_last_n_models: int | None = None
     keep_best_n_models: int | None = None
-    lower_better: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -72,8 +71,13 @@ class RetentionPlan:
     delete: frozenset[int] = field(default_factory=frozenset)
 
 
-def plan_retention(infos: Sequence[CheckpointInfo], policy: RetentionPolicy) -> RetentionPlan:
-    """Decide for each committed checkpoint: keep it, prune it to its model, or delete it."""
+def plan_retention(
+    infos: Sequence[CheckpointInfo], policy: RetentionPolicy, *, lower_better: bool = True
+) -> RetentionPlan:
+    """Decide for each committed checkpoint: keep it, prune it to its model, or delete it.
+
+    ``lower_better`` orients the scores the keep-best limits rank by.
+    """
     steps = sorted(info.step_nr for info in infos)
     if not steps or not policy.limits_checkpoints:
         return RetentionPlan(keep=frozenset(steps))
@@ -81,10 +85,10 @@ def plan_retention(infos: Sequence[CheckpointInfo], policy: RetentionPolicy) -> 
     full = [i for i in infos if i.kind == "full"]
     keep_full = {max(steps)}
     keep_full |= _last(full, policy.keep_last_n_checkpoints)
-    keep_full |= _best(full, policy.keep_best_n_checkpoints, policy.lower_better)
+    keep_full |= _best(full, policy.keep_best_n_checkpoints, lower_better)
 
     keep_model = _last(infos, policy.keep_last_n_models)
-    keep_model |= _best(infos, policy.keep_best_n_models, policy.lower_better)
+    keep_model |= _best(infos, policy.keep_best_n_models, lower_better)
 
     kinds = {i.step_nr: i.kind for i in infos}
     prune = {s for s in keep_model - keep_full if kinds[s] == "full"}

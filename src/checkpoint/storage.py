@@ -139,16 +139,6 @@ class DcpStorage:
         result.add_done_callback(pass_on)
         return done
 
-    def close(self) -> None:
-        """Destroy the process groups of the background writes; none may be in flight."""
-        import torch.distributed as dist
-
-        groups, self._async_groups = self._async_groups, []
-        if dist.is_initialized():
-            for group in groups:
-                dist.destroy_process_group(group)
-        self._staging.clear()
-
     def _staging_writer(self, writer_nr: int, state: StateDict) -> StagingWriter:
         """The ``writer_nr``-th writer of asynchronous saves, whose staging buffers fit ``state``.
 
@@ -186,6 +176,17 @@ class DcpStorage:
             ranks = dist.get_process_group_ranks(self._gang.as_process_group())
             self._async_groups.append(dist.new_group(ranks, backend="gloo"))
         return self._async_groups[writer_nr]
+
+    def close(self) -> None:
+        """Release the process groups and staging buffers of background writes (the caller
+        waited for them); the next background write sets them up again."""
+        import torch.distributed as dist
+
+        self._staging.clear()
+        groups, self._async_groups = self._async_groups, []
+        if dist.is_initialized():
+            for group in groups:
+                dist.destroy_process_group(group)
 
     def _run(self, operation: Callable[..., object], state: StateDict, **storage: Any) -> None:
         from torch.distributed.checkpoint.api import CheckpointException

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from runtime.progress import ProgressDisplay, make_progress_display
     from runtime.recorders import (
         CompositeMetricRecorder,
+        CsvMetricRecorder,
         JsonlMetricRecorder,
         LogMetricRecorder,
         MetricRecorder,
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
 _MODULE_OF: dict[str, str] = {
     "CompositeMetricRecorder": "runtime.recorders",
     "ConfigError": "runtime.config",
+    "CsvMetricRecorder": "runtime.recorders",
     "DataParallelKind": "runtime.parallel",
     "DataReader": "runtime.data",
     "DataReaderError": "runtime.data",
@@ -114,6 +116,7 @@ __all__ = [
     "PREEMPTED_EXIT_CODE",
     "CompositeMetricRecorder",
     "ConfigError",
+    "CsvMetricRecorder",
     "DataParallelKind",
     "DataReader",
     "DataReaderError",

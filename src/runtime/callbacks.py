@@ -49,8 +49,9 @@ class TrainerCallback:
         """After all valid units ran. ``results`` maps each run name to its values; ``score`` is
         their combined score (the mean over units of ``score_metric_name``), None without one."""
 
-    def on_checkpoint_saved(self, *, step_nr: int, checkpoint_dir: Path) -> None:
-        """After a checkpoint was committed (and retention applied)."""
+    def on_checkpoint_saved(self, *, step_nr: int, checkpoint_dir: Path | None) -> None:
+        """After a checkpoint was committed (and retention applied). ``checkpoint_dir`` is its
+        directory (None from a checkpoint manager that keeps it off the file system)."""
 
     def on_early_stop(self, *, step_nr: int, score: float) -> None:
         """When the early stopper decided to stop, before the final checkpoint."""
@@ -102,7 +103,7 @@ class CallbackList(TrainerCallback):
         for callback in self._callbacks:
             callback.on_validation_end(step_nr=step_nr, score=score, results=results)
 
-    def on_checkpoint_saved(self, *, step_nr: int, checkpoint_dir: Path) -> None:
+    def on_checkpoint_saved(self, *, step_nr: int, checkpoint_dir: Path | None) -> None:
         for callback in self._callbacks:
             callback.on_checkpoint_saved(step_nr=step_nr, checkpoint_dir=checkpoint_dir)
 

@@ -10,7 +10,7 @@ from typing import Any, final
 import torch
 from torch.nn import Module
 
-from checkpoint import CheckpointChoice, CheckpointManager
+from checkpoint import AbstractCheckpointManager, CheckpointChoice
 from gangs import Gangs
 from runtime.arguments import check_same_length
 from runtime.data import DataReader
@@ -71,7 +71,7 @@ def evaluate_units(
                 values = unit.metric_bag.sync_and_compute(gangs.dp)
                 unit.metric_bag.reset_metrics()
                 name = run_name(unit, run_prefix)
-                recorder.record_metrics(name, values, step_nr)
+                recorder.record(name, step_nr, values)
                 results[name] = values
     finally:
         model.train(was_training)
@@ -126,11 +126,6 @@ class Evaluator:
         self._run_prefix = run_prefix
         self._autocast = autocast
 
-    def close(self) -> None:
-        """Stop the readers' background threads."""
-        for reader in self._data_readers:
-            reader.close()
-
     def with_run_prefix(self, run_prefix: str) -> Evaluator:
         """The same evaluation, published under ``run_prefix``."""
         return Evaluator(
@@ -158,7 +153,7 @@ class Evaluator:
 
     def evaluate_checkpoint(
         self,
-        checkpoint_manager: CheckpointManager,
+        checkpoint_manager: AbstractCheckpointManager,
         which: CheckpointChoice = "last",
         *,
         lower_better: bool = True,

@@ -234,14 +234,6 @@ class TrainLoop(Generic[BatchT]):
             or step_nr == self.limits.max_num_steps
         )
 
-    def close(self) -> None:
-        """Stop the readers' threads, let background writes end, close the recorders."""
-        self._data_reader.close()
-        self._validator.close()
-        self.checkpointer.close()
-        self.observers.progress.close()
-        self._recorder.close()
-
     def finish_pending_save(self) -> None:
         """Commit an asynchronous save still in flight (every rank must call it)."""
         self.checkpointer.finish_pending_save()
@@ -362,7 +354,7 @@ class TrainLoop(Generic[BatchT]):
         if loss_scale is not None:
             extra["loss_scale"] = loss_scale
         values = self._metrics.compute(extra)
-        self._recorder.record_metrics("train", values, step_nr)
+        self._recorder.record("train", step_nr, values)
         self._callbacks.on_metrics_published(run="train", step_nr=step_nr, values=values)
         self.observers.progress.update_values(
             {k: float(v) for k, v in values.items() if k in ("loss", "lr", "grad_norm")}

@@ -18,10 +18,10 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from checkpoint import CheckpointChoice, CheckpointManager, RetentionPolicy
+from checkpoint import AbstractCheckpointManager, CheckpointChoice, RetentionPolicy
 from gangs import Gang, Gangs
 from runtime.callbacks import CallbackList, TrainerCallback
-from runtime.checkpointer import Checkpointer
+from runtime.checkpointer import Checkpointer, CheckpointOptions
 from runtime.data import DataReader
 from runtime.early_stop import EarlyStopper
 from runtime.garbage_collection import GarbageCollection
@@ -29,13 +29,13 @@ from runtime.loop import Limits, Observers, Schedules, TrainLoop
 from runtime.non_finite import NanPolicy
 from runtime.profiler import TorchProfiler
 from runtime.progress import make_progress_display
-from runtime.recorders import WandbOptions, make_recorder
+from runtime.recorders import MetricRecorder, RecorderOptions, make_recorder
 from runtime.schedule import Schedule, check_every_checkpoint_is_scored
 from runtime.signals import PREEMPTED_EXIT_CODE
 from runtime.train_metrics import Throughput, TrainMetrics
 from runtime.train_state import StopReason
 from runtime.train_step import Precision, TrainStep
-from runtime.validation import Validator
+from runtime.validation import Scoring, Validator
 from units import EvalUnit, TrainUnit
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class Trainer(Generic[BatchT]):
         unit: TrainUnit[BatchT],
         data_reader: DataReader[BatchT],
         optimizer: Optimizer,
-        checkpoint_manager: CheckpointManager,
+        checkpoint_manager: AbstractCheckpointManager,
         root_gang: Gang | None = None,
         dp_gang: Gang | None = None,
         tp_gang: Gang | None = None,
@@ -92,6 +92,7 @@ class Trainer(Generic[BatchT]):
         wandb_run_name: str | None = None,
         wandb_dir: Path | None = None,
         wandb_config: Mapping[str, object] | None = None,
+        recorders: Sequence[MetricRecorder] = (),
         fp16_loss_scale: tuple[float, float] = (128.0, 0.0001),
         max_gradient_norm: float | None = None,
         amp: bool = False,
@@ -108,25 +109,44 @@ class Trainer(Generic[BatchT]):
         init_from: Path | None = None,
     ) -> None:
         gangs = _resolve_gangs(gangs, root_gang, dp_gang, tp_gang)
-        schedules = _make_schedules(
-            publish_metrics_every_n_steps=publish_metrics_every_n_steps,
-            validate_every_n_steps=validate_every_n_steps,
-            validate_after_n_steps=validate_after_n_steps,
-            validate_every_n_data_epochs=validate_every_n_data_epochs,
+        # The keywords above, each turned into the option group that uses it; from here on only
+        # the groups travel.
+        schedules = Schedules(
+            publish=Schedule("publish_metrics", publish_metrics_every_n_steps),
+            validate=Schedule(
+                "validate",
+                validate_every_n_steps,
+                validate_after_n_steps,
+                validate_every_n_data_epochs,
+            ),
+            checkpoint=Schedule(
+                "checkpoint",
+                checkpoint_every_n_steps,
+                checkpoint_after_n_steps,
+                checkpoint_every_n_data_epochs,
+            ),
             validate_at_start=validate_at_start,
-            checkpoint_every_n_steps=checkpoint_every_n_steps,
-            checkpoint_after_n_steps=checkpoint_after_n_steps,
-            checkpoint_every_n_data_epochs=checkpoint_every_n_data_epochs,
         )
+        scoring = Scoring(score_metric_name, lower_better, early_stopper)
         retention = RetentionPolicy(
             keep_last_n_checkpoints=keep_last_n_checkpoints,
             keep_best_n_checkpoints=keep_best_n_checkpoints,
             keep_last_n_models=keep_last_n_models,
             keep_best_n_models=keep_best_n_models,
-            lower_better=lower_better,
         )
-        _check_validation(valid_units, schedules, retention, early_stopper, score_metric_name)
-        train_step = TrainStep(
+        checkpointing = CheckpointOptions(retention, async_checkpoint, reshard_on_resume, init_from)
+        recording = RecorderOptions(
+            tb_dir, metrics_dir, wandb_project, wandb_run_name, wandb_dir, wandb_config
+        )
+        _check_validation(valid_units, schedules, retention, scoring)
+        self._unit = unit
+        self._gangs = gangs
+        self._anomaly_detection = anomaly_detection
+        self._callbacks = CallbackList(callbacks)
+        self._checkpoint_manager, self._scoring = checkpoint_manager, scoring
+        self._data_readers = [data_reader, *(valid_data_readers or [])]
+        self._closed = False
+        self._train_step = TrainStep(
             unit=unit,
             optimizer=optimizer,
             gangs=gangs,
@@ -137,82 +157,55 @@ class Trainer(Generic[BatchT]):
             max_consecutive_skipped_steps=max_consecutive_skipped_steps,
             trace=profiler is not None,
         )
-        self._unit = unit
-        self._train_step = train_step
-        self._gangs = gangs
-        self._anomaly_detection = anomaly_detection
-        self._callbacks = CallbackList(callbacks)
-        self._recorder = make_recorder(
-            gangs.root,
-            metrics_dir=metrics_dir,
-            tb_dir=tb_dir,
-            wandb=WandbOptions(wandb_project, wandb_run_name, wandb_dir, wandb_config),
-        )
-        self._validator = self._make_validator(
-            valid_units, valid_data_readers, score_metric_name, lower_better, early_stopper
-        )
-        checkpointer = self._make_checkpointer(
-            checkpoint_manager, optimizer, retention, async_checkpoint, reshard_on_resume, init_from
-        )
-        self._loop = self._make_loop(
+        self._recorder = make_recorder(gangs.root, recorders, recording)
+        self._validator = self._make_validator(valid_units, valid_data_readers)
+        self._loop = TrainLoop(
             data_reader=data_reader,
-            train_step=train_step,
-            checkpointer=checkpointer,
+            train_step=self._train_step,
+            metrics=self._make_metrics(Throughput(flops_per_target, device_peak_flops)),
+            validator=self._validator,
+            checkpointer=self._make_checkpointer(optimizer, checkpointing),
             schedules=schedules,
             limits=Limits(max_num_steps, max_num_data_epochs),
-            throughput=Throughput(flops_per_target, device_peak_flops),
-            progress=progress,
-            profiler=profiler,
-            seed=seed,
-            gc_every_n_steps=gc_every_n_steps,
-        )
-
-    def _make_loop(
-        self,
-        *,
-        data_reader: DataReader[BatchT],
-        train_step: TrainStep[BatchT],
-        checkpointer: Checkpointer,
-        schedules: Schedules,
-        limits: Limits,
-        throughput: Throughput,
-        progress: bool,
-        profiler: TorchProfiler | None,
-        seed: int,
-        gc_every_n_steps: int | None,
-    ) -> TrainLoop[BatchT]:
-        gangs = self._gangs
-        return TrainLoop(
-            data_reader=data_reader,
-            train_step=train_step,
-            metrics=TrainMetrics(
-                unit_metrics=self._unit.metric_bag,
-                gangs=gangs,
-                guard=train_step.guard,
-                throughput=throughput,
-            ),
-            validator=self._validator,
-            checkpointer=checkpointer,
-            schedules=schedules,
-            limits=limits,
-            observers=Observers(
-                callbacks=self._callbacks,
-                recorder=self._recorder,
-                progress=make_progress_display(enabled=progress and gangs.root.rank == 0),
-                profiler=profiler,
-            ),
+            observers=self._make_observers(progress, profiler),
             gangs=gangs,
             seed=seed,
             garbage_collection=GarbageCollection(gc_every_n_steps),
+        )
+
+    def _make_observers(self, progress: bool, profiler: TorchProfiler | None) -> Observers:
+        return Observers(
+            callbacks=self._callbacks,
+            recorder=self._recorder,
+            progress=make_progress_display(enabled=progress and self._gangs.root.rank == 0),
+            profiler=profiler,
+        )
+
+    def _make_checkpointer(
+        self, optimizer: Optimizer, checkpointing: CheckpointOptions
+    ) -> Checkpointer:
+        return Checkpointer(
+            manager=self._checkpoint_manager,
+            options=checkpointing,
+            scoring=self._scoring,
+            model=self._unit.model,
+            optimizer=optimizer,
+            callbacks=self._callbacks,
+            gangs=self._gangs,
+        )
+
+    def _make_metrics(self, throughput: Throughput) -> TrainMetrics:
+        return TrainMetrics(
+            unit_metrics=self._unit.metric_bag,
+            gangs=self._gangs,
+            guard=self._train_step.guard,
+            throughput=throughput,
         )
 
     def _make_validator(
         self,
         valid_units: Sequence[EvalUnit[Any]] | None,
         valid_data_readers: Sequence[DataReader[Any]] | None,
-        score_metric_name: str | None,
-        lower_better: bool,
-        early_stopper: EarlyStopper | None,
     ) -> Validator:
         return Validator(
             units=list(valid_units or []),
@@ -221,32 +214,9 @@ class Trainer(Generic[BatchT]):
             gangs=self._gangs,
             recorder=self._recorder,
             autocast=self._train_step.autocast,
-            score_metric_name=score_metric_name,
-            lower_better=lower_better,
-            early_stopper=early_stopper,
+            scoring=self._scoring,
             callbacks=self._callbacks,
             trace=self._train_step.traces,
-        )
-
-    def _make_checkpointer(
-        self,
-        checkpoint_manager: CheckpointManager,
-        optimizer: Optimizer,
-        retention: RetentionPolicy,
-        async_checkpoint: bool,
-        reshard_on_resume: bool,
-        init_from: Path | None,
-    ) -> Checkpointer:
-        return Checkpointer(
-            manager=checkpoint_manager,
-            retention=retention,
-            model=self._unit.model,
-            optimizer=optimizer,
-            async_checkpoint=async_checkpoint,
-            reshard_on_resume=reshard_on_resume,
-            callbacks=self._callbacks,
-            gangs=self._gangs,
-            init_from=init_from,
         )
 
     @property
@@ -269,8 +239,7 @@ class Trainer(Generic[BatchT]):
         checkpoint at the step all ranks agreed on.
         """
         with contextlib.ExitStack() as stack:
-            stack.callback(self._recorder.close)
-            stack.callback(self._loop.observers.progress.close)
+            stack.callback(self.close)
             if self._anomaly_detection:
                 stack.enter_context(torch.autograd.detect_anomaly())
             stack.enter_context(self._loop.stop_signals)
@@ -294,29 +263,37 @@ class Trainer(Generic[BatchT]):
                 self._callbacks.on_train_end(step_nr=state.step_nr)
         return PREEMPTED_EXIT_CODE if state.stop_reason is StopReason.PREEMPTED else 0
 
-    def close(self) -> None:
-        """Release what the run holds: reader threads, background checkpoint writes and their
-        process groups, recorder files. Call it on every way out, before the process groups
-        are destroyed; the command line (:func:`runtime.main`) does. Closing twice is harmless.
-        """
-        self._loop.close()
-
     def evaluate_checkpoint(self, which: CheckpointChoice = "last") -> dict[str, dict[str, Any]]:
         """Load the model of a checkpoint and run the valid units on it, published as ``eval``.
 
         ``which`` is ``"last"``, ``"best"`` (by the score stored with each checkpoint, oriented
         by ``lower_better``) or a step number. The values are recorded at the checkpoint's step
         under the run ``eval`` (``eval/<display_name>`` for named units), with the same metric
-        names as ``valid``, and returned by run name. The recorders are closed afterwards: a
-        trainer used for this is not meant to ``run()`` too.
+        names as ``valid``, and returned by run name. The trainer is closed afterwards: one used
+        for this is not meant to ``run()`` too.
         """
         evaluator = self._validator.evaluator(run_prefix="eval")
         try:
             return evaluator.evaluate_checkpoint(
-                self._loop.checkpointer.manager, which, lower_better=self._validator.lower_better
+                self._checkpoint_manager, which, lower_better=self._scoring.lower_better
             )
         finally:
-            self._recorder.close()
+            self.close()
+
+    def close(self) -> None:
+        """Release what the training holds: the recorders' files, the progress display, the
+        checkpoint manager's background work (an uncommitted save stays uncommitted) and the
+        data readers' threads. :meth:`run` calls it on every exit; a second call does nothing.
+        Each part is closed even if closing another fails."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.ExitStack() as stack:
+            for reader in self._data_readers:
+                stack.callback(reader.close)
+            stack.callback(self._loop.observers.progress.close)
+            stack.callback(self._checkpoint_manager.close)
+            stack.callback(self._recorder.close)
 
 
 def _resolve_gangs(
@@ -331,41 +308,11 @@ def _resolve_gangs(
     return Gangs.of(root_gang, dp_gang, tp_gang)
 
 
-def _make_schedules(
-    *,
-    publish_metrics_every_n_steps: int | None,
-    validate_every_n_steps: int | None,
-    validate_after_n_steps: int,
-    validate_every_n_data_epochs: int | None,
-    validate_at_start: bool,
-    checkpoint_every_n_steps: int | None,
-    checkpoint_after_n_steps: int,
-    checkpoint_every_n_data_epochs: int | None,
-) -> Schedules:
-    return Schedules(
-        publish=Schedule("publish_metrics", every_n_steps=publish_metrics_every_n_steps),
-        validate=Schedule(
-            "validate",
-            every_n_steps=validate_every_n_steps,
-            after_n_steps=validate_after_n_steps,
-            every_n_data_epochs=validate_every_n_data_epochs,
-        ),
-        checkpoint=Schedule(
-            "checkpoint",
-            every_n_steps=checkpoint_every_n_steps,
-            after_n_steps=checkpoint_after_n_steps,
-            every_n_data_epochs=checkpoint_every_n_data_epochs,
-        ),
-        validate_at_start=validate_at_start,
-    )
-
-
 def _check_validation(
     valid_units: Sequence[EvalUnit[Any]] | None,
     schedules: Schedules,
     retention: RetentionPolicy,
-    early_stopper: EarlyStopper | None,
-    score_metric_name: str | None,
+    scoring: Scoring,
 ) -> None:
     """Valid units need a schedule; ranking by score needs valid units and a score."""
     if valid_units and not schedules.validate.is_set:
@@ -373,8 +320,8 @@ def _check_validation(
             "valid_units are given, so validate_every_n_steps or validate_every_n_data_epochs "
             "must be set too."
         )
-    if (retention.uses_score or early_stopper is not None) and (
-        score_metric_name is None or not valid_units
+    if (retention.uses_score or scoring.early_stopper is not None) and (
+        scoring.metric_name is None or not valid_units
     ):
         raise ValueError(
             "keep_best_n_checkpoints, keep_best_n_models and early_stopper rank by a "

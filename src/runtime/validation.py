@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, final
 
 from torch.nn import Module
@@ -27,6 +28,27 @@ log = logging.getLogger("runtime.trainer")
 
 
 @final
+@dataclass(frozen=True)
+class Scoring:
+    """How validations are ranked: the metric that scores them and its orientation, and the
+    early stopper that watches the score. The one place ``lower_better`` is kept: the
+    retention of the best checkpoints, the best score and ``evaluate_checkpoint("best")``
+    all read it here."""
+
+    metric_name: str | None = None
+    lower_better: bool = False
+    early_stopper: EarlyStopper | None = None
+
+    def __post_init__(self) -> None:
+        stopper_lower_better = getattr(self.early_stopper, "lower_better", None)
+        if isinstance(stopper_lower_better, bool) and stopper_lower_better != self.lower_better:
+            raise ValueError(
+                f"early_stopper ranks scores with lower_better={stopper_lower_better}, but the "
+                f"Trainer has lower_better={self.lower_better}. Give both the same orientation."
+            )
+
+
+@final
 class Validator:
     """Runs the valid units, combines their score, keeps the best, and asks the early stopper.
 
@@ -43,19 +65,11 @@ class Validator:
         gangs: Gangs,
         recorder: MetricRecorder,
         autocast: AutocastFactory,
-        score_metric_name: str | None,
-        lower_better: bool,
-        early_stopper: EarlyStopper | None,
+        scoring: Scoring,
         callbacks: TrainerCallback,
         trace: bool = False,
     ) -> None:
         check_same_length("valid_units", units, "valid_data_readers", data_readers)
-        stopper_lower_better = getattr(early_stopper, "lower_better", None)
-        if isinstance(stopper_lower_better, bool) and stopper_lower_better != lower_better:
-            raise ValueError(
-                f"early_stopper ranks scores with lower_better={stopper_lower_better}, but the "
-                f"Trainer has lower_better={lower_better}. Give both the same orientation."
-            )
         self._evaluator: Evaluator | None = None
         if units:
             self._evaluator = Evaluator(
@@ -68,19 +82,14 @@ class Validator:
                 autocast=autocast,
             )
         self._root_gang = gangs.root
-        self._score_metric_name = score_metric_name
-        self._lower_better = lower_better
-        self._early_stopper = early_stopper
+        self._scoring = scoring
+        self._early_stopper = scoring.early_stopper
         self._callbacks = callbacks
         self._trace = trace
         self.last_validated_step: int | None = None
         self._last_score: float | None = None
         self._best_score: float | None = None
         self._best_step_nr: int | None = None
-
-    @property
-    def lower_better(self) -> bool:
-        return self._lower_better
 
     @property
     def has_units(self) -> bool:
@@ -91,10 +100,6 @@ class Validator:
         if self._evaluator is None:
             raise ValueError("Evaluating a checkpoint needs valid_units and valid_data_readers.")
         return self._evaluator.with_run_prefix(run_prefix)
-
-    def close(self) -> None:
-        if self._evaluator is not None:
-            self._evaluator.close()
 
     def score_at(self, step_nr: int) -> float | None:
         """The score of the validation at ``step_nr``, for its checkpoint; None if unscored."""
@@ -115,8 +120,8 @@ class Validator:
             self._callbacks.on_metrics_published(run=run, step_nr=step_nr, values=values)
 
         score = None
-        if self._score_metric_name is not None:
-            score = combine_scores(results, self._score_metric_name)
+        if self._scoring.metric_name is not None:
+            score = combine_scores(results, self._scoring.metric_name)
             if baseline:
                 log.info("Validation score before training: %g (a baseline, not ranked).", score)
             else:
@@ -129,7 +134,7 @@ class Validator:
         # unscored, so keep-best and --evaluate best never pick it.
         finite = math.isfinite(score)
         self._last_score = score if finite else None
-        if is_better_score(score, self._best_score, lower_better=self._lower_better):
+        if is_better_score(score, self._best_score, lower_better=self._scoring.lower_better):
             self._best_score, self._best_step_nr = score, step_nr
         if not finite:
             log.warning(

@@ -35,7 +35,7 @@ def test_keep_last() -> None:
 )
 def test_keep_best_in_both_orientations_plus_the_newest(lower_better: bool, best: set[int]) -> None:
     plan = plan_retention(
-        infos(), RetentionPolicy(keep_best_n_checkpoints=3, lower_better=lower_better)
+        infos(), RetentionPolicy(keep_best_n_checkpoints=3), lower_better=lower_better
     )
     assert plan.keep == best | {100}
 

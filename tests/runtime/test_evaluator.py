@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,23 +12,11 @@ from torch import nn
 
 from checkpoint import CheckpointManager, CheckpointNotFoundError
 from gangs import Gangs
-from runtime import Evaluator, MetricRecorder, combine_scores, evaluate_units, main
-from tests.conftest import RunTorch, assert_ok, read_jsonl
+from runtime import Evaluator, combine_scores, evaluate_units, main
+from tests.conftest import ListRecorder, RunTorch, assert_ok, read_jsonl
 from tests.runtime.test_validation import make_trainer, scripted
 from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel
 from tests.workers.valid_toy import ToyEvalUnit, ValidToyConfig, make_valid_reader, recipe
-
-
-class ListRecorder(MetricRecorder):
-    def __init__(self) -> None:
-        self.records: list[tuple[str, dict[str, Any], int]] = []
-        self.closed = False
-
-    def record_metrics(self, run: str, values: Mapping[str, Any], step_nr: int) -> None:
-        self.records.append((run, dict(values), step_nr))
-
-    def close(self) -> None:
-        self.closed = True
 
 
 def expected_mse(model: nn.Module, size: int) -> float:
