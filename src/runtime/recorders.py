@@ -254,6 +254,7 @@ class WandbRecorder(MetricRecorder):
         self._run_name = run_name
         self._config = dict(config) if config is not None else None
         self._run: Any = None
+        self._finished = False
 
     @property
     def run_id(self) -> str:
@@ -266,9 +267,9 @@ class WandbRecorder(MetricRecorder):
 
     @override
     def close(self) -> None:
-        if self._run is not None:
+        if self._run is not None and not self._finished:
             self._run.finish()
-            self._run = None
+            self._finished = True
 
     def _started_run(self) -> Any:
         if self._run is None:
