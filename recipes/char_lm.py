@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torcheval.metrics import Mean, Perplexity
 
 from checkpoint import CheckpointManager
+from checkpoint.arguments import check_not_negative, check_positive
 from gangs import Gangs, setup_gangs
 from runtime import (
     DataParallelKind,
@@ -40,7 +41,6 @@ from runtime import (
     main,
     materialize_model,
 )
-from runtime.arguments import check_not_negative, check_positive
 from units import EvalUnit, TrainUnit
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 # and counts the runs in which a process aborted at exit ("terminate called without an active
 # exception", exit -6) and the runs that failed otherwise.
 #   scripts/soak_distributed.sh 20
-#   scripts/soak_distributed.sh 20 tests/runtime/test_evaluator.py -k torchrun
+#   scripts/soak_distributed.sh 20 tests/runtime/training/test_evaluation.py -k torchrun
 set -uo pipefail
 runs=${1:-20}
 shift || true

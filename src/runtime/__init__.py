@@ -10,11 +10,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runtime.activation_checkpoint import apply_activation_checkpointing
-    from runtime.callbacks import TrainerCallback
-    from runtime.cli import main
-    from runtime.compile import compile_blocks, compile_loss
-    from runtime.config import ConfigError
+    from runtime.cli.config import ConfigError
+    from runtime.cli.recipe_main import main
     from runtime.data import (
         DataReader,
         DataReaderError,
@@ -22,22 +19,10 @@ if TYPE_CHECKING:
         MapDataReader,
         SyncMode,
     )
-    from runtime.early_stop import EarlyStopper, PatienceEarlyStopper
     from runtime.errors import TrainerError
-    from runtime.evaluator import Evaluator, combine_scores, evaluate_units
-    from runtime.gradients import clip_gradient_norm
-    from runtime.init_weights import InitialWeights, InitialWeightsError, load_initial_weights
-    from runtime.loss_scale import LossScaler
-    from runtime.model_init import InitFn, has_meta_tensors, materialize_model
-    from runtime.parallel import (
-        DataParallelKind,
-        apply_data_parallel,
-        apply_tensor_parallel,
-        unwrap_model,
-    )
-    from runtime.profiler import TorchProfiler
-    from runtime.progress import ProgressDisplay, make_progress_display
-    from runtime.recorders import (
+    from runtime.metrics.profiler import TorchProfiler
+    from runtime.metrics.progress import ProgressDisplay, make_progress_display
+    from runtime.metrics.recorders import (
         CompositeMetricRecorder,
         CsvMetricRecorder,
         JsonlMetricRecorder,
@@ -46,56 +31,75 @@ if TYPE_CHECKING:
         TensorBoardRecorder,
         WandbRecorder,
     )
-    from runtime.schedule import Schedule
-    from runtime.signals import PREEMPTED_EXIT_CODE
-    from runtime.train_state import StopReason, TrainState
-    from runtime.trainer import Trainer
+    from runtime.parallel.activation_checkpoint import apply_activation_checkpointing
+    from runtime.parallel.compile import compile_blocks, compile_loss
+    from runtime.parallel.materialize import InitFn, has_meta_tensors, materialize_model
+    from runtime.parallel.wrapping import (
+        DataParallelKind,
+        apply_data_parallel,
+        apply_tensor_parallel,
+        unwrap_model,
+    )
+    from runtime.training.callbacks import TrainerCallback
+    from runtime.training.early_stop import EarlyStopper, PatienceEarlyStopper
+    from runtime.training.evaluation import Evaluator, combine_scores, evaluate_units
+    from runtime.training.gradients import clip_gradient_norm
+    from runtime.training.initial_weights import (
+        InitialWeights,
+        InitialWeightsError,
+        load_initial_weights,
+    )
+    from runtime.training.loss_scale import LossScaler
+    from runtime.training.schedule import Schedule
+    from runtime.training.signals import PREEMPTED_EXIT_CODE
+    from runtime.training.state import StopReason, TrainState
+    from runtime.training.trainer import Trainer
 
 _MODULE_OF: dict[str, str] = {
-    "CompositeMetricRecorder": "runtime.recorders",
-    "ConfigError": "runtime.config",
-    "CsvMetricRecorder": "runtime.recorders",
-    "DataParallelKind": "runtime.parallel",
+    "CompositeMetricRecorder": "runtime.metrics.recorders",
+    "ConfigError": "runtime.cli.config",
+    "CsvMetricRecorder": "runtime.metrics.recorders",
+    "DataParallelKind": "runtime.parallel.wrapping",
     "DataReader": "runtime.data",
     "DataReaderError": "runtime.data",
-    "EarlyStopper": "runtime.early_stop",
-    "Evaluator": "runtime.evaluator",
-    "InitFn": "runtime.model_init",
-    "InitialWeights": "runtime.init_weights",
-    "InitialWeightsError": "runtime.init_weights",
+    "EarlyStopper": "runtime.training.early_stop",
+    "Evaluator": "runtime.training.evaluation",
+    "InitFn": "runtime.parallel.materialize",
+    "InitialWeights": "runtime.training.initial_weights",
+    "InitialWeightsError": "runtime.training.initial_weights",
     "IterableDataReader": "runtime.data",
-    "JsonlMetricRecorder": "runtime.recorders",
-    "LogMetricRecorder": "runtime.recorders",
-    "LossScaler": "runtime.loss_scale",
+    "JsonlMetricRecorder": "runtime.metrics.recorders",
+    "LogMetricRecorder": "runtime.metrics.recorders",
+    "LossScaler": "runtime.training.loss_scale",
     "MapDataReader": "runtime.data",
-    "MetricRecorder": "runtime.recorders",
-    "PREEMPTED_EXIT_CODE": "runtime.signals",
-    "PatienceEarlyStopper": "runtime.early_stop",
-    "ProgressDisplay": "runtime.progress",
-    "Schedule": "runtime.schedule",
-    "StopReason": "runtime.train_state",
+    "MetricRecorder": "runtime.metrics.recorders",
+    "PREEMPTED_EXIT_CODE": "runtime.training.signals",
+    "PatienceEarlyStopper": "runtime.training.early_stop",
+    "ProgressDisplay": "runtime.metrics.progress",
+    "Schedule": "runtime.training.schedule",
+    "StopReason": "runtime.training.state",
     "SyncMode": "runtime.data",
-    "TensorBoardRecorder": "runtime.recorders",
-    "TorchProfiler": "runtime.profiler",
-    "TrainState": "runtime.train_state",
-    "Trainer": "runtime.trainer",
-    "TrainerCallback": "runtime.callbacks",
+    "TensorBoardRecorder": "runtime.metrics.recorders",
+    "TorchProfiler": "runtime.metrics.profiler",
+    "TrainState": "runtime.training.state",
+    "Trainer": "runtime.training.trainer",
+    "TrainerCallback": "runtime.training.callbacks",
     "TrainerError": "runtime.errors",
-    "WandbRecorder": "runtime.recorders",
-    "apply_activation_checkpointing": "runtime.activation_checkpoint",
-    "apply_data_parallel": "runtime.parallel",
-    "apply_tensor_parallel": "runtime.parallel",
-    "clip_gradient_norm": "runtime.gradients",
-    "combine_scores": "runtime.evaluator",
-    "compile_blocks": "runtime.compile",
-    "compile_loss": "runtime.compile",
-    "evaluate_units": "runtime.evaluator",
-    "has_meta_tensors": "runtime.model_init",
-    "load_initial_weights": "runtime.init_weights",
-    "main": "runtime.cli",
-    "make_progress_display": "runtime.progress",
-    "materialize_model": "runtime.model_init",
-    "unwrap_model": "runtime.parallel",
+    "WandbRecorder": "runtime.metrics.recorders",
+    "apply_activation_checkpointing": "runtime.parallel.activation_checkpoint",
+    "apply_data_parallel": "runtime.parallel.wrapping",
+    "apply_tensor_parallel": "runtime.parallel.wrapping",
+    "clip_gradient_norm": "runtime.training.gradients",
+    "combine_scores": "runtime.training.evaluation",
+    "compile_blocks": "runtime.parallel.compile",
+    "compile_loss": "runtime.parallel.compile",
+    "evaluate_units": "runtime.training.evaluation",
+    "has_meta_tensors": "runtime.parallel.materialize",
+    "load_initial_weights": "runtime.training.initial_weights",
+    "main": "runtime.cli.recipe_main",
+    "make_progress_display": "runtime.metrics.progress",
+    "materialize_model": "runtime.parallel.materialize",
+    "unwrap_model": "runtime.parallel.wrapping",
 }
 
 

@@ -1,5 +1,5 @@
 import sys
 
-from runtime.commands import main
+from runtime.cli.tools import main
 
 sys.exit(main())

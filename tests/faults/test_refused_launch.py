@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from runtime.run_lock import RunLock
+from runtime.cli.run_lock import RunLock
 from tests.conftest import REPO_ROOT, child_env, free_port, torchrun_command
 
 pytestmark = [pytest.mark.faults, pytest.mark.distributed]
 
-RECIPE = ["-m", "tests.runtime.cli_recipe"]
+RECIPE = ["-m", "tests.runtime.cli.cli_recipe"]
 
 # A refused launch takes about 5 s here, most of it importing torch; a hung one takes over 30 s
 # (torchrun's SIGTERM, ignored, then its SIGKILL). The bound leaves room for a loaded machine.

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from torch import Tensor
 
-from runtime.run_lock import LOCK_FILE_NAME, RunLock, RunLockError
+from runtime.cli.run_lock import LOCK_FILE_NAME, RunLock, RunLockError
 from tests.conftest import REPO_ROOT, child_env
 from tests.faults.conftest import Tally, trial_counts
 from tests.faults.jobs import (
@@ -51,7 +51,7 @@ def test_a_second_run_is_refused_naming_the_holder_and_writes_nothing(tmp_path: 
     lock.acquire()
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "tests.runtime.cli_recipe", str(out)],
+            [sys.executable, "-m", "tests.runtime.cli.cli_recipe", str(out)],
             env=child_env(),
             cwd=REPO_ROOT,
             capture_output=True,

@@ -17,7 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gangs import setup_gangs
-from runtime.step_totals import DdpCountCarrier
+from runtime.training.step_totals import DdpCountCarrier
 from tests.workers.leave import leave
 
 

@@ -9,8 +9,8 @@ from typing import Any, TypeVar, final, overload
 from torch.utils.data import default_collate
 from typing_extensions import override
 
+from checkpoint.arguments import check_positive
 from gangs import Gang, ReduceOperation, agree
-from runtime.arguments import check_positive
 from runtime.data.reader import DataReader, DataReaderError, SyncMode, int_entry
 
 BatchT = TypeVar("BatchT")

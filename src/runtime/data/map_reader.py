@@ -10,8 +10,8 @@ from torch import Tensor
 from torch.utils.data import TensorDataset, default_collate
 from typing_extensions import override
 
+from checkpoint.arguments import check_not_negative, check_positive
 from gangs import Gang, find_disagreements
-from runtime.arguments import check_not_negative, check_positive
 from runtime.data.prefetch import Prefetcher
 from runtime.data.reader import DataReader, DataReaderError, SyncMode, int_entry
 from runtime.data.sharding import ShardLayout, resume_position

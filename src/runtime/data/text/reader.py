@@ -9,8 +9,8 @@ from typing import Any, final
 from torch import Tensor
 from typing_extensions import override
 
+from checkpoint.arguments import check_not_negative, check_positive
 from gangs import Gang, find_disagreements
-from runtime.arguments import check_not_negative, check_positive
 from runtime.data.reader import DataReader, DataReaderError, int_entry
 from runtime.data.text.files import ReadOptions, find_files
 from runtime.data.text.mixture import MixtureSampler, TextSource

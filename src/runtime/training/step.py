@@ -1,0 +1,445 @@
+"""One optimizer step: forward and backward over the micro-batches, normalization, clipping,
+loss scaling, the optimizer and the LR scheduler."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Generic, NamedTuple, TypeVar, final
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from checkpoint.arguments import check_positive
+from gangs import Gangs
+from runtime.errors import TrainerError
+from runtime.metrics.tracing import BACKWARD, FORWARD, GRADIENT_SYNC, OPTIMIZER_STEP, traced
+from runtime.training.callbacks import overrides
+from runtime.training.gradients import Gradients, gradient_sync_switch
+from runtime.training.loss_scale import LossScaler
+from runtime.training.non_finite import NanPolicy, NonFiniteGuard
+from runtime.training.state import check_state_keys
+from runtime.training.step_totals import DdpCountCarrier, StepTotals
+from units import TrainUnit
+
+log = logging.getLogger(__name__)
+
+BatchT = TypeVar("BatchT")
+R = TypeVar("R")
+
+
+@final
+class StepOutput(NamedTuple):
+    """What one step measured; tensors stay on the device, so reading them is left to publish.
+
+    A named tuple, not a frozen dataclass: it is made every step, and a frozen dataclass sets
+    each field through ``object.__setattr__``.
+    """
+
+    step_nr: int
+    """The number of the step."""
+    losses: list[Tensor]
+    """This rank's summed loss of each micro-batch."""
+    num_targets: int
+    """This rank's targets (or micro-batches, for a unit that returns mean losses)."""
+    total_targets: float
+    """The targets of the whole DP gang: the normalizer of the step."""
+    total_examples: float
+    """The examples of the whole DP gang."""
+    grad_norm: Tensor | None
+    """The gradient norm before clipping, on the steps that measure it (see
+    :meth:`TrainStep.take`)."""
+    non_finite_gradients: Tensor | None
+    """This rank's flag, one tensor for the run: non-zero since the first NaN or infinite
+    gradient (None without gradients)."""
+    stop_requested: bool
+    """Whether any rank asked to stop (a signal) before this step."""
+    applied: bool = True
+    """False when the step was skipped (fp16 overflow, or a non-finite value with
+    ``nan_policy="skip"``): the weights are as before it."""
+
+
+@final
+@dataclass(frozen=True)
+class Precision:
+    """The Trainer's ``dtype``, ``amp`` and ``fp16_loss_scale``: ``(initial, minimum)``, or
+    ``(initial, minimum, growth_interval)``; loss scaling is on with float16 only."""
+
+    dtype: torch.dtype = torch.float32
+    amp: bool = False
+    fp16_loss_scale: tuple[float, ...] = (128.0, 0.0001)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(
+                "dtype must be torch.float32, torch.bfloat16 or torch.float16, but is "
+                f"{self.dtype} instead."
+            )
+
+
+@final
+class TrainStep(Generic[BatchT]):
+    """Runs ``unit`` over a step's micro-batches and updates the model with ``optimizer``.
+
+    The gradients are scaled so that the update is the mean over all targets of the step, across
+    gradient accumulation and the data-parallel gang: *sum of losses / total targets*.
+    """
+
+    def __init__(
+        self,
+        *,
+        unit: TrainUnit[BatchT],
+        optimizer: Optimizer,
+        gangs: Gangs,
+        lr_scheduler: LRScheduler | None = None,
+        precision: Precision = Precision(),
+        max_gradient_norm: float | None = None,
+        nan_policy: NanPolicy = "error",
+        max_consecutive_skipped_steps: int = 10,
+        trace: bool = False,
+    ) -> None:
+        check_positive("max_gradient_norm", max_gradient_norm)
+        self._unit = unit
+        # Most units do not override the hook, and their steps skip the call.
+        self._set_unit_step_nr = (
+            unit.set_step_nr if overrides(unit, TrainUnit, "set_step_nr") else None
+        )
+        self._model = unit.model
+        self._optimizer = optimizer
+        self._lr_scheduler = lr_scheduler
+        self._gangs = gangs
+        self._dtype = precision.dtype
+        self._autocasts = precision.amp and precision.dtype != torch.float32
+        self._max_gradient_norm = max_gradient_norm
+        self._trace = trace
+        self._loss_scaler = LossScaler.from_option(
+            precision.fp16_loss_scale, enabled=precision.dtype == torch.float16
+        )
+        self.guard = NonFiniteGuard(
+            policy=nan_policy,
+            max_consecutive_skipped_steps=max_consecutive_skipped_steps,
+            root_gang=gangs.root,
+            checks_gradients=not self._loss_scaler.enabled,
+        )
+        self._gradients = Gradients(self._model)
+        self._totals = StepTotals(
+            gangs=gangs,
+            check_losses=self.guard.skips,
+            carrier=DdpCountCarrier.attach(self._model, gangs),
+        )
+        self._dp_size = gangs.dp.size
+        self._switch_gradient_sync = gradient_sync_switch(self._model)
+        # A step is skipped on an fp16 overflow, or with nan_policy="skip" on a non-finite value.
+        self._may_skip = self._loss_scaler.enabled or self.guard.skips
+        # The phases of a step. With a profiler each runs in its named range, bound here rather
+        # than entered in the step: a step without a profiler enters no context at all. The unit
+        # runs through its bound __call__, which calling the instance would look up every time.
+        forward: Callable[[BatchT], tuple[Tensor, int | None]] = unit.__call__
+        if self._autocasts:
+            forward = _in_autocast(forward, self.autocast)
+        self._forward = traced(FORWARD, forward, enabled=trace)
+        self._backward = traced(BACKWARD, torch.autograd.backward, enabled=trace)
+        self._normalize = traced(GRADIENT_SYNC, self._normalize_gradients, enabled=trace)
+        self._update = traced(OPTIMIZER_STEP, self._update_model, enabled=trace)
+
+    def take(
+        self,
+        batches: list[BatchT],
+        *,
+        step_nr: int,
+        stop_requested: bool,
+        measure_grad_norm: bool = True,
+    ) -> StepOutput:
+        """Take the step. The gradient norm is measured when ``measure_grad_norm`` (the loop
+        asks on the steps that publish it), and always with clipping, ``nan_policy="skip"`` or
+        fp16, which decide on it: elsewhere it is work no one reads.
+
+        A method rather than ``__call__``: a call of an instance with keywords builds a dict of
+        them every time.
+        """
+        if self._set_unit_step_nr is not None:
+            self._set_unit_step_nr(step_nr)
+        may_skip = self._may_skip
+        if may_skip:
+            self._unit.metric_bag.begin_updates()
+
+        loss_scale = self._loss_scaler.scale
+        losses, num_targets, last_loss = self._forward_backward(
+            batches, step_nr, stop_requested, loss_scale
+        )
+        total_targets, total_examples, stop_votes, non_finite_votes = self._totals.wait()
+        if total_targets == 0:
+            raise TrainerError(
+                f"The batches of step {step_nr} have no targets on any data-parallel rank, so the "
+                "loss cannot be normalized. Check that the data yields non-empty targets."
+            )
+
+        non_finite, grad_norm = self._normalize(
+            total_targets * loss_scale, measure_grad_norm or may_skip
+        )
+        applied = True
+        if may_skip:
+            assert grad_norm is not None
+            applied = self._loss_scaler.update(grad_norm, step_nr) and (
+                not self.guard.skips
+                or self.guard.allows_step(
+                    step_nr=step_nr,
+                    loss_finite_here=self._totals.loss_finite_here,
+                    losses_finite_everywhere=non_finite_votes == 0,
+                    grad_norm=grad_norm,
+                )
+            )
+        self._update(applied, may_skip)
+        # Held until the update is done: its autograd graph (spent, but not yet freed) references
+        # every parameter, and while a parameter has a second C++ owner, the optimizer's own
+        # references to it skip torch's Python-object bookkeeping, which otherwise takes the GIL
+        # for each one (1 to 2% of W1's step, see README "Performance"). A hand-written loop
+        # holds its loss this long too.
+        del last_loss
+        # By position, in the order of the fields: a class called with keywords gets them as a
+        # dict, built every step.
+        return StepOutput(
+            step_nr,
+            losses,
+            num_targets,
+            total_targets,
+            total_examples,
+            grad_norm,
+            non_finite,
+            stop_votes > 0,
+            applied,
+        )
+
+    def _forward_backward(
+        self, batches: list[BatchT], step_nr: int, stop_requested: bool, loss_scale: float
+    ) -> tuple[list[Tensor], int, Tensor]:
+        """Backpropagate each micro-batch's summed loss, and start the step's totals over the
+        ranks during the last backward; return the losses, this rank's target count, and the
+        last micro-batch's loss itself, with its graph."""
+        losses: list[Tensor] = []
+        num_targets = 0
+        num_examples = 0
+        counted_targets: bool | None = None
+        last = len(batches) - 1
+        # DP gradient reduction waits for the last micro-batch.
+        switch_sync = self._switch_gradient_sync if last > 0 else None
+        try:
+            for index, batch in enumerate(batches):
+                if switch_sync is not None:
+                    switch_sync(index == last)
+                loss, batch_targets = _check_unit_output(
+                    self._forward(batch), step_nr, counted_targets
+                )
+                counted_targets = batch_targets is not None
+                losses.append(loss.detach())
+                num_targets += 1 if batch_targets is None else batch_targets
+                num_examples += _num_examples(batch)
+                if index == last:
+                    # Everything the totals need is known now: their all-reduce overlaps the
+                    # last backward (and DDP's gradient reduction within it).
+                    self._totals.start(
+                        num_targets=num_targets,
+                        num_examples=num_examples,
+                        stop_requested=stop_requested,
+                        losses=losses,
+                    )
+                self._backward(loss if loss_scale == 1.0 else loss * loss_scale)
+        finally:
+            if switch_sync is not None:
+                switch_sync(True)
+        return losses, num_targets, loss
+
+    def _normalize_gradients(
+        self, scaled_total_targets: float, measure_grad_norm: bool
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """Normalize (dividing by the targets of the step times the loss scale), and clip with
+        ``max_gradient_norm``; return the non-finite flag and the gradient norm, measured when
+        ``measure_grad_norm`` or clipping."""
+        # DDP and FSDP average gradients over the DP gang; this turns the average of per-rank
+        # sums into the sum over all targets divided by their count.
+        non_finite = self._gradients.normalize(self._dp_size / scaled_total_targets)
+        max_norm = self._max_gradient_norm
+        if not measure_grad_norm and max_norm is None:
+            return non_finite, None
+        grad_norm = self._gradients.norm()
+        if max_norm is not None:
+            self._gradients.clip(max_norm, grad_norm)
+        return non_finite, grad_norm
+
+    def _update_model(self, applied: bool, may_skip: bool) -> None:
+        if applied:
+            self._optimizer.step()
+        if may_skip:
+            if applied:
+                self._unit.metric_bag.commit_updates()
+            else:
+                self._unit.metric_bag.rollback_updates()
+        self._optimizer.zero_grad(set_to_none=True)
+        if self._lr_scheduler is not None:
+            self._lr_scheduler.step()
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The unit's forward context: autocast to ``dtype`` with ``amp``, nothing otherwise."""
+        if not self._autocasts:
+            return _NO_AUTOCAST
+        return torch.autocast(device_type=self._gangs.dp.device.type, dtype=self._dtype)
+
+    @property
+    def traces(self) -> bool:
+        """Whether the step marks its ranges for a profiler."""
+        return self._trace
+
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate of the first parameter group."""
+        if self._lr_scheduler is not None:
+            return float(self._lr_scheduler.get_last_lr()[0])
+        return float(self._optimizer.param_groups[0]["lr"])
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The fp16 loss scale, or None without fp16."""
+        return self._loss_scaler.scale if self._loss_scaler.enabled else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "loss_scaler": self._loss_scaler.state_dict(),
+            "lr_scheduler": None if self._lr_scheduler is None else self._lr_scheduler.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        check_state_keys(state, {"loss_scaler", "lr_scheduler"}, what="train_step")
+        self._loss_scaler.load_state_dict(state["loss_scaler"])
+        scheduler_state = state["lr_scheduler"]
+        if self._lr_scheduler is None:
+            if scheduler_state is not None:
+                log.warning(
+                    "The checkpoint holds an LR scheduler state, but this Trainer has no "
+                    "lr_scheduler; the learning rate stays the optimizer's."
+                )
+        elif scheduler_state is None:
+            raise TrainerError(
+                "This Trainer has an lr_scheduler, but the checkpoint holds no LR scheduler state "
+                "(its run had none). Resume without an lr_scheduler, or start a fresh run."
+            )
+        else:
+            self._lr_scheduler.load_state_dict(scheduler_state)
+
+
+_NO_AUTOCAST: Final = contextlib.nullcontext()
+
+
+def _in_autocast(
+    forward: Callable[[BatchT], R], autocast: Callable[[], contextlib.AbstractContextManager[Any]]
+) -> Callable[[BatchT], R]:
+    """``forward`` run in the context ``autocast`` makes."""
+
+    def forward_in_autocast(batch: BatchT) -> R:
+        with autocast():
+            return forward(batch)
+
+    return forward_in_autocast
+
+
+def _check_unit_output(
+    output: object, step_nr: int, counted_targets: bool | None
+) -> tuple[Tensor, int | None]:
+    """The unit's ``(loss, num_targets)``, or an error that names the step and the fix.
+
+    ``counted_targets`` says whether the unit returned a target count for the step's micro-batches
+    before this one (None for the first): it must not change its mind within a step.
+    """
+    fix = (
+        "A TrainUnit returns (loss, num_targets): the loss summed over the batch's targets as a "
+        "0-dim tensor that depends on the model, and their count as an int (None if the loss "
+        "is a mean)."
+    )
+    if not isinstance(output, tuple) or len(output) != 2:
+        raise TrainerError(f"The unit returned {_describe(output)} at step {step_nr}. {fix}")
+    loss, num_targets = output
+    if not isinstance(loss, Tensor):
+        raise TrainerError(
+            f"The unit returned a loss of {_describe(loss)} at step {step_nr}. {fix}"
+        )
+    if loss.dim() != 0:
+        raise TrainerError(
+            f"The unit returned a loss of shape {tuple(loss.shape)} at step {step_nr}; it must be "
+            f"a 0-dim tensor: sum it (reduction='sum'). {fix}"
+        )
+    if not loss.requires_grad:
+        raise TrainerError(
+            f"The unit returned a loss without grad at step {step_nr}: it does not depend on the "
+            "model's parameters (computed under torch.no_grad() or inference_mode, or detached, "
+            "or the model's parameters do not require grad)."
+        )
+    if num_targets is None:
+        if counted_targets:
+            raise _changed_its_mind(step_nr)
+        return loss, None
+    # A plain int passes on the first test; bool is an int, but True is no count.
+    if type(num_targets) is not int and (
+        not isinstance(num_targets, int) or isinstance(num_targets, bool)
+    ):
+        raise TrainerError(
+            f"The unit returned a target count of {_describe(num_targets)} at step {step_nr}; it "
+            "must be an int (for a tensor, .numel() of the targets, or int(mask.sum()))."
+        )
+    if num_targets < 0:
+        raise TrainerError(
+            f"The unit returned {num_targets} targets at step {step_nr}; a count must be zero or "
+            "more."
+        )
+    if counted_targets is False:
+        raise _changed_its_mind(step_nr)
+    return loss, num_targets
+
+
+def _changed_its_mind(step_nr: int) -> TrainerError:
+    return TrainerError(
+        f"The unit returned a target count for some micro-batches of step {step_nr} and None for "
+        "others. Return one or the other for every batch."
+    )
+
+
+def _describe(value: object) -> str:
+    text = repr(value)
+    return f"{text[:60]}{'...' if len(text) > 60 else ''} ({type(value).__name__})"
+
+
+def _num_examples(batch: object) -> int:
+    """Examples in a micro-batch: ``batch.batch_size`` if it has one; for what ``default_collate``
+    makes (a list, tuple or dict whose tensors share their first dimension), that dimension;
+    else ``len(batch)``. A list of per-example tensors of one length reads as that length: such
+    a batch should say its ``batch_size``."""
+    size = getattr(batch, "batch_size", None)
+    if isinstance(size, int):
+        return size
+    shared = None
+    # list and tuple first: an isinstance check against the Mapping ABC runs Python code.
+    if isinstance(batch, (list, tuple)):
+        shared = _shared_first_dim(batch)
+    elif isinstance(batch, Mapping):
+        shared = _shared_first_dim(batch.values())
+    if shared is not None:
+        return shared
+    try:
+        return len(batch)  # type: ignore[arg-type]
+    except TypeError:
+        return 0
+
+
+def _shared_first_dim(fields: Iterable[object]) -> int | None:
+    """The first dimension the tensors among ``fields`` share, or None if they do not."""
+    shared: int | None = None
+    for field in fields:
+        # One read of .shape, the cheapest of torch's ways to a tensor's first dimension.
+        shape = field.shape if isinstance(field, Tensor) else None
+        if shape:
+            if shared is not None and shape[0] != shared:
+                return None
+            shared = shape[0]
+    return shared

@@ -1,0 +1,331 @@
+"""The Trainer: turns its arguments into the parts of a training run, and runs it.
+
+The parts, each in its own module: :class:`~runtime.training.step.TrainStep` (one optimizer step),
+:class:`~runtime.training.loop.TrainLoop` (the loop and the stop decision),
+:class:`~runtime.training.validation.Validator`, :class:`~runtime.training.checkpointing.Checkpointer`,
+:class:`~runtime.metrics.train_metrics.TrainMetrics` and the schedules that say when each is due.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Generic, TypeVar, final
+
+import torch
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from checkpoint import AbstractCheckpointManager, CheckpointChoice, RetentionPolicy
+from gangs import Gang, Gangs
+from runtime.data import DataReader
+from runtime.metrics.profiler import TorchProfiler
+from runtime.metrics.progress import make_progress_display
+from runtime.metrics.recorders import MetricRecorder, RecorderOptions, make_recorder
+from runtime.metrics.train_metrics import Throughput, TrainMetrics
+from runtime.training.callbacks import CallbackList, TrainerCallback
+from runtime.training.checkpointing import Checkpointer, CheckpointOptions
+from runtime.training.early_stop import EarlyStopper
+from runtime.training.garbage_collection import GarbageCollection
+from runtime.training.loop import Limits, Observers, Schedules, TrainLoop
+from runtime.training.non_finite import NanPolicy
+from runtime.training.schedule import Schedule, check_every_checkpoint_is_scored
+from runtime.training.signals import PREEMPTED_EXIT_CODE
+from runtime.training.state import StopReason
+from runtime.training.step import Precision, TrainStep
+from runtime.training.validation import Scoring, Validator
+from units import EvalUnit, TrainUnit
+
+log = logging.getLogger(__name__)
+
+BatchT = TypeVar("BatchT")
+
+
+@final
+class Trainer(Generic[BatchT]):
+    """Trains ``unit`` on the batches of ``data_reader``; resumes from the last checkpoint.
+
+    Each step takes ``data_reader.num_accumulate`` micro-batches, backpropagates the unit's summed
+    loss of each, and scales the gradients so the update is the mean over all targets of the
+    step, across gradient accumulation and the data-parallel gang.
+    """
+
+    def __init__(
+        self,
+        *,
+        unit: TrainUnit[BatchT],
+        data_reader: DataReader[BatchT],
+        optimizer: Optimizer,
+        checkpoint_manager: AbstractCheckpointManager,
+        root_gang: Gang | None = None,
+        dp_gang: Gang | None = None,
+        tp_gang: Gang | None = None,
+        gangs: Gangs | None = None,
+        dtype: torch.dtype = torch.float32,
+        lr_scheduler: LRScheduler | None = None,
+        max_num_steps: int | None = None,
+        max_num_data_epochs: int | None = None,
+        valid_units: Sequence[EvalUnit[Any]] | None = None,
+        valid_data_readers: Sequence[DataReader[Any]] | None = None,
+        validate_every_n_steps: int | None = None,
+        validate_after_n_steps: int = 0,
+        validate_every_n_data_epochs: int | None = None,
+        validate_at_start: bool = False,
+        checkpoint_every_n_steps: int | None = None,
+        checkpoint_after_n_steps: int = 0,
+        checkpoint_every_n_data_epochs: int | None = None,
+        keep_last_n_checkpoints: int | None = None,
+        keep_best_n_checkpoints: int | None = None,
+        keep_last_n_models: int | None = None,
+        keep_best_n_models: int | None = None,
+        async_checkpoint: bool = False,
+        reshard_on_resume: bool = False,
+        score_metric_name: str | None = None,
+        lower_better: bool = False,
+        early_stopper: EarlyStopper | None = None,
+        publish_metrics_every_n_steps: int | None = None,
+        tb_dir: Path | None = None,
+        metrics_dir: Path | None = None,
+        wandb_project: str | None = None,
+        wandb_run_name: str | None = None,
+        wandb_dir: Path | None = None,
+        wandb_config: Mapping[str, object] | None = None,
+        recorders: Sequence[MetricRecorder] = (),
+        fp16_loss_scale: tuple[float, float] = (128.0, 0.0001),
+        max_gradient_norm: float | None = None,
+        amp: bool = False,
+        anomaly_detection: bool = False,
+        profiler: TorchProfiler | None = None,
+        seed: int = 2,
+        callbacks: Sequence[TrainerCallback] = (),
+        progress: bool = True,
+        nan_policy: NanPolicy = "error",
+        max_consecutive_skipped_steps: int = 10,
+        gc_every_n_steps: int | None = None,
+        flops_per_target: float | None = None,
+        device_peak_flops: float | None = None,
+        init_from: Path | None = None,
+    ) -> None:
+        gangs = _resolve_gangs(gangs, root_gang, dp_gang, tp_gang)
+        # The keywords above, each turned into the option group that uses it; from here on only
+        # the groups travel.
+        schedules = Schedules(
+            publish=Schedule("publish_metrics", publish_metrics_every_n_steps),
+            validate=Schedule(
+                "validate",
+                validate_every_n_steps,
+                validate_after_n_steps,
+                validate_every_n_data_epochs,
+            ),
+            checkpoint=Schedule(
+                "checkpoint",
+                checkpoint_every_n_steps,
+                checkpoint_after_n_steps,
+                checkpoint_every_n_data_epochs,
+            ),
+            validate_at_start=validate_at_start,
+        )
+        scoring = Scoring(score_metric_name, lower_better, early_stopper)
+        retention = RetentionPolicy(
+            keep_last_n_checkpoints=keep_last_n_checkpoints,
+            keep_best_n_checkpoints=keep_best_n_checkpoints,
+            keep_last_n_models=keep_last_n_models,
+            keep_best_n_models=keep_best_n_models,
+        )
+        checkpointing = CheckpointOptions(retention, async_checkpoint, reshard_on_resume, init_from)
+        recording = RecorderOptions(
+            tb_dir, metrics_dir, wandb_project, wandb_run_name, wandb_dir, wandb_config
+        )
+        _check_validation(valid_units, schedules, retention, scoring)
+        self._unit = unit
+        self._gangs = gangs
+        self._anomaly_detection = anomaly_detection
+        self._callbacks = CallbackList(callbacks)
+        self._checkpoint_manager, self._scoring = checkpoint_manager, scoring
+        self._data_readers = [data_reader, *(valid_data_readers or [])]
+        self._closed = False
+        self._train_step = TrainStep(
+            unit=unit,
+            optimizer=optimizer,
+            gangs=gangs,
+            lr_scheduler=lr_scheduler,
+            precision=Precision(dtype, amp, fp16_loss_scale),
+            max_gradient_norm=max_gradient_norm,
+            nan_policy=nan_policy,
+            max_consecutive_skipped_steps=max_consecutive_skipped_steps,
+            trace=profiler is not None,
+        )
+        self._recorder = make_recorder(gangs.root, recorders, recording)
+        self._validator = self._make_validator(valid_units, valid_data_readers)
+        self._loop = TrainLoop(
+            data_reader=data_reader,
+            train_step=self._train_step,
+            metrics=self._make_metrics(Throughput(flops_per_target, device_peak_flops)),
+            validator=self._validator,
+            checkpointer=self._make_checkpointer(optimizer, checkpointing),
+            schedules=schedules,
+            limits=Limits(max_num_steps, max_num_data_epochs),
+            observers=self._make_observers(progress, profiler),
+            gangs=gangs,
+            seed=seed,
+            garbage_collection=GarbageCollection(gc_every_n_steps),
+        )
+
+    def _make_observers(self, progress: bool, profiler: TorchProfiler | None) -> Observers:
+        return Observers(
+            callbacks=self._callbacks,
+            recorder=self._recorder,
+            progress=make_progress_display(enabled=progress and self._gangs.root.rank == 0),
+            profiler=profiler,
+        )
+
+    def _make_checkpointer(
+        self, optimizer: Optimizer, checkpointing: CheckpointOptions
+    ) -> Checkpointer:
+        return Checkpointer(
+            manager=self._checkpoint_manager,
+            options=checkpointing,
+            scoring=self._scoring,
+            model=self._unit.model,
+            optimizer=optimizer,
+            callbacks=self._callbacks,
+            gangs=self._gangs,
+        )
+
+    def _make_metrics(self, throughput: Throughput) -> TrainMetrics:
+        return TrainMetrics(
+            unit_metrics=self._unit.metric_bag,
+            gangs=self._gangs,
+            guard=self._train_step.guard,
+            throughput=throughput,
+        )
+
+    def _make_validator(
+        self,
+        valid_units: Sequence[EvalUnit[Any]] | None,
+        valid_data_readers: Sequence[DataReader[Any]] | None,
+    ) -> Validator:
+        return Validator(
+            units=list(valid_units or []),
+            data_readers=list(valid_data_readers or []),
+            model=self._unit.model,
+            gangs=self._gangs,
+            recorder=self._recorder,
+            autocast=self._train_step.autocast,
+            scoring=self._scoring,
+            callbacks=self._callbacks,
+            trace=self._train_step.traces,
+        )
+
+    @property
+    def step_nr(self) -> int:
+        return self._loop.state.step_nr
+
+    @property
+    def gangs(self) -> Gangs:
+        return self._gangs
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether a SIGTERM or SIGUSR1 arrived; the next step boundary stops every rank."""
+        return self._loop.stop_signals.requested
+
+    def run(self) -> int:
+        """Train until a stop condition; return the process exit status (0 when finished).
+
+        A run stopped by SIGTERM or SIGUSR1 returns :data:`PREEMPTED_EXIT_CODE` after saving a
+        checkpoint at the step all ranks agreed on.
+        """
+        with contextlib.ExitStack() as stack:
+            stack.callback(self.close)
+            if self._anomaly_detection:
+                stack.enter_context(torch.autograd.detect_anomaly())
+            stack.enter_context(self._loop.stop_signals)
+
+            self._loop.resume()
+            state = self._loop.state
+            if state.finished:
+                log.info("The run finished at step %d already; nothing to do.", state.step_nr)
+                return 0
+
+            if self._loop.observers.profiler is not None:
+                stack.enter_context(self._loop.observers.profiler)
+            self._loop.observers.progress.start(
+                total_steps=self._loop.limits.max_num_steps, initial_step=state.step_nr
+            )
+            self._unit.model.train()
+            self._loop.run()
+            # An asynchronous save of the last step commits here; after a crash it never does.
+            self._loop.finish_pending_save()
+            if state.finished:
+                self._callbacks.on_train_end(step_nr=state.step_nr)
+        return PREEMPTED_EXIT_CODE if state.stop_reason is StopReason.PREEMPTED else 0
+
+    def evaluate_checkpoint(self, which: CheckpointChoice = "last") -> dict[str, dict[str, Any]]:
+        """Load the model of a checkpoint and run the valid units on it, published as ``eval``.
+
+        ``which`` is ``"last"``, ``"best"`` (by the score stored with each checkpoint, oriented
+        by ``lower_better``) or a step number. The values are recorded at the checkpoint's step
+        under the run ``eval`` (``eval/<display_name>`` for named units), with the same metric
+        names as ``valid``, and returned by run name. The trainer is closed afterwards: one used
+        for this is not meant to ``run()`` too.
+        """
+        evaluator = self._validator.evaluator(run_prefix="eval")
+        try:
+            return evaluator.evaluate_checkpoint(
+                self._checkpoint_manager, which, lower_better=self._scoring.lower_better
+            )
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Release what the training holds: the recorders' files, the progress display, the
+        checkpoint manager's background work (an uncommitted save stays uncommitted) and the
+        data readers' threads. :meth:`run` calls it on every exit; a second call does nothing.
+        Each part is closed even if closing another fails."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.ExitStack() as stack:
+            for reader in self._data_readers:
+                stack.callback(reader.close)
+            stack.callback(self._loop.observers.progress.close)
+            stack.callback(self._checkpoint_manager.close)
+            stack.callback(self._recorder.close)
+
+
+def _resolve_gangs(
+    gangs: Gangs | None, root_gang: Gang | None, dp_gang: Gang | None, tp_gang: Gang | None
+) -> Gangs:
+    if gangs is not None:
+        if root_gang is not None or dp_gang is not None or tp_gang is not None:
+            raise ValueError("Pass either gangs or root_gang/dp_gang/tp_gang, not both.")
+        return gangs
+    if root_gang is None:
+        raise ValueError("root_gang (or gangs) must be given.")
+    return Gangs.of(root_gang, dp_gang, tp_gang)
+
+
+def _check_validation(
+    valid_units: Sequence[EvalUnit[Any]] | None,
+    schedules: Schedules,
+    retention: RetentionPolicy,
+    scoring: Scoring,
+) -> None:
+    """Valid units need a schedule; ranking by score needs valid units and a score."""
+    if valid_units and not schedules.validate.is_set:
+        raise ValueError(
+            "valid_units are given, so validate_every_n_steps or validate_every_n_data_epochs "
+            "must be set too."
+        )
+    if (retention.uses_score or scoring.early_stopper is not None) and (
+        scoring.metric_name is None or not valid_units
+    ):
+        raise ValueError(
+            "keep_best_n_checkpoints, keep_best_n_models and early_stopper rank by a "
+            "validation score, so valid_units and score_metric_name must be set too."
+        )
+    if retention.uses_score:
+        check_every_checkpoint_is_scored(schedules.checkpoint, schedules.validate)

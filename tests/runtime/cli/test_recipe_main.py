@@ -1,0 +1,211 @@
+"""The recipe command line, run as real processes on ``tests/runtime/cli/cli_recipe.py``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO_ROOT, RunTorch, assert_ok, child_env
+
+RECIPE_MODULE = "tests.runtime.cli.cli_recipe"
+RECIPE_SCRIPT = "tests/runtime/cli/cli_recipe.py"
+
+Result = subprocess.CompletedProcess[str]
+
+
+def run_recipes(commands: dict[str, list[str]]) -> dict[str, Result]:
+    """Run ``python -m tests.runtime.cli.cli_recipe ARGS`` for each entry, all at once.
+
+    Each process spends most of its time importing torch, so running them side by side keeps
+    the file fast.
+    """
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", RECIPE_MODULE, *args],
+            env=child_env(),
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, args in commands.items()
+    }
+    results = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=120)
+        results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return results
+
+
+ERROR_CASES: dict[str, tuple[list[str], str]] = {
+    "unknown_key": (
+        ["--config", "gang.tp_sise=2"],
+        "error: Unknown config key 'gang.tp_sise'. Valid keys under 'gang': tp_size. "
+        "Did you mean 'gang.tp_size'? (from --config gang.tp_sise=2)",
+    ),
+    "wrong_type": (
+        ["--config", "max_num_steps=abc"],
+        "error: Config key 'max_num_steps' expects int, but got 'abc' (str). "
+        "(from --config max_num_steps=abc)",
+    ),
+    "bad_value": (
+        ["--config", "gang.tp_size=0"],
+        "error: The config is invalid: gang.tp_size must be at least 1, but is 0.",
+    ),
+    "recipe_value_error": (
+        ["--config", "max_num_steps=-3"],
+        "error: max_num_steps must be greater than zero, but is -3 instead.",
+    ),
+    "missing_config_file": (
+        ["--config-file", "no/such/file.yaml"],
+        "error: Config file 'no/such/file.yaml' does not exist. "
+        "Check the path given to --config-file.",
+    ),
+    "bad_flag": (
+        ["--confgi", "x=1"],
+        "error: unrecognized arguments: --confgi x=1. Run with --help for usage.",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Result]]:
+    root = tmp_path_factory.mktemp("cli")
+    commands = {name: [str(root / name), *args] for name, (args, _) in ERROR_CASES.items()}
+    commands["missing_output_dir"] = []
+    commands["dump"] = [
+        str(root / "dump"),
+        "--config",
+        "max_num_steps=9",
+        "lr=1e-4",
+        "--config",
+        "betas=[0.8, 0.9]",
+        "--dump-config",
+    ]
+    (root / "base.yaml").write_text("max_num_steps: 5\nparallelism: fsdp\n", encoding="utf-8")
+    commands["run"] = [
+        str(root / "run"),
+        "--config-file",
+        str(root / "base.yaml"),
+        "--config",
+        "max_num_steps=7",
+    ]
+    commands["exit_code"] = [str(root / "exit_code"), "--config", "exit_code=3"]
+    commands["fail_in_run"] = [str(root / "fail_in_run"), "--config", "fail_in_run=true"]
+    return root, run_recipes(commands)
+
+
+@pytest.mark.parametrize("case", sorted(ERROR_CASES))
+def test_errors_print_one_line_and_exit_2(
+    outputs: tuple[Path, dict[str, Result]], case: str
+) -> None:
+    _, results = outputs
+    result = results[case]
+
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [ERROR_CASES[case][1]]
+    assert result.stdout == ""
+
+
+def test_config_errors_create_no_output_dir(outputs: tuple[Path, dict[str, Result]]) -> None:
+    root, _ = outputs
+
+    for case in ("unknown_key", "wrong_type", "bad_value", "missing_config_file"):
+        assert not (root / case).exists(), case
+
+
+def test_recipe_error_is_logged_to_the_rank_log(outputs: tuple[Path, dict[str, Result]]) -> None:
+    root, _ = outputs
+
+    log = (root / "recipe_value_error" / "logs" / "rank_0.log").read_text(encoding="utf-8")
+
+    assert "max_num_steps must be greater than zero, but is -3 instead." in log
+
+
+def test_missing_output_dir_is_a_one_line_usage_error(
+    outputs: tuple[Path, dict[str, Result]],
+) -> None:
+    result = outputs[1]["missing_output_dir"]
+
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "error: the following arguments are required: OUTPUT_DIR. Put OUTPUT_DIR first, since "
+        "--config takes every value after it. Run with --help for usage."
+    ]
+
+
+def test_dump_config_prints_effective_yaml_and_creates_nothing(
+    outputs: tuple[Path, dict[str, Result]],
+) -> None:
+    root, results = outputs
+    result = results["dump"]
+
+    assert_ok(result)
+    dumped = yaml.safe_load(result.stdout)
+    assert dumped["max_num_steps"] == 9
+    assert dumped["lr"] == 1e-4
+    assert dumped["betas"] == [0.8, 0.9]
+    assert dumped["gang"] == {"tp_size": 1}
+    assert not (root / "dump").exists()
+
+
+def test_run_writes_config_and_rank_log(outputs: tuple[Path, dict[str, Result]]) -> None:
+    root, results = outputs
+    assert_ok(results["run"])
+    out = root / "run"
+
+    written = yaml.safe_load((out / "config.yaml").read_text(encoding="utf-8"))
+    log = (out / "logs" / "rank_0.log").read_text(encoding="utf-8")
+
+    # Defaults < --config-file < --config.
+    assert written["max_num_steps"] == 7
+    assert written["parallelism"] == "fsdp"
+    assert written["lr"] == 1e-3
+    assert "[rank 0] INFO" in log
+    assert "Effective config:" in log
+    assert "Fake training for 7 steps" in log
+    # The console gets the recipe's own logging but not the config dump.
+    assert "Fake training for 7 steps" in results["run"].stderr
+    assert "Effective config:" not in results["run"].stderr
+
+
+def test_exit_status_comes_from_run(outputs: tuple[Path, dict[str, Result]]) -> None:
+    assert outputs[1]["exit_code"].returncode == 3
+
+
+def test_error_inside_run_propagates_with_traceback(
+    outputs: tuple[Path, dict[str, Result]],
+) -> None:
+    root, results = outputs
+    result = results["fail_in_run"]
+
+    assert result.returncode not in (0, 2)
+    assert "Traceback" in result.stderr
+    assert "RuntimeError: Fake failure inside run()." in result.stderr
+    log = (root / "fail_in_run" / "logs" / "rank_0.log").read_text(encoding="utf-8")
+    assert "RuntimeError: Fake failure inside run()." in log
+
+
+@pytest.mark.distributed
+def test_torchrun_logs_every_rank_and_writes_config_once(
+    run_torchrun: RunTorch, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+
+    result = run_torchrun(2, RECIPE_SCRIPT, str(out), "--config", "max_num_steps=4", timeout=120)
+
+    assert_ok(result)
+    assert yaml.safe_load((out / "config.yaml").read_text(encoding="utf-8"))["max_num_steps"] == 4
+    logs = {
+        rank: (out / "logs" / f"rank_{rank}.log").read_text(encoding="utf-8") for rank in (0, 1)
+    }
+    for rank, log in logs.items():
+        assert f"[rank {rank}] INFO" in log
+        assert "All-reduced over 2 ranks." in log
+    assert "Wrote the effective config" in logs[0]
+    assert "Wrote the effective config" not in logs[1]
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["rank_0.log", "rank_1.log"]

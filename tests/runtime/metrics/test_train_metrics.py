@@ -1,0 +1,151 @@
+"""The train metrics' window, memory and throughput, and Python's garbage collection on a
+schedule."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gangs import Gangs
+from runtime import TrainerCallback, TrainerError
+from runtime.metrics.train_metrics import TrainMetrics
+from runtime.training.non_finite import NonFiniteGuard
+from runtime.training.step import StepOutput
+from tests.conftest import make_toy_trainer, read_jsonl
+from units import MetricBag
+
+
+def make_metrics() -> TrainMetrics:
+    gangs = Gangs.single()
+    guard = NonFiniteGuard(
+        policy="error",
+        max_consecutive_skipped_steps=10,
+        root_gang=gangs.root,
+        checks_gradients=True,
+    )
+    return TrainMetrics(unit_metrics=MetricBag(), gangs=gangs, guard=guard)
+
+
+def step_output(step_nr: int, *, loss: float | None = None) -> StepOutput:
+    """A step of 3 targets in 2 examples, with an awkward loss and a gradient norm."""
+    return StepOutput(
+        step_nr=step_nr,
+        losses=[torch.tensor(loss if loss is not None else 0.1 * step_nr + 1 / 3)],
+        num_targets=3,
+        total_targets=3.0,
+        total_examples=2.0,
+        grad_norm=torch.tensor(1.0 / step_nr),
+        non_finite_gradients=torch.zeros(()),
+        stop_requested=False,
+    )
+
+
+def window_of(metrics: TrainMetrics) -> dict[str, Any]:
+    window: dict[str, Any] = metrics.state_dict()["window"]
+    return window
+
+
+def test_a_check_in_mid_window_changes_no_bit_of_the_window() -> None:
+    checked, unchecked = make_metrics(), make_metrics()
+    for step_nr in range(1, 8):
+        for metrics in (checked, unchecked):
+            metrics.add_step(step_output(step_nr))
+        if step_nr in (3, 5):
+            checked.check_finite()  # as a checkpoint does
+
+    checked_window, unchecked_window = window_of(checked), window_of(unchecked)
+    for key in ("loss_sum", "grad_norm_sum"):
+        assert torch.equal(checked_window.pop(key), unchecked_window.pop(key))
+    assert checked_window == unchecked_window
+    assert checked_window["num_steps"] == 7 and checked_window["num_local_targets"] == 21
+    published = checked.compute({}), unchecked.compute({})
+    for key in ("loss", "grad_norm", "num_targets", "batch_size", "num_steps"):
+        assert published[0][key] == published[1][key]
+    assert published[0]["batch_size"] == 2.0
+
+
+def test_a_checked_window_holds_no_step() -> None:
+    metrics = make_metrics()
+    output = step_output(1)
+    loss = weakref.ref(output.losses[0])
+    metrics.add_step(output)
+    del output
+    assert loss() is not None
+    # A run that never publishes still checks at each checkpoint: its window must not grow.
+    metrics.check_finite()
+    assert loss() is None
+    assert window_of(metrics)["num_steps"] == 1
+
+
+def test_a_non_finite_loss_after_a_check_is_found_at_its_step() -> None:
+    metrics = make_metrics()
+    metrics.add_step(step_output(1))
+    metrics.check_finite()
+    metrics.add_step(step_output(2, loss=math.nan))
+    with pytest.raises(TrainerError, match="The loss was not finite at step 2 on rank 0"):
+        metrics.check_finite()
+
+
+def test_memory_and_throughput_are_published(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    trainer = make_toy_trainer(
+        tmp_path,
+        max_num_steps=4,
+        publish_metrics_every_n_steps=2,
+        metrics_dir=tmp_path / "metrics",
+        flops_per_target=1e6,
+        device_peak_flops=1e12,
+    )
+    with caplog.at_level(logging.INFO, logger="runtime.training.trainer"):
+        assert trainer.run() == 0
+    records = read_jsonl(tmp_path / "metrics" / "train.jsonl")
+    assert [r["step_nr"] for r in records] == [2, 4]
+    for record in records:
+        # A Python process with torch loaded holds more than 50 MiB, and this machine has 24 GiB.
+        assert 50 * 2**20 < record["peak_memory_bytes"] < 24 * 2**30
+        # One process: every target was processed by this one device.
+        assert record["targets_per_second_per_device"] == pytest.approx(
+            record["targets_per_second"]
+        )
+        assert record["mfu"] == pytest.approx(record["targets_per_second_per_device"] * 1e6 / 1e12)
+        assert "num_skipped_steps" not in record  # only with nan_policy="skip"
+    assert "Training from step 0 on CPU" in caplog.text
+    assert "1 processes (dp_size 1 x tp_size 1)" in caplog.text
+
+
+class GcProbe(TrainerCallback):
+    def __init__(self) -> None:
+        self.enabled_at_steps: list[bool] = []
+        self.full_collections_at_steps: list[int] = []
+        self._step_nr = 0
+
+    def on_step_end(self, *, step_nr: int) -> None:
+        self._step_nr = step_nr
+        self.enabled_at_steps.append(gc.isenabled())
+
+    def on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            self.full_collections_at_steps.append(self._step_nr)
+
+
+def test_gc_runs_on_schedule_only_during_training(tmp_path: Path) -> None:
+    probe = GcProbe()
+    trainer = make_toy_trainer(tmp_path, max_num_steps=6, gc_every_n_steps=3, callbacks=[probe])
+    assert gc.isenabled()
+    gc.callbacks.append(probe.on_gc)
+    try:
+        assert trainer.run() == 0
+    finally:
+        gc.callbacks.remove(probe.on_gc)
+    assert probe.enabled_at_steps == [False] * 6
+    assert gc.isenabled()
+    # Collected after steps 3 and 6, after the step's callbacks.
+    assert probe.full_collections_at_steps[:2] == [3, 6]
