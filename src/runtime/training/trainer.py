@@ -28,10 +28,9 @@ from runtime.metrics.train_metrics import Throughput, TrainMetrics
 from runtime.training.callbacks import CallbackList, TrainerCallback
 from runtime.training.checkpointing import Checkpointer, CheckpointOptions
 from runtime.training.early_stop import EarlyStopper
-from runtime.training.garbage_collection import GarbageCollection
-from runtime.training.loop import Limits, Observers, Schedules, TrainLoop
+from runtime.training.loop import Limits, Observers, TrainLoop
 from runtime.training.non_finite import NanPolicy
-from runtime.training.schedule import Schedule, check_every_checkpoint_is_scored
+from runtime.training.schedule import Schedule, Schedules, check_every_checkpoint_is_scored
 from runtime.training.signals import PREEMPTED_EXIT_CODE
 from runtime.training.state import StopReason
 from runtime.training.step import Precision, TrainStep
@@ -125,6 +124,7 @@ class Trainer(Generic[BatchT]):
                 checkpoint_after_n_steps,
                 checkpoint_every_n_data_epochs,
             ),
+            collect_garbage=Schedule("gc", gc_every_n_steps),
             validate_at_start=validate_at_start,
         )
         scoring = Scoring(score_metric_name, lower_better, early_stopper)
@@ -158,6 +158,7 @@ class Trainer(Generic[BatchT]):
             trace=profiler is not None,
         )
         self._recorder = make_recorder(gangs.root, recorders, recording)
+        self._progress = make_progress_display(enabled=progress and gangs.root.rank == 0)
         self._validator = self._make_validator(valid_units, valid_data_readers)
         self._loop = TrainLoop(
             data_reader=data_reader,
@@ -167,18 +168,14 @@ class Trainer(Generic[BatchT]):
             checkpointer=self._make_checkpointer(optimizer, checkpointing),
             schedules=schedules,
             limits=Limits(max_num_steps, max_num_data_epochs),
-            observers=self._make_observers(progress, profiler),
+            observers=Observers(
+                callbacks=self._callbacks,
+                recorder=self._recorder,
+                progress=self._progress,
+                profiler=profiler,
+            ),
             gangs=gangs,
             seed=seed,
-            garbage_collection=GarbageCollection(gc_every_n_steps),
-        )
-
-    def _make_observers(self, progress: bool, profiler: TorchProfiler | None) -> Observers:
-        return Observers(
-            callbacks=self._callbacks,
-            recorder=self._recorder,
-            progress=make_progress_display(enabled=progress and self._gangs.root.rank == 0),
-            profiler=profiler,
         )
 
     def _make_checkpointer(
@@ -250,15 +247,8 @@ class Trainer(Generic[BatchT]):
                 log.info("The run finished at step %d already; nothing to do.", state.step_nr)
                 return 0
 
-            if self._loop.observers.profiler is not None:
-                stack.enter_context(self._loop.observers.profiler)
-            self._loop.observers.progress.start(
-                total_steps=self._loop.limits.max_num_steps, initial_step=state.step_nr
-            )
             self._unit.model.train()
             self._loop.run()
-            # An asynchronous save of the last step commits here; after a crash it never does.
-            self._loop.finish_pending_save()
             if state.finished:
                 self._callbacks.on_train_end(step_nr=state.step_nr)
         return PREEMPTED_EXIT_CODE if state.stop_reason is StopReason.PREEMPTED else 0
@@ -291,7 +281,7 @@ class Trainer(Generic[BatchT]):
         with contextlib.ExitStack() as stack:
             for reader in self._data_readers:
                 stack.callback(reader.close)
-            stack.callback(self._loop.observers.progress.close)
+            stack.callback(self._progress.close)
             stack.callback(self._checkpoint_manager.close)
             stack.callback(self._recorder.close)
 
