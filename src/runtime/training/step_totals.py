@@ -34,7 +34,8 @@ class StepTotals:
         self._root_gang = gangs.root
         self._tp_size = gangs.tp.size
         self._check_losses = check_losses
-        self._tensor = torch.zeros(4, dtype=torch.float64)
+        self._values: list[float] = []
+        self._tensor: Tensor | None = None
         self._pending: PendingCollective | None = None
 
     def start(
@@ -45,16 +46,16 @@ class StepTotals:
         # CPU-GPU sync point, which that policy pays every step.
         loss_finite = not self._check_losses or bool(torch.isfinite(torch.stack(losses)).all())
         self.loss_finite_here = loss_finite
-        self._tensor = torch.tensor(
-            [num_targets, num_examples, float(stop_requested), float(not loss_finite)],
-            dtype=torch.float64,
-        )
-        self._pending = self._root_gang.all_reduce_async(self._tensor, ReduceOperation.SUM)
+        self._values = [num_targets, num_examples, float(stop_requested), float(not loss_finite)]
+        if self._root_gang.size > 1:  # one rank has nothing to sum
+            self._tensor = torch.tensor(self._values, dtype=torch.float64)
+            self._pending = self._root_gang.all_reduce_async(self._tensor, ReduceOperation.SUM)
 
     def wait(self) -> tuple[float, float, float, float]:
         """Targets and examples of the DP gang, stop votes and non-finite-loss votes."""
-        assert self._pending is not None, "wait() without start()"
-        self._pending.wait()
-        self._pending = None
-        targets, examples, stops, non_finite = self._tensor.tolist()
+        if self._pending is not None and self._tensor is not None:
+            self._pending.wait()
+            self._values = self._tensor.tolist()
+            self._pending = self._tensor = None
+        targets, examples, stops, non_finite = self._values
         return targets / self._tp_size, examples / self._tp_size, stops, non_finite
