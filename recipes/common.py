@@ -19,9 +19,7 @@ from torch import Tensor, nn
 from checkpoint import CheckpointManager
 from gangs import Gangs
 from runtime import DataParallelKind, PatienceEarlyStopper, TorchProfiler
-
-IGNORE_INDEX = -100
-"""A target that counts neither in the loss nor in the number of targets (prompt, padding)."""
+from runtime.data.text import IGNORE_INDEX
 
 
 @dataclass
@@ -147,13 +145,17 @@ def trainer_options(
     wandb_project: str | None,
     init_from: Path | None,
     flops_per_target: Callable[[], float],
+    validates: bool = True,
 ) -> dict[str, Any]:
-    """The Trainer's keyword arguments that come from the trainer section and OUTPUT_DIR."""
+    """The Trainer's keyword arguments that come from the trainer section and OUTPUT_DIR.
+
+    Without validation (``validates=False``) nothing ranks checkpoints or stops early.
+    """
     early_stopper = (
         PatienceEarlyStopper(
             t.early_stop_patience, min_delta=t.early_stop_min_delta, lower_better=True
         )
-        if t.early_stop_patience is not None
+        if t.early_stop_patience is not None and validates
         else None
     )
     profiler = (
@@ -172,10 +174,10 @@ def trainer_options(
         "validate_every_n_steps": t.validate_every_n_steps,
         "checkpoint_every_n_steps": t.checkpoint_every_n_steps,
         "keep_last_n_checkpoints": t.keep_last_n_checkpoints,
-        "keep_best_n_checkpoints": t.keep_best_n_checkpoints,
+        "keep_best_n_checkpoints": t.keep_best_n_checkpoints if validates else None,
         "async_checkpoint": t.async_checkpoint,
         "reshard_on_resume": t.reshard_on_resume,
-        "score_metric_name": "nll_loss",
+        "score_metric_name": "nll_loss" if validates else None,
         "lower_better": True,
         "early_stopper": early_stopper,
         "publish_metrics_every_n_steps": t.publish_metrics_every_n_steps,

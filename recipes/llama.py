@@ -84,11 +84,11 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def rotary_cos_sin(args: LlamaArgs, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and sin ``[seq, head_dim]`` of the rotary embedding, computed in float32."""
+    """cos and sin ``[*positions.shape, head_dim]`` of the rotary embedding, in float32."""
     head_dim = args.dim // args.num_heads
     exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
     inv_freq = 1.0 / (args.rope_theta ** (exponents / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    freqs = positions.float()[..., None] * inv_freq
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -104,7 +104,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(args.dim, kv_dim, bias=False)
         self.o_proj = nn.Linear(args.dim, args.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
         batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its own heads.
         q, k, v = (
@@ -116,7 +116,10 @@ class Attention(nn.Module):
         # Each key/value head serves num_groups consecutive query heads, as in Hugging Face.
         k = k.repeat_interleave(self.num_groups, dim=1)
         v = v.repeat_interleave(self.num_groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -141,8 +144,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.mlp = FeedForward(args)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -155,7 +158,11 @@ class LlamaBody(nn.Module):
 
 
 class Llama(nn.Module):
-    """``forward(input_ids [batch, seq]) -> logits [batch, seq, vocab_size]``."""
+    """``forward(input_ids [batch, seq]) -> logits [batch, seq, vocab_size]``.
+
+    With ``document_ids`` and ``positions`` (of packed sequences), attention stays inside each
+    document and rotary positions restart at each document's first token.
+    """
 
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
@@ -163,12 +170,26 @@ class Llama(nn.Module):
         self.model = LlamaBody(args)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        positions = torch.arange(input_ids.size(1), device=input_ids.device)
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        document_ids: Tensor | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rotary_cos_sin(self.args, positions, x.dtype)
+        mask = None
+        if document_ids is None or positions is None:
+            positions = torch.arange(input_ids.size(1), device=input_ids.device)
+            cos, sin = rotary_cos_sin(self.args, positions, x.dtype)
+        else:
+            cos, sin = (t.unsqueeze(1) for t in rotary_cos_sin(self.args, positions, x.dtype))
+            causal = torch.ones(
+                input_ids.size(1), input_ids.size(1), dtype=torch.bool, device=x.device
+            ).tril()
+            mask = (document_ids[:, None, :, None] == document_ids[:, None, None, :]) & causal
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, mask)
         return self.lm_head(self.model.norm(x))
 
     def init_module(self, name: str, module: nn.Module) -> None:
