@@ -62,6 +62,13 @@ def sentences(count: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 16))) for _ in range(count)]
 
 
+def repeated(count: int, seed: int) -> list[str]:
+    """``count`` documents drawn from eight sentences: text a tiny model learns in a few steps."""
+    pool = sentences(8, seed=seed)
+    rng = random.Random(seed)
+    return [rng.choice(pool) for _ in range(count)]
+
+
 def write_jsonl(path: Path, records: list[dict[str, object]]) -> Path:
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     return path
@@ -206,13 +213,14 @@ def test_a_bad_sft_line_names_its_file_and_line(tmp_path: Path) -> None:
 @pytest.mark.distributed
 def test_a_hugging_face_llama_trains_with_fsdp2_on_two_ranks(tmp_path: Path) -> None:
     model_dir = make_hf_llama_dir(tmp_path / "model")
-    train = write_jsonl(tmp_path / "train.jsonl", [{"text": s} for s in sentences(400, seed=2)])
-    valid = write_jsonl(tmp_path / "valid.jsonl", [{"text": s} for s in sentences(40, seed=3)])
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": s} for s in repeated(400, seed=2)])
+    valid = write_jsonl(tmp_path / "valid.jsonl", [{"text": s} for s in repeated(40, seed=2)])
     out = tmp_path / "run"
     result = torchrun(
         2,
         *recipe_args(
             out,
+            *TINY_TRAINING,
             f"model.hf_path={model_dir}",
             f"data.train={train}",
             f"data.valid={valid}",
@@ -220,14 +228,13 @@ def test_a_hugging_face_llama_trains_with_fsdp2_on_two_ranks(tmp_path: Path) -> 
             "trainer.max_num_steps=30",
             "trainer.checkpoint_every_n_steps=30",
             "trainer.validate_every_n_steps=30",
-            *TINY_TRAINING,
         ),
         timeout=600,
     )
     assert_ok(result)
     values = losses(out)
     assert len(values) == 30
-    assert sum(values[-5:]) / 5 < 0.8 * sum(values[:5]) / 5, values
+    assert sum(values[-5:]) / 5 < 0.6 * sum(values[:5]) / 5, values
     valid_records = read_jsonl(out / "metrics" / "valid.jsonl")
     assert valid_records and valid_records[-1]["nll_loss"] < values[0]
 
