@@ -15,6 +15,7 @@ from benchmarks.cases import (
     data_bound,
     imports,
     large_models,
+    lm_recipe,
     w1_instructions,
     w1_mlp,
     w1_paired,
@@ -35,6 +36,7 @@ CASES: tuple[ModuleType, ...] = (
     checkpoint,
     imports,
     large_models,
+    lm_recipe,
 )
 CASE_KEYS: tuple[str, ...] = tuple(case.KEY for case in CASES)
 
