@@ -211,7 +211,11 @@ def test_a_bad_sft_line_names_its_file_and_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
-def test_a_hugging_face_llama_trains_with_fsdp2_on_two_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("layout", "dp_size"), [("data_parallel=fsdp", 2), ("gang.tp_size=2", 1)])
+def test_a_hugging_face_llama_trains_on_two_ranks(
+    tmp_path: Path, layout: str, dp_size: int
+) -> None:
+    """FSDP2 over the decoder layers, and tensor parallelism from the config's TP plan."""
     model_dir = make_hf_llama_dir(tmp_path / "model")
     train = write_jsonl(tmp_path / "train.jsonl", [{"text": s} for s in repeated(400, seed=2)])
     valid = write_jsonl(tmp_path / "valid.jsonl", [{"text": s} for s in repeated(40, seed=2)])
@@ -224,7 +228,7 @@ def test_a_hugging_face_llama_trains_with_fsdp2_on_two_ranks(tmp_path: Path) -> 
             f"model.hf_path={model_dir}",
             f"data.train={train}",
             f"data.valid={valid}",
-            "data_parallel=fsdp",
+            layout,
             "trainer.max_num_steps=30",
             "trainer.checkpoint_every_n_steps=30",
             "trainer.validate_every_n_steps=30",
@@ -234,6 +238,7 @@ def test_a_hugging_face_llama_trains_with_fsdp2_on_two_ranks(tmp_path: Path) -> 
     assert_ok(result)
     values = losses(out)
     assert len(values) == 30
+    assert {r["batch_size"] for r in read_jsonl(out / "metrics" / "train.jsonl")} == {4 * dp_size}
     assert sum(values[-5:]) / 5 < 0.6 * sum(values[:5]) / 5, values
     valid_records = read_jsonl(out / "metrics" / "valid.jsonl")
     assert valid_records and valid_records[-1]["nll_loss"] < values[0]

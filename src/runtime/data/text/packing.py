@@ -26,6 +26,10 @@ class TextBatch:
     document_ids: Tensor | None = None  # [batch_size, seq_len], int64
     positions: Tensor | None = None  # [batch_size, seq_len], int64
 
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.size(0)
+
 
 def make_batch(rows: Sequence[Sequence[Tensor]], *, with_documents: bool) -> TextBatch:
     """The batch of ``rows``, each the pieces (one per document) of ``seq_len + 1`` tokens."""
