@@ -25,7 +25,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
-from torcheval.metrics import Mean
+from torcheval.metrics import Max, Mean
 
 from checkpoint.arguments import check_positive
 from gangs import Gangs, setup_gangs
@@ -274,8 +274,11 @@ class LMTrainUnit(TrainUnit[TokenBatch]):
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.metric_bag.register_metric("nll_loss", Mean(), persistent=False)
+        self.metric_bag.register_metric("num_bad_lines", Max(), persistent=False)
 
     def __call__(self, batch: TokenBatch) -> tuple[Tensor, int | None]:
+        # The reader's count of skipped lines (data.skip_bad_lines), published with the metrics.
+        self.metric_bag.num_bad_lines.update(torch.tensor(getattr(batch, "num_bad_lines", 0)))
         loss = summed_nll_loss(logits_of(self.model, batch), batch.target_ids)
         # A micro-batch of an SFT run may hold no response token; its mean is left out.
         weight = max(batch.num_targets, 1)

@@ -363,3 +363,20 @@ def test_a_mixture_with_workers_resumes_exactly_after_kill_9(tmp_path: Path) -> 
     assert expected.keys() == actual.keys()
     for key in expected:
         assert torch.equal(expected[key], actual[key]), key
+
+
+def test_skipped_bad_lines_are_counted_and_published(tmp_path: Path) -> None:
+    train = tmp_path / "train.jsonl"
+    lines = [json.dumps({"text": s}) for s in repeated(100, seed=2)]
+    lines[3] = "this line is not JSON"
+    lines[7] = json.dumps({"title": "no text field"})
+    train.write_text("\n".join(lines) + "\n")
+    base = ("model.name=llama_debug", f"data.train={train}", "trainer.max_num_steps=3")
+    out = tmp_path / "run"
+    assert_ok(run_python(*recipe_args(out, *TINY_TRAINING, *base, "data.skip_bad_lines=true")))
+    records = read_jsonl(out / "metrics" / "train.jsonl")
+    assert records[-1]["num_bad_lines"] == 2
+
+    refused = run_python(*recipe_args(tmp_path / "strict", *TINY_TRAINING, *base))
+    assert refused.returncode != 0
+    assert "train.jsonl: line 4: the line is not JSON" in refused.stderr

@@ -25,6 +25,9 @@ class TextBatch:
     num_targets: int
     document_ids: Tensor | None = None  # [batch_size, seq_len], int64
     positions: Tensor | None = None  # [batch_size, seq_len], int64
+    num_bad_lines: int = 0
+    """Lines the reader had skipped (``skip_bad_lines``) when it made this batch, so a unit can
+    publish the count."""
 
     @property
     def batch_size(self) -> int:
