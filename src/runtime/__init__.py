@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from runtime.training.initial_weights import (
         InitialWeights,
         InitialWeightsError,
+        InitSource,
         load_initial_weights,
     )
     from runtime.training.loss_scale import LossScaler
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from runtime.training.signals import PREEMPTED_EXIT_CODE
     from runtime.training.state import StopReason, TrainState
     from runtime.training.trainer import Trainer
+    from runtime.training.weight_reload import ReloadInitialWeights
 
 _MODULE_OF: dict[str, str] = {
     "CompositeMetricRecorder": "runtime.metrics.recorders",
@@ -66,6 +68,8 @@ _MODULE_OF: dict[str, str] = {
     "Evaluator": "runtime.training.evaluation",
     "InitFn": "runtime.parallel.materialize",
     "InitialWeights": "runtime.training.initial_weights",
+    "InitSource": "runtime.training.initial_weights",
+    "ReloadInitialWeights": "runtime.training.weight_reload",
     "InitialWeightsError": "runtime.training.initial_weights",
     "IterableDataReader": "runtime.data",
     "JsonlMetricRecorder": "runtime.metrics.recorders",
@@ -128,6 +132,7 @@ __all__ = [
     "Evaluator",
     "InitFn",
     "InitialWeights",
+    "InitSource",
     "InitialWeightsError",
     "IterableDataReader",
     "JsonlMetricRecorder",
@@ -136,6 +141,7 @@ __all__ = [
     "MapDataReader",
     "MetricRecorder",
     "PatienceEarlyStopper",
+    "ReloadInitialWeights",
     "ProgressDisplay",
     "Schedule",
     "StopReason",
