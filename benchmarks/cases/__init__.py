@@ -13,6 +13,9 @@ from types import ModuleType
 from benchmarks.cases import (
     checkpoint,
     data_bound,
+    gpu_checkpoint,
+    gpu_llama,
+    gpu_overhead,
     imports,
     large_models,
     w1_instructions,
@@ -35,6 +38,9 @@ CASES: tuple[ModuleType, ...] = (
     checkpoint,
     imports,
     large_models,
+    gpu_overhead,
+    gpu_llama,
+    gpu_checkpoint,
 )
 CASE_KEYS: tuple[str, ...] = tuple(case.KEY for case in CASES)
 
