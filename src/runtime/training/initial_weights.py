@@ -4,6 +4,8 @@ The source is one of:
 
 - a file written by ``python -m runtime export`` (``torch.load`` format, read memory-mapped so
   each rank pages in only the slices it keeps), or a ``.safetensors`` file;
+- a Hugging Face model directory: ``model.safetensors``, or shards listed by
+  ``model.safetensors.index.json``, each tensor read when it is copied;
 - a run directory (its last checkpoint), its ``checkpoints/`` directory (the last one), or one
   ``step_N`` directory: read with ``torch.distributed.checkpoint``, each rank reading only its
   own shards, whatever layout saved it.
@@ -19,7 +21,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, final
@@ -66,6 +68,8 @@ def load_initial_weights(
     model_state = get_model_state_dict(model)
     if path.is_file():
         source_keys, loader = _file_source(path)
+    elif _is_hf_model_dir(path):
+        source_keys, loader = _hf_model_source(path)
     elif path.is_dir():
         path = _step_dir(path)
         source_keys, loader = _dcp_source(path, gangs)
@@ -158,6 +162,53 @@ def _file_source(path: Path) -> tuple[list[str], _Loader]:
         state = loaded
     tensors = {key: value for key, value in state.items() if isinstance(value, Tensor)}
     return list(tensors), _FileLoader(path, tensors)
+
+
+_HF_INDEX = "model.safetensors.index.json"
+_HF_SINGLE = "model.safetensors"
+
+
+def _is_hf_model_dir(path: Path) -> bool:
+    return path.is_dir() and ((path / _HF_INDEX).is_file() or (path / _HF_SINGLE).is_file())
+
+
+@final
+class _SafetensorsFiles(Mapping[str, Tensor]):
+    """The tensors of one or more safetensors files by name, each read when it is asked for, so
+    that a rank holds one full tensor at a time however large the model."""
+
+    def __init__(self, files_by_key: Mapping[str, Path]) -> None:
+        from safetensors import safe_open  # type: ignore[import-not-found,unused-ignore]
+
+        self._files_by_key = dict(files_by_key)
+        self._open = {
+            file: safe_open(str(file), framework="pt", device="cpu")
+            for file in set(self._files_by_key.values())
+        }
+
+    def __getitem__(self, key: str) -> Tensor:
+        tensor: Tensor = self._open[self._files_by_key[key]].get_tensor(key)  # type: ignore[no-untyped-call,unused-ignore]
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files_by_key)
+
+    def __len__(self) -> int:
+        return len(self._files_by_key)
+
+
+def _hf_model_source(path: Path) -> tuple[list[str], _Loader]:
+    import json
+
+    if (path / _HF_INDEX).is_file():
+        weight_map = json.loads((path / _HF_INDEX).read_text())["weight_map"]
+        files_by_key = {key: path / name for key, name in weight_map.items()}
+    else:
+        from safetensors import safe_open
+
+        with safe_open(str(path / _HF_SINGLE), framework="pt", device="cpu") as file:
+            files_by_key = {key: path / _HF_SINGLE for key in file.keys()}  # noqa: SIM118
+    return list(files_by_key), _FileLoader(path, _SafetensorsFiles(files_by_key))
 
 
 def _step_dir(path: Path) -> Path:
