@@ -60,6 +60,9 @@ class CudaRunConfig:
     param_dtype: Literal["bfloat16"] | None = None
     amp: bool = False
     compile: bool = False
+    sgd: bool = False
+    """SGD (lr 0.05) instead of AdamW: updates proportional to the gradients, so a wrong
+    normalization across ranks shows in the weights (AdamW's updates do not scale with them)."""
     checkpoint_every: int | None = 5
     async_checkpoint: bool = False
     reshard_on_resume: bool = False
@@ -183,7 +186,11 @@ def _build_trainer(
             gang=gangs.dp,
             seed=3,
         ),
-        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        optimizer=(
+            torch.optim.SGD(model.parameters(), lr=0.05)
+            if config.sgd
+            else torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ),
         checkpoint_manager=CheckpointManager(output_dir / "checkpoints", gangs),
         gangs=gangs,
         dtype=torch.bfloat16 if config.amp else torch.float32,
