@@ -29,7 +29,8 @@ test: $(BIN)/.installed
 # The CUDA suite (tests/cuda). Install a CUDA build of torch first: `make TORCH_SPEC=torch test-gpu`.
 # -rP shows the figures the tests print (checkpoint GB/s, blocking time).
 test-gpu: $(BIN)/.installed
-	@if $(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+	@cuda=$$($(BIN)/python -c "import torch; print(int(torch.cuda.is_available()))") || exit 1; \
+	if [ "$$cuda" = 1 ]; then \
 		$(BIN)/python -m pytest -q -rP -m cuda tests/cuda; \
 	else \
 		echo "test-gpu: no CUDA device here; skipping the CUDA suite."; \
