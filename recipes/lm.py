@@ -4,7 +4,7 @@ The model is a Hugging Face causal LM from a local directory (``model.hf_path=DI
 ``config.json``, safetensors and ``tokenizer.json``) or the project's own Llama-style model
 (``model.name=llama_debug|llama_125m|llama_1b|llama_8b``). The data is JSONL, plain text or Parquet
 (``data.train=``, ``data.valid=``, or ``data.mixture=[{path: ..., weight: ...}]``), tokenized in
-worker processes and packed into sequences (``task=clm``), or prompt/response pairs with the loss
+worker processes and packed into sequences (``task=pretrain``), or prompt/response pairs with the loss
 on the responses only (``task=sft``). Run it with
 ``torchrun --standalone --nproc-per-node 8 -m recipes.lm OUTPUT_DIR --config model.hf_path=DIR
 data.train=train.jsonl``; ``python -m runtime export OUTPUT_DIR DEST --format hf`` writes a
@@ -25,7 +25,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
-from torcheval.metrics import Mean
+from torcheval.metrics import Max, Mean
 
 from checkpoint.arguments import check_positive
 from gangs import Gangs, setup_gangs
@@ -119,8 +119,8 @@ class DataSection:
 
 @dataclass
 class LMConfig:
-    task: Literal["clm", "sft"] = "clm"
-    """clm: packed text, every token a target; sft: prompt/response pairs, responses only."""
+    task: Literal["pretrain", "sft"] = "pretrain"
+    """pretrain: packed text, every token a target; sft: prompt/response pairs, responses only."""
     gang: GangSection = field(default_factory=GangSection)
     model: ModelSection = field(default_factory=ModelSection)
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
@@ -165,7 +165,7 @@ class LMConfig:
             check_positive(name, value)
         if self.data.document_mask and (model.hf_path is not None or self.task == "sft"):
             raise ValueError(
-                "data.document_mask needs the project's model (model.name) and task=clm: a "
+                "data.document_mask needs the project's model (model.name) and task=pretrain: a "
                 "Hugging Face model gets no per-document mask here. Leave document_mask false."
             )
 
@@ -274,8 +274,11 @@ class LMTrainUnit(TrainUnit[TokenBatch]):
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.metric_bag.register_metric("nll_loss", Mean(), persistent=False)
+        self.metric_bag.register_metric("num_bad_lines", Max(), persistent=False)
 
     def __call__(self, batch: TokenBatch) -> tuple[Tensor, int | None]:
+        # The reader's count of skipped lines (data.skip_bad_lines), published with the metrics.
+        self.metric_bag.num_bad_lines.update(torch.tensor(getattr(batch, "num_bad_lines", 0)))
         loss = summed_nll_loss(logits_of(self.model, batch), batch.target_ids)
         # A micro-batch of an SFT run may hold no response token; its mean is left out.
         weight = max(batch.num_targets, 1)

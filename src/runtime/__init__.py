@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from runtime.training.initial_weights import (
         InitialWeights,
         InitialWeightsError,
+        InitSource,
         load_initial_weights,
     )
     from runtime.training.loss_scale import LossScaler
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from runtime.training.signals import PREEMPTED_EXIT_CODE
     from runtime.training.state import StopReason, TrainState
     from runtime.training.trainer import Trainer
+    from runtime.training.weight_reload import ReloadInitialWeights
 
 _MODULE_OF: dict[str, str] = {
     "CompositeMetricRecorder": "runtime.metrics.recorders",
@@ -67,6 +69,8 @@ _MODULE_OF: dict[str, str] = {
     "Evaluator": "runtime.training.evaluation",
     "InitFn": "runtime.parallel.materialize",
     "InitialWeights": "runtime.training.initial_weights",
+    "InitSource": "runtime.training.initial_weights",
+    "ReloadInitialWeights": "runtime.training.weight_reload",
     "InitialWeightsError": "runtime.training.initial_weights",
     "IterableDataReader": "runtime.data",
     "JsonlMetricRecorder": "runtime.metrics.recorders",
@@ -130,6 +134,7 @@ __all__ = [
     "Evaluator",
     "InitFn",
     "InitialWeights",
+    "InitSource",
     "InitialWeightsError",
     "IterableDataReader",
     "JsonlMetricRecorder",
@@ -138,6 +143,7 @@ __all__ = [
     "MapDataReader",
     "MetricRecorder",
     "PatienceEarlyStopper",
+    "ReloadInitialWeights",
     "ProgressDisplay",
     "Schedule",
     "StepOutOfMemoryError",

@@ -211,7 +211,11 @@ def test_a_bad_sft_line_names_its_file_and_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
-def test_a_hugging_face_llama_trains_with_fsdp2_on_two_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("layout", "dp_size"), [("data_parallel=fsdp", 2), ("gang.tp_size=2", 1)])
+def test_a_hugging_face_llama_trains_on_two_ranks(
+    tmp_path: Path, layout: str, dp_size: int
+) -> None:
+    """FSDP2 over the decoder layers, and tensor parallelism from the config's TP plan."""
     model_dir = make_hf_llama_dir(tmp_path / "model")
     train = write_jsonl(tmp_path / "train.jsonl", [{"text": s} for s in repeated(400, seed=2)])
     valid = write_jsonl(tmp_path / "valid.jsonl", [{"text": s} for s in repeated(40, seed=2)])
@@ -224,7 +228,7 @@ def test_a_hugging_face_llama_trains_with_fsdp2_on_two_ranks(tmp_path: Path) -> 
             f"model.hf_path={model_dir}",
             f"data.train={train}",
             f"data.valid={valid}",
-            "data_parallel=fsdp",
+            layout,
             "trainer.max_num_steps=30",
             "trainer.checkpoint_every_n_steps=30",
             "trainer.validate_every_n_steps=30",
@@ -234,6 +238,7 @@ def test_a_hugging_face_llama_trains_with_fsdp2_on_two_ranks(tmp_path: Path) -> 
     assert_ok(result)
     values = losses(out)
     assert len(values) == 30
+    assert {r["batch_size"] for r in read_jsonl(out / "metrics" / "train.jsonl")} == {4 * dp_size}
     assert sum(values[-5:]) / 5 < 0.6 * sum(values[:5]) / 5, values
     valid_records = read_jsonl(out / "metrics" / "valid.jsonl")
     assert valid_records and valid_records[-1]["nll_loss"] < values[0]
@@ -358,3 +363,20 @@ def test_a_mixture_with_workers_resumes_exactly_after_kill_9(tmp_path: Path) -> 
     assert expected.keys() == actual.keys()
     for key in expected:
         assert torch.equal(expected[key], actual[key]), key
+
+
+def test_skipped_bad_lines_are_counted_and_published(tmp_path: Path) -> None:
+    train = tmp_path / "train.jsonl"
+    lines = [json.dumps({"text": s}) for s in repeated(100, seed=2)]
+    lines[3] = "this line is not JSON"
+    lines[7] = json.dumps({"title": "no text field"})
+    train.write_text("\n".join(lines) + "\n")
+    base = ("model.name=llama_debug", f"data.train={train}", "trainer.max_num_steps=3")
+    out = tmp_path / "run"
+    assert_ok(run_python(*recipe_args(out, *TINY_TRAINING, *base, "data.skip_bad_lines=true")))
+    records = read_jsonl(out / "metrics" / "train.jsonl")
+    assert records[-1]["num_bad_lines"] == 2
+
+    refused = run_python(*recipe_args(tmp_path / "strict", *TINY_TRAINING, *base))
+    assert refused.returncode != 0
+    assert "train.jsonl: line 4: the line is not JSON" in refused.stderr

@@ -12,7 +12,7 @@ import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Generic, TypeVar, final
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
 
 import torch
 from torch.optim import Optimizer
@@ -41,6 +41,9 @@ from units import EvalUnit, TrainUnit
 log = logging.getLogger(__name__)
 
 BatchT = TypeVar("BatchT")
+
+if TYPE_CHECKING:
+    from runtime.training.initial_weights import InitFrom
 
 
 @final
@@ -106,7 +109,7 @@ class Trainer(Generic[BatchT]):
         gc_every_n_steps: int | None = None,
         flops_per_target: float | None = None,
         device_peak_flops: float | None = None,
-        init_from: Path | None = None,
+        init_from: InitFrom | None = None,
     ) -> None:
         gangs = _resolve_gangs(gangs, root_gang, dp_gang, tp_gang)
         # The keywords above, each turned into the option group that uses it; from here on only

@@ -45,6 +45,10 @@ class InstructionBatch:
     target_ids: Tensor  # [batch_size, length], int64
     num_targets: int
 
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.size(0)
+
 
 @final
 @dataclass(frozen=True)
