@@ -79,7 +79,8 @@ class TrainerSection:
     gc_every_n_steps: int | None = 50
     """Python's garbage collection runs on every rank after the same steps (None: automatic)."""
     device_peak_flops: float | None = None
-    """The device's peak FLOP/s in the training dtype, to publish ``mfu`` (e.g. 312e12: A100 bf16)."""
+    """The device's peak FLOP/s in the training dtype, to publish ``mfu`` (e.g. 312e12: A100 bf16);
+    on CUDA, None means the Trainer's table of common devices (H100, A100, ...)."""
 
 
 class ParallelConfig(Protocol):
@@ -193,7 +194,10 @@ def trainer_options(
         "nan_policy": t.nan_policy,
         "max_consecutive_skipped_steps": t.max_consecutive_skipped_steps,
         "gc_every_n_steps": t.gc_every_n_steps,
-        "flops_per_target": flops_per_target() if t.device_peak_flops else None,
+        # On CUDA the Trainer knows the peak of common devices, so mfu needs only the FLOPs.
+        "flops_per_target": (
+            flops_per_target() if t.device_peak_flops or gangs.root.device.type == "cuda" else None
+        ),
         "device_peak_flops": t.device_peak_flops,
     }
     return options

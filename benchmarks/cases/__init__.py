@@ -13,6 +13,9 @@ from types import ModuleType
 from benchmarks.cases import (
     checkpoint,
     data_bound,
+    gpu_checkpoint,
+    gpu_llama,
+    gpu_overhead,
     imports,
     large_models,
     lm_recipe,
@@ -37,6 +40,9 @@ CASES: tuple[ModuleType, ...] = (
     imports,
     large_models,
     lm_recipe,
+    gpu_overhead,
+    gpu_llama,
+    gpu_checkpoint,
 )
 CASE_KEYS: tuple[str, ...] = tuple(case.KEY for case in CASES)
 

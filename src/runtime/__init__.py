@@ -51,6 +51,7 @@ if TYPE_CHECKING:
         load_initial_weights,
     )
     from runtime.training.loss_scale import LossScaler
+    from runtime.training.out_of_memory import StepOutOfMemoryError
     from runtime.training.schedule import Schedule
     from runtime.training.signals import PREEMPTED_EXIT_CODE
     from runtime.training.state import StopReason, TrainState
@@ -81,6 +82,7 @@ _MODULE_OF: dict[str, str] = {
     "PatienceEarlyStopper": "runtime.training.early_stop",
     "ProgressDisplay": "runtime.metrics.progress",
     "Schedule": "runtime.training.schedule",
+    "StepOutOfMemoryError": "runtime.training.out_of_memory",
     "StopReason": "runtime.training.state",
     "SyncMode": "runtime.data",
     "TensorBoardRecorder": "runtime.metrics.recorders",
@@ -144,6 +146,7 @@ __all__ = [
     "ReloadInitialWeights",
     "ProgressDisplay",
     "Schedule",
+    "StepOutOfMemoryError",
     "StopReason",
     "SyncMode",
     "TensorBoardRecorder",

@@ -165,7 +165,9 @@ class Trainer(Generic[BatchT]):
         self._loop = TrainLoop(
             data_reader=data_reader,
             train_step=self._train_step,
-            metrics=self._make_metrics(Throughput(flops_per_target, device_peak_flops)),
+            metrics=self._make_metrics(
+                _throughput(unit, gangs, flops_per_target, device_peak_flops)
+            ),
             validator=self._validator,
             checkpointer=self._make_checkpointer(optimizer, checkpointing),
             schedules=schedules,
@@ -297,6 +299,22 @@ class Trainer(Generic[BatchT]):
             stack.callback(self._loop.observers.progress.close)
             stack.callback(self._checkpoint_manager.close)
             stack.callback(self._recorder.close)
+
+
+def _throughput(
+    unit: TrainUnit[Any],
+    gangs: Gangs,
+    flops_per_target: float | None,
+    device_peak_flops: float | None,
+) -> Throughput:
+    device = gangs.root.device
+    # numel() of a DTensor (FSDP2, TP) is that of the whole parameter, not of this rank's shard.
+    return Throughput.for_device(
+        flops_per_target,
+        device_peak_flops,
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        num_parameters=sum(p.numel() for p in unit.model.parameters()),
+    )
 
 
 def _resolve_gangs(
