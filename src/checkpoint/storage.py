@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 StateDict = dict[str, Any]
 
 
-def get_state_dicts(model: Module, optimizer: Optimizer) -> tuple[StateDict, StateDict]:
+def get_state_dicts(
+    model: Module, optimizer: Optimizer | Sequence[Optimizer]
+) -> tuple[StateDict, StateDict]:
     """The model's and optimizer's state dicts, by parameter name, for any DDP/FSDP2/TP layout."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -36,7 +38,10 @@ def get_state_dicts(model: Module, optimizer: Optimizer) -> tuple[StateDict, Sta
 
 
 def set_state_dicts(
-    model: Module, optimizer: Optimizer, model_state: StateDict, optim_state: StateDict
+    model: Module,
+    optimizer: Optimizer | Sequence[Optimizer],
+    model_state: StateDict,
+    optim_state: StateDict,
 ) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
