@@ -70,6 +70,7 @@ def reduce_sparse_gradient(grad: Tensor, gang: Gang) -> Tensor:
         torch.cat([all_indices[r, :, :n] for r, n in enumerate(sizes)], dim=1),
         torch.cat([all_values[r, :n] for r, n in enumerate(sizes)]),
         grad.shape,
+        check_invariants=False,
     ).coalesce()
     return _with_values(gathered, gathered.values() / gang.size)
 
