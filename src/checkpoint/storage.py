@@ -73,7 +73,9 @@ def _init_sparse_optimizer_state(optimizer: Optimizer | Sequence[Optimizer]) -> 
                 param.shape,
                 check_invariants=False,
             )
-        sparse.step()
+        # SparseAdam.step is untyped.
+        step: Callable[[], object] = sparse.step
+        step()
         sparse.zero_grad(set_to_none=True)
 
 
