@@ -50,6 +50,8 @@ class AbstractCheckpointManager(ABC):
     ) -> None:
         """Save model, optimizer and trainer state of ``step_nr`` with its validation ``score``.
 
+        ``optimizer`` is the Trainer's one optimizer, or the sequence of its several.
+
         Returns once committed; an implementation that writes in the background may return
         earlier when ``async_checkpoint`` is set, with :attr:`pending_step_nr` set until
         :meth:`finish_pending_save` commits it.

@@ -189,7 +189,9 @@ class Trainer(Generic[BatchT]):
             options=checkpointing,
             scoring=self._scoring,
             model=self._unit.model,
-            optimizer=optimizers,
+            # One optimizer is handed over alone, as the checkpoint managers written for one
+            # optimizer expect.
+            optimizer=optimizers[0] if len(optimizers) == 1 else optimizers,
             callbacks=self._callbacks,
             gangs=self._gangs,
         )
