@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from gangs import setup_gangs
 from runtime import apply_data_parallel
 from runtime.training.rng import seed_rngs
+from runtime.training.sparse_gradients import check_sparse_outside_ddp
 from tests.workers.leave import leave
 
 
@@ -37,6 +38,14 @@ class HalfUsed(nn.Module):
 def main(output_dir: Path, options: dict[str, Any]) -> None:
     gangs = setup_gangs()
     torch.manual_seed(0)
+    if options.pop("sparse_by_hand", False):
+        # A sparse embedding in a DDP wrapped by hand: DDP reduces it, which the Trainer refuses.
+        table = nn.parallel.DistributedDataParallel(nn.Embedding(4, 2, sparse=True))
+        try:
+            check_sparse_outside_ddp(table)
+        except ValueError as error:
+            (output_dir / f"rank_{gangs.root.rank}.json").write_text(json.dumps(str(error)))
+        leave(gangs.root)
     model = apply_data_parallel(HalfUsed(), gangs, **options)
     for _ in range(2):
         model(torch.randn(2, 4)).sum().backward()

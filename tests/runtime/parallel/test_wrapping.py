@@ -40,6 +40,16 @@ def test_without_find_unused_parameters_ddp_refuses_an_unused_layer(
     assert "find_unused_parameters" in result.stderr
 
 
+@pytest.mark.distributed
+def test_a_sparse_embedding_reduced_by_a_hand_made_ddp_is_refused(
+    run_torchrun: RunTorch, tmp_path: Path
+) -> None:
+    assert_ok(run_torchrun(2, WORKER, str(tmp_path), json.dumps({"sparse_by_hand": True})))
+    for message in rank_reports(tmp_path, 2):
+        assert "reduces the sparse gradients of weight" in message
+        assert "runtime.apply_data_parallel" in message
+
+
 def test_ddp_options_are_refused_for_fsdp() -> None:
     with pytest.raises(ValueError, match="find_unused_parameters, static_graph are DDP options"):
         apply_data_parallel(
