@@ -145,6 +145,7 @@ def make_trainer(
         publish_metrics_every_n_steps=1,
         metrics_dir=output_dir / "metrics",
         dtype=getattr(torch, options.get("dtype", "float32")),
+        reshard_on_resume=options.get("reshard_on_resume", False),
         callbacks=callbacks,
         progress=False,
     )

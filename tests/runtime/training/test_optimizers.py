@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -160,8 +161,16 @@ DP2_OPTIONS: dict[str, Any] = {"batch_size": 4, "max_num_steps": 6, "checkpoint_
 
 
 @pytest.fixture(scope="module")
-def dp2_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return train_dp2(torchrun, tmp_path_factory.mktemp("dp2"), **DP2_OPTIONS)
+def dp2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dp2")
+    train_dp2(torchrun, out, **DP2_OPTIONS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dp2_reference(dp2_dir: Path) -> dict[str, Any]:
+    loaded: dict[str, Any] = torch.load(dp2_dir / "result.pt", weights_only=True)
+    return loaded
 
 
 @pytest.mark.distributed
@@ -197,3 +206,23 @@ def test_kill_9_resumes_both_optimizers_bit_identically(
                 )
                 assert same, (key, field)
     assert math.isfinite(float(resumed["params"]["table.weight"].sum()))
+
+
+@pytest.mark.distributed
+def test_both_optimizers_reshard_from_two_ranks_to_one(
+    tmp_path: Path, dp2_dir: Path, dp2_reference: dict[str, Any]
+) -> None:
+    # Step 4 of the two-rank run, resumed on one process with the doubled batch.
+    shutil.copytree(dp2_dir / "checkpoints" / "step_4", tmp_path / "checkpoints" / "step_4")
+    resumed = train_here(tmp_path, batch_size=8, max_num_steps=6, reshard_on_resume=True)
+    steps = [r["step_nr"] for r in read_jsonl(tmp_path / "metrics" / "train.jsonl")]
+    assert steps == [5, 6]
+    assert_close_params(resumed["params"], dp2_reference["params"])
+    for got, want in zip(resumed["optimizers"], dp2_reference["optimizers"], strict=True):
+        assert {int(s["step"]) for s in got["state"].values()} == {6}
+        for key, state in want["state"].items():
+            for field, value in state.items():
+                if isinstance(value, Tensor) and value.dim() > 0:
+                    torch.testing.assert_close(
+                        got["state"][key][field], value, rtol=1e-4, atol=1e-6
+                    )
