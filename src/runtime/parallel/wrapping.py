@@ -88,6 +88,10 @@ def apply_data_parallel(
                 fully_shard(module, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
+    return _wrap_ddp(model, gangs, ddp_options)
+
+
+def _wrap_ddp(model: Module, gangs: Gangs, options: dict[str, bool]) -> Module:
     if gangs.tp.size > 1:
         # DDP does not handle DTensor parameters (their state dict entries are lost).
         raise ValueError(
@@ -100,9 +104,9 @@ def apply_data_parallel(
         model,
         device_ids=device_ids,
         process_group=gangs.dp.as_process_group(),
-        find_unused_parameters=find_unused_parameters,
-        static_graph=static_graph,
-        gradient_as_bucket_view=gradient_as_bucket_view,
+        find_unused_parameters=options["find_unused_parameters"],
+        static_graph=options["static_graph"],
+        gradient_as_bucket_view=options["gradient_as_bucket_view"],
     )
 
 
