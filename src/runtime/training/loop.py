@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, final
 
+import torch
+
 from checkpoint import CheckpointLayoutError
 from checkpoint.arguments import check_positive
 from gangs import Gangs
@@ -29,6 +31,7 @@ from runtime.metrics.train_metrics import TrainMetrics, describe_devices
 from runtime.training.callbacks import CallbackList
 from runtime.training.checkpointing import Checkpointer
 from runtime.training.garbage_collection import GarbageCollection
+from runtime.training.out_of_memory import MemoryFigures, step_out_of_memory_error
 from runtime.training.rng import rng_state, seed_rngs, set_rng_state
 from runtime.training.schedule import Due, Schedules
 from runtime.training.signals import StopSignals
@@ -217,15 +220,23 @@ class TrainLoop(Generic[BatchT]):
         """Take one optimizer step; return whether any rank asked to stop."""
         self.state.step_nr += 1
         step_nr = self.state.step_nr
-        # The gradient norm is measured where it is published: on the publishing steps and on
-        # those after which the run may end (a validation may stop it early, and the end
-        # publishes what is left).
-        output = self._train_step(
-            batches,
-            step_nr=step_nr,
-            stop_requested=self.stop_signals.requested,
-            measure_grad_norm=due.publish or due.validate or step_nr == self._limits.max_num_steps,
-        )
+        try:
+            # The gradient norm is measured where it is published: on the publishing steps and
+            # on those after which the run may end (a validation may stop it early, and the end
+            # publishes what is left).
+            output = self._train_step(
+                batches,
+                step_nr=step_nr,
+                stop_requested=self.stop_signals.requested,
+                measure_grad_norm=(
+                    due.publish or due.validate or step_nr == self._limits.max_num_steps
+                ),
+            )
+        except torch.OutOfMemoryError as ex:
+            device = self._gangs.root.device
+            raise step_out_of_memory_error(
+                step_nr, device=device, rank=self._gangs.root.rank, figures=MemoryFigures.of(device)
+            ) from ex
         self._metrics.add_step(output)
         self._progress.advance(step_nr=step_nr)
         self._callbacks.on_step_end(step_nr=step_nr)
@@ -305,8 +316,8 @@ class TrainLoop(Generic[BatchT]):
 
     def _publish_train_metrics(self) -> None:
         step_nr = self.state.step_nr
-        extra = {
-            "lr": self._train_step.learning_rate,
+        extra: dict[str, float] = {
+            **self._train_step.learning_rates(),
             "data_epoch": self.state.data_epoch_nr,
             "elapsed_time": time.perf_counter() - self._run_start,
         }
