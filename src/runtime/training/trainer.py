@@ -21,10 +21,12 @@ from torch.optim.lr_scheduler import LRScheduler
 from checkpoint import AbstractCheckpointManager, CheckpointChoice, RetentionPolicy
 from gangs import Gang, Gangs
 from runtime.data import DataReader
+from runtime.data.device import DeviceDataReader
 from runtime.metrics.profiler import TorchProfiler
 from runtime.metrics.progress import make_progress_display
 from runtime.metrics.recorders import MetricRecorder, RecorderOptions, make_recorder
 from runtime.metrics.train_metrics import Throughput, TrainMetrics
+from runtime.parallel.placement import check_model_device
 from runtime.training.callbacks import CallbackList, TrainerCallback
 from runtime.training.checkpointing import Checkpointer, CheckpointOptions
 from runtime.training.early_stop import EarlyStopper
@@ -109,8 +111,10 @@ class Trainer(Generic[BatchT]):
         flops_per_target: float | None = None,
         device_peak_flops: float | None = None,
         init_from: InitFrom | None = None,
+        move_batches_to_device: bool = True,
     ) -> None:
         gangs = _resolve_gangs(gangs, root_gang, dp_gang, tp_gang)
+        check_model_device(unit.model, gangs.root.device)
         # The keywords above, each turned into the option group that uses it; from here on only
         # the groups travel.
         schedules = Schedules(
@@ -147,11 +151,12 @@ class Trainer(Generic[BatchT]):
         self._anomaly_detection = anomaly_detection
         self._callbacks = CallbackList(callbacks)
         self._checkpoint_manager, self._scoring = checkpoint_manager, scoring
-        # Validation reads every example once, so a score is the mean over the whole valid set.
-        given_valid_readers = list(valid_data_readers or [])
-        valid_data_readers = [reader.for_evaluation() for reader in given_valid_readers]
+        given_readers = [data_reader, *(valid_data_readers or [])]
+        data_reader, valid_data_readers = _prepare_readers(
+            data_reader, valid_data_readers, gangs.root.device if move_batches_to_device else None
+        )
         self._data_readers = list(
-            {id(r): r for r in [data_reader, *given_valid_readers, *valid_data_readers]}.values()
+            {id(r): r for r in [*given_readers, data_reader, *valid_data_readers]}.values()
         )
         self._closed = False
         self._train_step = TrainStep(
@@ -312,6 +317,20 @@ def _throughput(
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         num_parameters=sum(p.numel() for p in unit.model.parameters()),
     )
+
+
+def _prepare_readers(
+    data_reader: DataReader[BatchT],
+    valid_data_readers: Sequence[DataReader[Any]] | None,
+    device: torch.device | None,
+) -> tuple[DataReader[BatchT], list[DataReader[Any]]]:
+    """The readers as the loop reads them: validation reads every example once, so a score is
+    the mean over the whole valid set; with ``device`` (not the CPU), every micro-batch is moved
+    there before the unit sees it."""
+    valid = [reader.for_evaluation() for reader in valid_data_readers or []]
+    if device is None or device.type == "cpu":
+        return data_reader, valid
+    return DeviceDataReader(data_reader, device), [DeviceDataReader(r, device) for r in valid]
 
 
 def _resolve_gangs(
