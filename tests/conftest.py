@@ -238,3 +238,13 @@ def make_tokenizer_dir(
     if config_file is not None:
         (directory / config_file).write_text(json.dumps(config))
     return directory
+
+
+@pytest.fixture(params=["fast", "public"])
+def checkpoint_io(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test on each of the checkpoint package's two ways through DCP (the fast path for
+    the tested torch versions, and public DCP); torchrun children inherit the choice."""
+    from checkpoint.dcp_files import IO_ENV_VAR
+
+    monkeypatch.setenv(IO_ENV_VAR, request.param)
+    return str(request.param)

@@ -1,7 +1,16 @@
 """DCP's file system writer and reader, made to hash what they write and to unpickle safely.
 
-Imports ``torch.distributed.checkpoint`` (slow to load), so :mod:`checkpoint.storage` imports
-this module when a checkpoint is first written or read.
+Two ways through DCP, chosen by :func:`fast_io_supported` alone:
+
+- the fast one, for the torch versions it is tested with (:data:`FAST_IO_TORCH_VERSIONS`): it
+  stages asynchronous saves into reused buffers, hashes files as a load reads them, and reads
+  whole tensors in place (:mod:`checkpoint.dcp_reads`). It leans on DCP internals that change
+  between torch releases.
+- the public one, on any other torch (or with ``TRAINKIT_CHECKPOINT_IO=public``): DCP's public
+  writer, reader and planners only; a load's files are hashed after it, in a second read.
+
+Both write the same files. Imports ``torch.distributed.checkpoint`` (slow to load), so
+:mod:`checkpoint.storage` imports this module when a checkpoint is first written or read.
 """
 
 from __future__ import annotations
@@ -10,6 +19,7 @@ import dataclasses
 import io
 import os
 import pickle
+import warnings
 from collections.abc import Callable, Generator, Iterable
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,6 +56,27 @@ _METADATA_MODULES = frozenset(
 _PATH_CLASSES = frozenset({"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"})
 
 Gather: TypeAlias = Callable[[Any], list[Any]]
+
+FAST_IO_TORCH_VERSIONS: Final = ("2.13", "2.14.0.dev0")
+"""The torch versions the fast path is tested with: from the first, up to but not the second
+(no pre-release of the next minor version)."""
+
+IO_ENV_VAR: Final = "TRAINKIT_CHECKPOINT_IO"
+"""``public`` forces the public path; ``fast`` the fast one (tests); unset chooses by version."""
+
+
+def fast_io_supported() -> bool:
+    """Whether checkpoints go through the fast path (see the module docstring)."""
+    choice = os.environ.get(IO_ENV_VAR, "")
+    if choice not in ("", "fast", "public"):
+        raise CheckpointError(
+            f"{IO_ENV_VAR} must be 'fast', 'public' or unset, but is {choice!r} instead."
+        )
+    if choice:
+        return choice == "fast"
+    lowest, beyond = FAST_IO_TORCH_VERSIONS
+    version = torch.torch_version.TorchVersion(torch.__version__)
+    return bool(lowest <= version < beyond)
 
 
 @final
@@ -100,15 +131,16 @@ def hashing_writer(
     return writer, digests
 
 
-def staging_writer() -> StagingWriter:
+def staging_writer() -> FileSystemWriter:
     """A writer for asynchronous saves that stages into the same CPU buffers every time.
 
     Copying into buffers already faulted in is several times faster than into fresh memory
     (0.08 s against 0.5 s for 600 MB here), and staging is what an asynchronous save blocks on.
     The buffers stay allocated: one CPU copy of what this rank writes, for as long as the writer
     lives. Set ``own_entries`` (see :func:`own_entries`) before each save to stage only those.
+    On the public path, DCP's own writer, which stages into fresh CPU memory every time.
     """
-    return StagingWriter(".")
+    return StagingWriter(".") if fast_io_supported() else FileSystemWriter(".")
 
 
 def own_entries(state: dict[str, Any], *, rank: int, gather: Gather) -> frozenset[str]:
@@ -272,18 +304,21 @@ class _HashingReadFileSystem(FileSystem):
 
 @final
 class _SafeReader(FileSystemReader):
-    """Unpickles only DCP's metadata classes; reads each file's items in offset order; and with
-    ``digests``, hashes the files assigned to this rank as it reads them."""
+    """Unpickles only DCP's metadata classes. With ``digests`` on the fast path, also reads each
+    file's items in offset order, whole tensors in place, and hashes the files assigned to this
+    rank as it reads them; otherwise DCP reads as it always does, and nothing is hashed (the
+    verification then reads the files for their digests)."""
 
     def __init__(self, path: Path, digests: ReadDigests | None) -> None:
         super().__init__(path)
         self._hashing: _HashingReadFileSystem | None = None
-        if digests is not None:
+        if digests is not None and fast_io_supported():
             self._hashing = _HashingReadFileSystem(Path(path), digests)
             self.fs = self._hashing
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
+        # The one metadata file of a DCP directory (per-rank metadata is not written here).
+        path = self.fs.concat_path(self.path, ".metadata")
         with self.fs.create_stream(path, "rb") as metadata_file:
             metadata = _MetadataUnpickler(metadata_file).load()
         if not isinstance(metadata, Metadata):
@@ -315,16 +350,13 @@ class _SafeReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """DCP's reads, each file's in offset order and whole tensors in place (see
         :mod:`checkpoint.dcp_reads`)."""
-        if self._hashing is not None:
-            self._hashing.mine, self._hashing.digests.covered = plan.storage_data
+        if self._hashing is None:
+            return super().read_data(plan, planner)
+        self._hashing.mine, self._hashing.digests.covered = plan.storage_data
         # In offset order, a file is read front to back: hashing it then needs no second read.
         items = sorted(plan.items, key=self._location)
-        try:
-            from checkpoint.dcp_reads import read_items
-        except ImportError:
-            # A torch whose DCP lacks the internals of the in-place reads (``torch>=2.6`` is
-            # allowed; they were written against 2.13): DCP reads as it always does.
-            return super().read_data(dataclasses.replace(plan, items=items), planner)
+        from checkpoint.dcp_reads import read_items
+
         per_file: dict[str, list[ReadItem]] = {}
         for item in items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
@@ -365,14 +397,18 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 def _load_bytes_weights_only(
     planner: DefaultLoadPlanner, read_item: ReadItem, value: io.BytesIO
 ) -> None:
-    """``DefaultLoadPlanner.load_bytes``, with ``weights_only=True``."""
-    from torch.distributed.checkpoint._traverse import set_element
+    """``DefaultLoadPlanner.load_bytes``, with ``weights_only=True``.
 
+    Loads into a state dict that holds the entry already (as a load into a live model does)."""
     loaded = torch.load(value, weights_only=True)
-    if planner.flatten_state_dict:
-        set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], loaded)
-    else:
+    if not planner.flatten_state_dict:
         planner.state_dict[read_item.dest_index.fqn] = loaded
+        return
+    *parents, last = planner.mappings[read_item.dest_index.fqn]
+    container: Any = planner.original_state_dict
+    for key in parents:
+        container = container[key]
+    container[last] = loaded
 
 
 def safe_reader(path: Path, digests: ReadDigests | None = None) -> FileSystemReader:
@@ -392,6 +428,8 @@ def load_whole(path: Path) -> dict[str, Any]:
     ``dcp_to_torch_save`` without its plain ``pickle.load`` of the metadata, and with its
     non-tensor entries loaded ``weights_only`` (see :class:`SafeLoadPlanner`).
     """
+    if not fast_io_supported():
+        return _load_whole_public(path)
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -406,4 +444,32 @@ def load_whole(path: Path) -> dict[str, Any]:
         planner=WholeLoadPlanner(),  # type: ignore[no-untyped-call]
         no_dist=True,
     )
+    return state
+
+
+def _load_whole_public(path: Path) -> dict[str, Any]:
+    """:func:`load_whole` through DCP's public ``load``: into a flat state dict made from the
+    metadata, nested afterwards as the save's planner recorded it."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    reader = safe_reader(path)
+    metadata = reader.read_metadata()
+    flat: dict[str, Any] = {}
+    for name, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            flat[name] = torch.empty(entry.size, dtype=entry.properties.dtype)
+        else:
+            flat[name] = None  # replaced by the entry's object
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load(flat, storage_reader=safe_reader(path), planner=SafeLoadPlanner(), no_dist=True)
+    mappings: dict[str, Any] = metadata.planner_data or {}
+    state: dict[str, Any] = {}
+    for name, value in flat.items():
+        *parents, last = mappings.get(name, (name,))
+        container = state
+        for key in parents:
+            container = container.setdefault(key, {})
+        container[last] = value
     return state
