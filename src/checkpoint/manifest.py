@@ -3,8 +3,9 @@
 ``manifest.json`` is written last, by rank 0, into the directory before its rename: a directory
 with a manifest is committed. It records the step, the score, the kind (``full``, or ``model``
 once retention pruned the optimizer and trainer state), the world layout, and the size and
-digest of every file. Format 2 names its digest ``algorithm`` (xxh3-128) and stores each file's
-as ``digest``; format 1 stored sha256 sums as ``sha256``, and still verifies.
+digest of every file. The format is version 2 (``FORMAT_VERSION``): it names its digest
+``algorithm`` (xxh3-128) and stores each file's as ``digest``. A manifest of any other version
+is refused with a clear error; a change to its entries bumps the version.
 """
 
 from __future__ import annotations
@@ -113,10 +114,10 @@ class ManifestFiles:
 
     @staticmethod
     def of(step_dir: Path, manifest: dict[str, Any]) -> ManifestFiles:
-        algorithm, digest_key = _digest_scheme(manifest, step_dir)
+        algorithm = _digest_algorithm(manifest, step_dir)
         try:
             sizes = {name: int(entry["size"]) for name, entry in manifest["files"].items()}
-            digests = {name: str(entry[digest_key]) for name, entry in manifest["files"].items()}
+            digests = {name: str(entry["digest"]) for name, entry in manifest["files"].items()}
         except (KeyError, TypeError, ValueError) as ex:
             raise CheckpointError(
                 f"The manifest of {step_dir} has a malformed file entry: {ex}"
@@ -160,13 +161,11 @@ class ManifestFiles:
         )
 
 
-def _digest_scheme(manifest: dict[str, Any], step_dir: Path) -> tuple[str, str]:
+def _digest_algorithm(manifest: dict[str, Any], step_dir: Path) -> str:
     version = manifest.get("format_version")
-    if version == 1:
-        return "sha256", "sha256"
     if version == FORMAT_VERSION:
-        return str(manifest.get("algorithm")), "digest"
+        return str(manifest.get("algorithm"))
     raise CheckpointError(
         f"The manifest of {step_dir} has format_version {version!r}, but this version of the "
-        f"project reads 1 and {FORMAT_VERSION}: upgrade it to load this checkpoint."
+        f"project reads {FORMAT_VERSION} only: load the checkpoint with the version that wrote it."
     )
