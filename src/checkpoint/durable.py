@@ -30,15 +30,6 @@ def write_json_durably(obj: Any, file: Path) -> None:
     fsync_dir(file.parent)
 
 
-def torch_save_durably(obj: Any, file: Path) -> None:
-    import torch
-
-    with file.open("wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def fsync_dir(path: Path) -> None:
     """Make the entries of ``path`` (new, renamed or removed files) durable."""
     fd = os.open(path, os.O_RDONLY)

@@ -252,3 +252,15 @@ def test_a_damaged_file_of_the_right_size_gives_way_to_the_previous_checkpoint_i
     for param_nr, moments in expected_state["state"].items():
         for name, value in moments.items():
             assert torch.equal(state["state"][param_nr][name], value), (param_nr, name)
+
+
+def test_the_exception_chain_follows_causes_then_contexts_and_stops_at_a_loop() -> None:
+    from checkpoint.errors import exception_chain
+
+    root = OSError(28, "No space left on device")
+    context = ValueError("while writing")
+    context.__context__ = root
+    top = CheckpointError("save failed")
+    top.__cause__ = context
+    root.__context__ = top  # a loop, as a re-raise inside a handler can make
+    assert list(exception_chain(top)) == [top, context, root]

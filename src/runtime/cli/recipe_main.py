@@ -31,6 +31,7 @@ from checkpoint import (
     CheckpointLayoutError,
 )
 from checkpoint.durable import write_text_atomically
+from checkpoint.errors import exception_chain
 from gangs import (
     GangError,
     LaunchBarrier,
@@ -332,14 +333,12 @@ def _let_the_launcher_see_the_vanished_peer(ex: BaseException) -> None:
     """
     if not LauncherWatchdog.wanted():
         return
-    chain: BaseException | None = ex
-    while chain is not None:
-        text = str(chain).lower()
+    for cause in exception_chain(ex):
+        text = str(cause).lower()
         if "closed by peer" in text or "reset by peer" in text:
             log.warning("A peer rank vanished; waiting for the launcher to notice it first.")
             time.sleep(_PEER_FAILURE_GRACE)
             return
-        chain = chain.__cause__ or chain.__context__
 
 
 def _world_group() -> dist.ProcessGroup:
@@ -401,12 +400,6 @@ def _evaluate(runnable: Runnable, which: CheckpointChoice) -> None:
         log.exception("The evaluation failed: %s", ex, extra=_FILE_ONLY)
         _fail(str(ex))
     log.info("The evaluation of checkpoint '%s' finished.", which)
-
-
-def setup_logging(output_dir: Path, rank: int) -> None:
-    """Log every rank to ``output_dir/logs/rank_N.log`` and rank 0 also to stderr, at INFO."""
-    logs = _RankLogs(output_dir, rank)
-    logs.attach()
 
 
 @final
