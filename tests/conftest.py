@@ -244,7 +244,7 @@ def make_tokenizer_dir(
 def checkpoint_io(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Runs a test on each of the checkpoint package's two ways through DCP (the fast path for
     the tested torch versions, and public DCP); torchrun children inherit the choice."""
-    from checkpoint.dcp_files import IO_ENV_VAR
+    from checkpoint.dcp_io import IO_ENV_VAR
 
     monkeypatch.setenv(IO_ENV_VAR, request.param)
     return str(request.param)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Final, Protocol, final
 
-from checkpoint.durable import start_writeback
+from checkpoint.directory import start_writeback
 from checkpoint.errors import CheckpointError
 
 ALGORITHM: Final = "xxh3_128"
@@ -74,7 +74,7 @@ class HashingStream(io.RawIOBase):
 
     hashlib and xxhash release the GIL on large buffers, so a writer thread hashing here does not
     hold up the training loop. With ``write_behind``, the disk write of the bytes starts as they
-    arrive (see :func:`~checkpoint.durable.start_writeback`), for a large file that is fsynced
+    arrive (see :func:`~checkpoint.directory.start_writeback`), for a large file that is fsynced
     once written.
     """
 

@@ -19,7 +19,7 @@ happens in :meth:`CheckpointManager.finish_pending_save`, once every rank's writ
 Until then the checkpoint is only a ``.tmp`` directory, so a crash loses it but never exposes it.
 
 Verification is shared, and a resume reads no byte for it alone: the ranks hash the files as DCP
-reads them to load (see :mod:`checkpoint.verification`), and all agree on the verdict. A committed
+reads them to load (see :mod:`checkpoint.manifest`), and all agree on the verdict. A committed
 checkpoint that fails verification when the run resumes is skipped in favour of the one before it
 and renamed to ``step_N.damaged`` (kept for inspection, never loaded), so that the resumed run can
 write ``step_N`` again.
@@ -42,8 +42,7 @@ from typing_extensions import override
 
 from checkpoint import catalog, directory
 from checkpoint.base import AbstractCheckpointManager, LoadedCheckpoint
-from checkpoint.catalog import CheckpointChoice
-from checkpoint.durable import fsync_dir
+from checkpoint.directory import check_shared_directory, fsync_dir
 from checkpoint.errors import (
     CheckpointError,
     CheckpointLayoutError,
@@ -52,10 +51,16 @@ from checkpoint.errors import (
 )
 from checkpoint.integrity import FileDigest
 from checkpoint.layout import WorldLayout, needs_reshard
-from checkpoint.manifest import make_manifest, prune_to_model, write_manifest
+from checkpoint.manifest import (
+    CheckpointChoice,
+    LoadCheck,
+    make_manifest,
+    prune_to_model,
+    verify_share,
+    write_manifest,
+)
 from checkpoint.pending import PendingSave, removing_on_failure
 from checkpoint.retention import CheckpointInfo, RetentionPolicy, plan_retention
-from checkpoint.shared import check_shared_directory
 from checkpoint.storage import (
     DcpStorage,
     get_model_state,
@@ -63,7 +68,6 @@ from checkpoint.storage import (
     set_model_state,
     set_state_dicts,
 )
-from checkpoint.verification import LoadCheck, verify_share
 from gangs import Gangs, agree, run_on_all_ranks
 
 log = logging.getLogger(__name__)
@@ -345,7 +349,7 @@ class CheckpointManager(AbstractCheckpointManager):
     def read_model_state(self, step_nr: int) -> dict[str, Any]:
         """The verified model of the checkpoint of ``step_nr`` as a plain state dict (one process;
         for export)."""
-        from checkpoint.dcp_files import load_whole
+        from checkpoint.dcp_io import load_whole
 
         self.verify(step_nr)
         return load_whole(directory.step_dir(self._dir, step_nr) / "model")

@@ -69,7 +69,7 @@ class DcpStorage:
 
     def _log_path(self) -> None:
         """Say once which way through DCP this process takes, if it is not the fast one."""
-        from checkpoint.dcp_files import IO_ENV_VAR, fast_io_supported
+        from checkpoint.dcp_io import IO_ENV_VAR, fast_io_supported
 
         if self._path_logged or fast_io_supported():
             return
@@ -87,7 +87,7 @@ class DcpStorage:
         """Write ``state`` to ``path``; return the digest of each file this rank wrote there."""
         from torch.distributed.checkpoint.state_dict_saver import save
 
-        from checkpoint.dcp_files import hashing_writer
+        from checkpoint.dcp_io import hashing_writer
 
         self._log_path()
         writer, digests = hashing_writer(path)
@@ -96,10 +96,10 @@ class DcpStorage:
 
     def load(self, state: StateDict, path: Path, digests: ReadDigests | None = None) -> None:
         """Read ``path`` into ``state``; with ``digests``, hash this rank's share of the files as
-        they are read (see :func:`checkpoint.dcp_files.safe_reader`)."""
+        they are read (see :func:`checkpoint.dcp_io.safe_reader`)."""
         from torch.distributed.checkpoint.state_dict_loader import load
 
-        from checkpoint.dcp_files import SafeLoadPlanner, safe_reader
+        from checkpoint.dcp_io import SafeLoadPlanner, safe_reader
 
         self._log_path()
         reader = safe_reader(path, digests)
@@ -112,7 +112,7 @@ class DcpStorage:
         Stage everything before the first :meth:`async_save` starts: a writer thread running
         meanwhile would take the GIL from the copy between its tensors.
         """
-        from checkpoint.dcp_files import StagingWriter, own_entries
+        from checkpoint.dcp_io import StagingWriter, own_entries
 
         self._log_path()
         staging = self._staging_writer(writer_nr, state)
@@ -132,7 +132,7 @@ class DcpStorage:
         """
         from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
 
-        from checkpoint.dcp_files import STAGED, hashing_writer
+        from checkpoint.dcp_io import STAGED, hashing_writer
 
         writer, digests = hashing_writer(path, reuse=self._staging[writer_nr][0])
         if self._gang.size == 1:
@@ -166,7 +166,7 @@ class DcpStorage:
 
         The caller must have waited for that writer's previous save: its buffers are reused.
         """
-        from checkpoint.dcp_files import staging_writer
+        from checkpoint.dcp_io import staging_writer
 
         layout = _layout_of(state)
         cached = self._staging.get(writer_nr)

@@ -192,7 +192,7 @@ def test_an_async_save_stages_only_the_entries_this_rank_writes() -> None:
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-    from checkpoint.dcp_files import staging_writer
+    from checkpoint.dcp_io import staging_writer
 
     state = {"w": torch.ones(4), "optim": {"w": {"exp_avg": torch.zeros(4)}}}
     writer = staging_writer()

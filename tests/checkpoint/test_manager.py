@@ -271,7 +271,7 @@ def test_unreadable_manifest_is_damage_and_is_moved_aside_after_the_fallback(
 def test_the_fast_path_is_taken_only_on_the_tested_torch_versions(
     version: str, fast: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from checkpoint.dcp_files import IO_ENV_VAR, fast_io_supported
+    from checkpoint.dcp_io import IO_ENV_VAR, fast_io_supported
 
     monkeypatch.delenv(IO_ENV_VAR, raising=False)
     monkeypatch.setattr(torch, "__version__", version)
@@ -279,7 +279,7 @@ def test_the_fast_path_is_taken_only_on_the_tested_torch_versions(
 
 
 def test_an_unknown_checkpoint_io_choice_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from checkpoint.dcp_files import IO_ENV_VAR, fast_io_supported
+    from checkpoint.dcp_io import IO_ENV_VAR, fast_io_supported
 
     monkeypatch.setenv(IO_ENV_VAR, "quick")
     with pytest.raises(CheckpointError, match="must be 'fast', 'public' or unset, but is 'quick'"):

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from checkpoint import CheckpointManager
-from checkpoint.dcp_files import IO_ENV_VAR
+from checkpoint.dcp_io import IO_ENV_VAR
 from gangs import Gangs
 from tests.conftest import REPO_ROOT, assert_ok, child_env, run_python, torchrun, torchrun_command
 

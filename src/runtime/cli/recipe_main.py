@@ -30,7 +30,7 @@ from checkpoint import (
     CheckpointError,
     CheckpointLayoutError,
 )
-from checkpoint.durable import write_text_atomically
+from checkpoint.directory import write_text_atomically
 from checkpoint.errors import exception_chain
 from gangs import (
     GangError,
