@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -248,3 +249,19 @@ def checkpoint_io(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setenv(IO_ENV_VAR, request.param)
     return str(request.param)
+
+
+@pytest.fixture(autouse=True)
+def fail_on_logging_errors(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A test fails when a log record could not be written ("--- Logging error ---"): a handler
+    whose stream was closed under it, or a message whose arguments do not format."""
+    errors: list[str] = []
+    original = logging.Handler.handleError
+
+    def record(handler: logging.Handler, log_record: logging.LogRecord) -> None:
+        errors.append(f"{type(handler).__name__}: {sys.exc_info()[1]!r} for {log_record.msg!r}")
+        original(handler, log_record)
+
+    monkeypatch.setattr(logging.Handler, "handleError", record)
+    yield
+    assert not errors, "logging errors:\n" + "\n".join(errors)
