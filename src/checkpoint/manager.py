@@ -40,7 +40,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from checkpoint import catalog, directory
+from checkpoint import directory
 from checkpoint.base import AbstractCheckpointManager, LoadedCheckpoint
 from checkpoint.directory import check_shared_directory, fsync_dir
 from checkpoint.errors import (
@@ -54,8 +54,11 @@ from checkpoint.layout import WorldLayout, needs_reshard
 from checkpoint.manifest import (
     CheckpointChoice,
     LoadCheck,
+    list_checkpoints,
     make_manifest,
     prune_to_model,
+    resume_candidates,
+    select_checkpoint,
     verify_share,
     write_manifest,
 )
@@ -200,12 +203,12 @@ class CheckpointManager(AbstractCheckpointManager):
     @override
     def list_checkpoints(self) -> list[CheckpointInfo]:
         """The committed checkpoints (those with a readable manifest), oldest first."""
-        return catalog.list_checkpoints(self._dir)
+        return list_checkpoints(self._dir)
 
     @override
     def select_checkpoint(self, which: CheckpointChoice, *, lower_better: bool) -> int:
         """The step of the committed checkpoint ``which`` names (see :func:`select_checkpoint`)."""
-        return catalog.select_checkpoint(self._dir, which, lower_better=lower_better)
+        return select_checkpoint(self._dir, which, lower_better=lower_better)
 
     def damaged_dirs(self) -> list[Path]:
         """Checkpoints a resume found damaged and moved aside to ``step_N.damaged``."""
@@ -230,7 +233,7 @@ class CheckpointManager(AbstractCheckpointManager):
         :meth:`load_checkpoint`). Nor is a failure of the machine while an intact checkpoint
         loads (out of memory, an import, a read error): :class:`CheckpointLoadError` propagates.
         """
-        candidates = catalog.resume_candidates(self._dir)
+        candidates = resume_candidates(self._dir)
         damaged: list[int] = []
         for step_nr in reversed(candidates):
             try:
@@ -316,7 +319,7 @@ class CheckpointManager(AbstractCheckpointManager):
             self.verify(step_nr)  # a damaged file that failed to load, named by its digest
             self._raise_if_the_machine_failed(step_nr, ex)
             raise
-        # The digests: a damaged file (of the right size) has loaded by now; see verification.py.
+        # The digests: a damaged file (of the right size) has loaded by now; see checkpoint.manifest.
         self._verdict(f"verify the checkpoint of step {step_nr}", check.finish)
         set_state_dicts(model, optimizer, model_state, optim_state)
         log.info("Loaded the checkpoint of step %d from %s.", step_nr, path)
