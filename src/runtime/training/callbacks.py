@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, final
+from typing import Any, final
 
 
 class TrainerCallback:
@@ -60,38 +60,20 @@ class TrainerCallback:
         """After training finished (not after a preemption stop)."""
 
 
-class StepEndHook(Protocol):
-    """What the loop calls after each step: a callback's ``on_step_end``."""
-
-    def __call__(self, *, step_nr: int) -> None: ...
-
-
-def overrides(instance: object, base: type, name: str) -> bool:
-    """Whether the class of ``instance`` overrides the method ``name`` of ``base``."""
-    return getattr(type(instance), name) is not getattr(base, name)
-
-
 @final
 class CallbackList(TrainerCallback):
     """Calls each of ``callbacks`` in order, one moment at a time."""
 
     def __init__(self, callbacks: Sequence[TrainerCallback]) -> None:
         self._callbacks = list(callbacks)
-        self.step_end_hooks: list[StepEndHook] = [
-            callback.on_step_end
-            for callback in self._callbacks
-            if overrides(callback, TrainerCallback, "on_step_end")
-        ]
-        """The ``on_step_end`` of the callbacks that override it, in order: the loop calls
-        these itself, so a step costs nothing for the callbacks that do nothing after it."""
 
     def on_train_begin(self, *, step_nr: int) -> None:
         for callback in self._callbacks:
             callback.on_train_begin(step_nr=step_nr)
 
     def on_step_end(self, *, step_nr: int) -> None:
-        for hook in self.step_end_hooks:
-            hook(step_nr=step_nr)
+        for callback in self._callbacks:
+            callback.on_step_end(step_nr=step_nr)
 
     def on_metrics_published(self, *, run: str, step_nr: int, values: Mapping[str, Any]) -> None:
         for callback in self._callbacks:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, final
 
@@ -41,7 +41,7 @@ class Checkpointer:
         options: CheckpointOptions,
         scoring: Scoring,
         model: Module,
-        optimizer: Optimizer,
+        optimizer: Optimizer | Sequence[Optimizer],
         callbacks: TrainerCallback,
         gangs: Gangs,
     ) -> None:

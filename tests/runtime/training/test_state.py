@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from checkpoint import CheckpointError
 from runtime import StopReason, TrainState
@@ -62,3 +64,23 @@ def test_a_trainer_state_of_another_format_is_a_clear_error() -> None:
     assert check_trainer_state(state) is state
     with pytest.raises(CheckpointError, match="has unknown entries surprise"):
         check_trainer_state({**state, "surprise": 1})
+
+
+def test_numpy_generator_is_seeded_per_rank_and_restored_from_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    import numpy as np
+
+    from runtime.training.rng import rng_state, seed_rngs, set_rng_state
+
+    seed_rngs(3, dp_rank=0, dp_size=2)
+    rank_0 = np.random.rand(3)
+    seed_rngs(3, dp_rank=1, dp_size=2)
+    assert not np.array_equal(np.random.rand(3), rank_0)
+    seed_rngs(3, dp_rank=0, dp_size=2)
+    assert np.array_equal(np.random.rand(3), rank_0)
+
+    torch.save(rng_state(), tmp_path / "rng.pt")
+    expected = np.random.rand(3)
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert np.array_equal(np.random.rand(3), expected)
