@@ -16,7 +16,7 @@ from typing import Any
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from checkpoint.catalog import CheckpointChoice, choose_checkpoint
+from checkpoint.manifest import CheckpointChoice, choose_checkpoint
 from checkpoint.retention import CheckpointInfo, RetentionPolicy
 
 

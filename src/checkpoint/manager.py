@@ -19,7 +19,7 @@ happens in :meth:`CheckpointManager.finish_pending_save`, once every rank's writ
 Until then the checkpoint is only a ``.tmp`` directory, so a crash loses it but never exposes it.
 
 Verification is shared, and a resume reads no byte for it alone: the ranks hash the files as DCP
-reads them to load (see :mod:`checkpoint.verification`), and all agree on the verdict. A committed
+reads them to load (see :mod:`checkpoint.manifest`), and all agree on the verdict. A committed
 checkpoint that fails verification when the run resumes is skipped in favour of the one before it
 and renamed to ``step_N.damaged`` (kept for inspection, never loaded), so that the resumed run can
 write ``step_N`` again.
@@ -40,10 +40,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from checkpoint import catalog, directory
+from checkpoint import directory
 from checkpoint.base import AbstractCheckpointManager, LoadedCheckpoint
-from checkpoint.catalog import CheckpointChoice
-from checkpoint.durable import fsync_dir
+from checkpoint.directory import check_shared_directory, fsync_dir
 from checkpoint.errors import (
     CheckpointError,
     CheckpointLayoutError,
@@ -52,10 +51,19 @@ from checkpoint.errors import (
 )
 from checkpoint.integrity import FileDigest
 from checkpoint.layout import WorldLayout, needs_reshard
-from checkpoint.manifest import make_manifest, prune_to_model, write_manifest
+from checkpoint.manifest import (
+    CheckpointChoice,
+    LoadCheck,
+    list_checkpoints,
+    make_manifest,
+    prune_to_model,
+    resume_candidates,
+    select_checkpoint,
+    verify_share,
+    write_manifest,
+)
 from checkpoint.pending import PendingSave, removing_on_failure
 from checkpoint.retention import CheckpointInfo, RetentionPolicy, plan_retention
-from checkpoint.shared import check_shared_directory
 from checkpoint.storage import (
     DcpStorage,
     get_model_state,
@@ -63,7 +71,6 @@ from checkpoint.storage import (
     set_model_state,
     set_state_dicts,
 )
-from checkpoint.verification import LoadCheck, verify_share
 from gangs import Gangs, agree, run_on_all_ranks
 
 log = logging.getLogger(__name__)
@@ -196,12 +203,12 @@ class CheckpointManager(AbstractCheckpointManager):
     @override
     def list_checkpoints(self) -> list[CheckpointInfo]:
         """The committed checkpoints (those with a readable manifest), oldest first."""
-        return catalog.list_checkpoints(self._dir)
+        return list_checkpoints(self._dir)
 
     @override
     def select_checkpoint(self, which: CheckpointChoice, *, lower_better: bool) -> int:
         """The step of the committed checkpoint ``which`` names (see :func:`select_checkpoint`)."""
-        return catalog.select_checkpoint(self._dir, which, lower_better=lower_better)
+        return select_checkpoint(self._dir, which, lower_better=lower_better)
 
     def damaged_dirs(self) -> list[Path]:
         """Checkpoints a resume found damaged and moved aside to ``step_N.damaged``."""
@@ -226,7 +233,7 @@ class CheckpointManager(AbstractCheckpointManager):
         :meth:`load_checkpoint`). Nor is a failure of the machine while an intact checkpoint
         loads (out of memory, an import, a read error): :class:`CheckpointLoadError` propagates.
         """
-        candidates = catalog.resume_candidates(self._dir)
+        candidates = resume_candidates(self._dir)
         damaged: list[int] = []
         for step_nr in reversed(candidates):
             try:
@@ -317,7 +324,7 @@ class CheckpointManager(AbstractCheckpointManager):
             self.verify(step_nr)  # a damaged file that failed to load, named by its digest
             self._raise_if_the_machine_failed(step_nr, ex)
             raise
-        # The digests: a damaged file (of the right size) has loaded by now; see verification.py.
+        # The digests: a damaged file (of the right size) has loaded by now; see checkpoint.manifest.
         self._verdict(f"verify the checkpoint of step {step_nr}", check.finish)
         set_state_dicts(model, optimizer, model_state, optim_state)
         log.info("Loaded the checkpoint of step %d from %s.", step_nr, path)
@@ -350,7 +357,7 @@ class CheckpointManager(AbstractCheckpointManager):
     def read_model_state(self, step_nr: int) -> dict[str, Any]:
         """The verified model of the checkpoint of ``step_nr`` as a plain state dict (one process;
         for export)."""
-        from checkpoint.dcp_files import load_whole
+        from checkpoint.dcp_io import load_whole
 
         self.verify(step_nr)
         return load_whole(directory.step_dir(self._dir, step_nr) / "model")

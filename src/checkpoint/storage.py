@@ -7,6 +7,7 @@ checkpoint is first written or read, not when the package is.
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -20,12 +21,13 @@ from gangs import Gang
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.nn import Module
     from torch.optim import Optimizer
 
-    from checkpoint.dcp_files import StagingWriter
-
 StateDict = dict[str, Any]
+
+log = logging.getLogger(__name__)
 
 
 def get_state_dicts(
@@ -98,25 +100,44 @@ class DcpStorage:
     def __init__(self, gang: Gang) -> None:
         self._gang = gang
         self._async_groups: list[ProcessGroup] = []
-        self._staging: dict[int, tuple[StagingWriter, list[Any]]] = {}
+        self._staging: dict[int, tuple[FileSystemWriter, list[Any]]] = {}
+        self._path_logged = False
+
+    def _log_path(self) -> None:
+        """Say once which way through DCP this process takes, if it is not the fast one."""
+        from checkpoint.dcp_io import IO_ENV_VAR, fast_io_supported
+
+        if self._path_logged or fast_io_supported():
+            return
+        self._path_logged = True
+        import torch
+
+        log.info(
+            "Checkpoints go through the public API of torch.distributed.checkpoint (torch %s; "
+            "the fast path is used on the torch versions it is tested with, or with %s=fast).",
+            torch.__version__,
+            IO_ENV_VAR,
+        )
 
     def save(self, state: StateDict, path: Path) -> dict[str, FileDigest]:
         """Write ``state`` to ``path``; return the digest of each file this rank wrote there."""
         from torch.distributed.checkpoint.state_dict_saver import save
 
-        from checkpoint.dcp_files import hashing_writer
+        from checkpoint.dcp_io import hashing_writer
 
+        self._log_path()
         writer, digests = hashing_writer(path)
         self._run(save, state, storage_writer=writer)
         return digests
 
     def load(self, state: StateDict, path: Path, digests: ReadDigests | None = None) -> None:
         """Read ``path`` into ``state``; with ``digests``, hash this rank's share of the files as
-        they are read (see :func:`checkpoint.dcp_files.safe_reader`)."""
+        they are read (see :func:`checkpoint.dcp_io.safe_reader`)."""
         from torch.distributed.checkpoint.state_dict_loader import load
 
-        from checkpoint.dcp_files import SafeLoadPlanner, safe_reader
+        from checkpoint.dcp_io import SafeLoadPlanner, safe_reader
 
+        self._log_path()
         reader = safe_reader(path, digests)
         self._run(load, state, storage_reader=reader, planner=SafeLoadPlanner())
 
@@ -127,10 +148,11 @@ class DcpStorage:
         Stage everything before the first :meth:`async_save` starts: a writer thread running
         meanwhile would take the GIL from the copy between its tensors.
         """
-        from checkpoint.dcp_files import own_entries
+        from checkpoint.dcp_io import StagingWriter, own_entries
 
+        self._log_path()
         staging = self._staging_writer(writer_nr, state)
-        if self._gang.size > 1:
+        if self._gang.size > 1 and isinstance(staging, StagingWriter):
             staging.own_entries = own_entries(
                 state, rank=self._gang.rank, gather=partial(self._gather, writer_nr)
             )
@@ -146,7 +168,7 @@ class DcpStorage:
         """
         from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
 
-        from checkpoint.dcp_files import STAGED, hashing_writer
+        from checkpoint.dcp_io import STAGED, hashing_writer
 
         writer, digests = hashing_writer(path, reuse=self._staging[writer_nr][0])
         if self._gang.size == 1:
@@ -175,12 +197,12 @@ class DcpStorage:
         result.add_done_callback(pass_on)
         return done
 
-    def _staging_writer(self, writer_nr: int, state: StateDict) -> StagingWriter:
+    def _staging_writer(self, writer_nr: int, state: StateDict) -> FileSystemWriter:
         """The ``writer_nr``-th writer of asynchronous saves, whose staging buffers fit ``state``.
 
         The caller must have waited for that writer's previous save: its buffers are reused.
         """
-        from checkpoint.dcp_files import staging_writer
+        from checkpoint.dcp_io import staging_writer
 
         layout = _layout_of(state)
         cached = self._staging.get(writer_nr)

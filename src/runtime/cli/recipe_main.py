@@ -30,7 +30,8 @@ from checkpoint import (
     CheckpointError,
     CheckpointLayoutError,
 )
-from checkpoint.durable import write_text_atomically
+from checkpoint.directory import write_text_atomically
+from checkpoint.errors import exception_chain
 from gangs import (
     GangError,
     LaunchBarrier,
@@ -333,14 +334,12 @@ def _let_the_launcher_see_the_vanished_peer(ex: BaseException) -> None:
     """
     if not LauncherWatchdog.wanted():
         return
-    chain: BaseException | None = ex
-    while chain is not None:
-        text = str(chain).lower()
+    for cause in exception_chain(ex):
+        text = str(cause).lower()
         if "closed by peer" in text or "reset by peer" in text:
             log.warning("A peer rank vanished; waiting for the launcher to notice it first.")
             time.sleep(_PEER_FAILURE_GRACE)
             return
-        chain = chain.__cause__ or chain.__context__
 
 
 def _world_group() -> dist.ProcessGroup:

@@ -202,7 +202,7 @@ class _DcpLoader(_Loader):
     def __call__(self, targets: dict[str, Tensor]) -> None:
         from torch.distributed.checkpoint.state_dict_loader import load
 
-        from checkpoint.dcp_files import SafeLoadPlanner, safe_reader
+        from checkpoint.dcp_io import SafeLoadPlanner, safe_reader
 
         # DCP's own reader and planner unpickle its metadata and non-tensor entries with plain
         # pickle; an init_from directory may come from anywhere.

@@ -39,7 +39,7 @@ from runtime.training.state import (
     TRAINER_STATE_VERSION,
     StopReason,
     TrainState,
-    upgrade_trainer_state,
+    check_trainer_state,
 )
 from runtime.training.step import TrainStep
 from runtime.training.validation import Validator
@@ -361,7 +361,7 @@ class TrainLoop(Generic[BatchT]):
         and the data reader reshards its position; what is per rank cannot: the RNGs are seeded
         anew for this step, and the unpublished metric window starts empty.
         """
-        state = upgrade_trainer_state(state)
+        state = check_trainer_state(state)
         self.state.load_state_dict(state["train_state"])
         if resharded:
             try:

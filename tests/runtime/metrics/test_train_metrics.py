@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gangs import Gangs
-from runtime import TrainerCallback, TrainerError
+from runtime import NonFiniteError, TrainerCallback
 from runtime.metrics.train_metrics import Throughput, TrainMetrics, peak_bf16_flops
 from runtime.training.non_finite import NonFiniteGuard
 from runtime.training.step import StepOutput
@@ -89,7 +89,7 @@ def test_a_non_finite_loss_after_a_check_is_found_at_its_step() -> None:
     metrics.add_step(step_output(1))
     metrics.check_finite()
     metrics.add_step(step_output(2, loss=math.nan))
-    with pytest.raises(TrainerError, match="The loss was not finite at step 2 on rank 0"):
+    with pytest.raises(NonFiniteError, match="The loss was not finite at step 2 on rank 0"):
         metrics.check_finite()
 
 
