@@ -69,6 +69,7 @@ class Trainer(Generic[BatchT]):
         max_num_data_epochs: int | None = None,
         valid_units: Sequence[EvalUnit[Any]] | None = None,
         valid_data_readers: Sequence[DataReader[Any]] | None = None,
+        max_num_valid_steps: int | None = None,
         validate_every_n_steps: int | None = None,
         validate_after_n_steps: int = 0,
         validate_every_n_data_epochs: int | None = None,
@@ -158,7 +159,7 @@ class Trainer(Generic[BatchT]):
             trace=profiler is not None,
         )
         self._recorder = make_recorder(gangs.root, recorders, recording)
-        self._validator = self._make_validator(valid_units, valid_data_readers)
+        self._validator = self._make_validator(valid_units, valid_data_readers, max_num_valid_steps)
         self._loop = TrainLoop(
             data_reader=data_reader,
             train_step=self._train_step,
@@ -206,6 +207,7 @@ class Trainer(Generic[BatchT]):
         self,
         valid_units: Sequence[EvalUnit[Any]] | None,
         valid_data_readers: Sequence[DataReader[Any]] | None,
+        max_num_valid_steps: int | None,
     ) -> Validator:
         return Validator(
             units=list(valid_units or []),
@@ -217,6 +219,7 @@ class Trainer(Generic[BatchT]):
             scoring=self._scoring,
             callbacks=self._callbacks,
             trace=self._train_step.traces,
+            max_num_steps=max_num_valid_steps,
         )
 
     @property
