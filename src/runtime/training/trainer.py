@@ -9,6 +9,7 @@ The parts, each in its own module: :class:`~runtime.training.step.TrainStep` (on
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -108,6 +109,7 @@ class Trainer(Generic[BatchT]):
         flops_per_target: float | None = None,
         device_peak_flops: float | None = None,
         init_from: Path | None = None,
+        resume_from: Path | None = None,
     ) -> None:
         gangs = _resolve_gangs(gangs, root_gang, dp_gang, tp_gang)
         # The keywords above, each turned into the option group that uses it; from here on only
@@ -135,7 +137,9 @@ class Trainer(Generic[BatchT]):
             keep_last_n_models=keep_last_n_models,
             keep_best_n_models=keep_best_n_models,
         )
-        checkpointing = CheckpointOptions(retention, async_checkpoint, reshard_on_resume, init_from)
+        checkpointing = CheckpointOptions(
+            retention, async_checkpoint, reshard_on_resume, init_from, resume_from
+        )
         recording = RecorderOptions(
             tb_dir, metrics_dir, wandb_project, wandb_run_name, wandb_dir, wandb_config
         )
@@ -225,6 +229,18 @@ class Trainer(Generic[BatchT]):
     @property
     def step_nr(self) -> int:
         return self._loop.state.step_nr
+
+    @property
+    def resume_from(self) -> Path | None:
+        """The ``step_N`` checkpoint directory of another run this run starts from, if any."""
+        return self._loop.checkpointer.options.resume_from
+
+    @resume_from.setter
+    def resume_from(self, path: Path | None) -> None:
+        # The recipe command line sets it on the trainer a recipe built (``--resume-from``).
+        self._loop.checkpointer.options = dataclasses.replace(
+            self._loop.checkpointer.options, resume_from=path
+        )
 
     @property
     def gangs(self) -> Gangs:
