@@ -27,11 +27,13 @@ from runtime.metrics.tracing import CHECKPOINT, DATA_WAIT, trace_range, traced
 from runtime.metrics.train_metrics import TrainMetrics, describe_devices
 from runtime.training.callbacks import CallbackList, overrides
 from runtime.training.checkpointing import Checkpointer
+from runtime.training.early_stop import Stateful
 from runtime.training.garbage_collection import GarbageCollection
 from runtime.training.rng import rng_state, seed_rngs, set_rng_state
 from runtime.training.schedule import Schedule
 from runtime.training.signals import StopSignals
 from runtime.training.state import (
+    STATEFUL_SECTION,
     TRAINER_STATE_VERSION,
     StopReason,
     TrainState,
@@ -109,11 +111,14 @@ class TrainLoop(Generic[BatchT]):
         self._gangs = gangs
         self._seed = seed
         self._callbacks = observers.callbacks
-        # What runs after every step: only the callbacks that do something then, and the
-        # progress display if it shows one.
-        self._step_end_hooks = list(observers.callbacks.step_end_hooks)
-        if overrides(observers.progress, ProgressDisplay, "advance"):
-            self._step_end_hooks.insert(0, observers.progress.advance)
+        # The progress display, if it shows one, advances after every step.
+        self._advance = (
+            observers.progress.advance
+            if overrides(observers.progress, ProgressDisplay, "advance")
+            else None
+        )
+        self.stateful: dict[str, Stateful] = {}
+        """Objects the user registered (``Trainer.register_stateful``), saved with the state."""
         self._recorder = observers.recorder
         self.stop_signals = StopSignals()
         self._profiler = observers.profiler
@@ -170,6 +175,8 @@ class TrainLoop(Generic[BatchT]):
         """Train until a stop reason; at the end of the run, finish it (not after a preemption)."""
         state = self.state
         self._callbacks.on_train_begin(step_nr=state.step_nr)
+        if state.step_nr == 0:
+            self._callbacks.on_epoch_begin(epoch_nr=state.data_epoch_nr, step_nr=0)
         if self._schedules.validate_at_start and state.step_nr == 0 and self._validator.has_units:
             self._validator.validate(0, baseline=True)
 
@@ -195,6 +202,8 @@ class TrainLoop(Generic[BatchT]):
                 if due or stop_requested:
                     self._after_step(stop_requested=stop_requested)
                     due_step = self._next_due_step()
+                elif not self._callbacks.on_step_end_is_empty:
+                    self._callbacks.on_step_end(step_nr=state.step_nr, metrics=None)
 
         if state.stop_reason is StopReason.PREEMPTED:
             # The unpublished metric window is in the checkpoint, so after the resume the
@@ -259,6 +268,7 @@ class TrainLoop(Generic[BatchT]):
         """Take one optimizer step; return whether any rank asked to stop."""
         self.state.step_nr += 1
         step_nr = self.state.step_nr
+        self._callbacks.on_step_begin(step_nr=step_nr, batches=batches)
         output = self._train_step.take(
             batches,
             step_nr=step_nr,
@@ -266,17 +276,19 @@ class TrainLoop(Generic[BatchT]):
             measure_grad_norm=measure_grad_norm,
         )
         self._metrics.add_step(output)
-        for hook in self._step_end_hooks:
-            hook(step_nr=step_nr)
+        if self._advance is not None:
+            self._advance(step_nr=step_nr)
         return output.stop_requested
 
     def _after_step(self, *, stop_requested: bool) -> None:
         """Collect, publish, validate and checkpoint where due, and decide whether to stop."""
         state, schedules = self.state, self._schedules
         step_nr = state.step_nr
-        self._garbage_collection.after_step(step_nr)
+        values = None
         if schedules.publish.due_after_step(step_nr):
-            self._publish_train_metrics()
+            values = self._publish_train_metrics()
+        self._callbacks.on_step_end(step_nr=step_nr, metrics=values)
+        self._garbage_collection.after_step(step_nr)
         early_stop = schedules.validate.due_after_step(step_nr) and self._validator.validate(
             step_nr
         )
@@ -297,10 +309,12 @@ class TrainLoop(Generic[BatchT]):
         """Validate and checkpoint on the data-epoch schedules; then stop or start the next epoch."""
         state = self.state
         log.info("Data epoch %d ended at step %d.", state.data_epoch_nr, state.step_nr)
+        self._callbacks.on_out_of_data(step_nr=state.step_nr, epoch_nr=state.data_epoch_nr)
         max_epochs = self.limits.max_num_data_epochs
         if max_epochs is not None and state.data_epoch_nr >= max_epochs:
             # The end of training validates and checkpoints this step.
             state.stop_reason = StopReason.MAX_NUM_DATA_EPOCHS
+            self._callbacks.on_epoch_end(epoch_nr=state.data_epoch_nr, step_nr=state.step_nr)
             return
         if state.step_nr > 0:
             if (
@@ -314,8 +328,9 @@ class TrainLoop(Generic[BatchT]):
                 and self.checkpointer.last_saved_step != state.step_nr
             ):
                 self._save_checkpoint()
-            if state.stop_reason is not None:
-                return
+        self._callbacks.on_epoch_end(epoch_nr=state.data_epoch_nr, step_nr=state.step_nr)
+        if state.stop_reason is not None:
+            return
         if not self._epoch_had_batches:
             raise TrainerError(
                 f"The data reader ended epoch {state.data_epoch_nr} without a single batch. "
@@ -324,6 +339,7 @@ class TrainLoop(Generic[BatchT]):
         state.data_epoch_nr += 1
         self._data_reader.reset()
         self._epoch_had_batches = False
+        self._callbacks.on_epoch_begin(epoch_nr=state.data_epoch_nr, step_nr=state.step_nr)
 
     def _finish(self) -> None:
         """Publish, validate and checkpoint what the last step left undone."""
@@ -343,7 +359,7 @@ class TrainLoop(Generic[BatchT]):
 
     # ------------------------------------------------------ publish and save
 
-    def _publish_train_metrics(self) -> None:
+    def _publish_train_metrics(self) -> dict[str, Any]:
         step_nr = self.state.step_nr
         extra = {
             "lr": self._train_step.learning_rate,
@@ -359,6 +375,7 @@ class TrainLoop(Generic[BatchT]):
         self.observers.progress.update_values(
             {k: float(v) for k, v in values.items() if k in ("loss", "lr", "grad_norm")}
         )
+        return values
 
     def _save_checkpoint(self) -> None:
         # A checkpoint of weights a non-finite step poisoned would be resumed from; never save one.
@@ -381,7 +398,36 @@ class TrainLoop(Generic[BatchT]):
             "train_step": self._train_step.state_dict(),
             "train_metrics": self._metrics.state_dict(),
             "validation": self._validator.state_dict(),
+            **self._stateful_section(),
         }
+
+    def _all_stateful(self) -> dict[str, Stateful]:
+        return {**self._callbacks.stateful(), **self.stateful}
+
+    def _stateful_section(self) -> dict[str, Any]:
+        # Absent without stateful objects, so such a checkpoint reads as it always did.
+        objects = self._all_stateful()
+        if not objects:
+            return {}
+        return {STATEFUL_SECTION: {name: obj.state_dict() for name, obj in objects.items()}}
+
+    def _load_stateful(self, saved: Mapping[str, Any]) -> None:
+        """Restore the callbacks and registered objects the checkpoint holds; one without a
+        saved state keeps its own (it is new in this launch), and a saved state without an
+        object is left unused, each with a warning."""
+        objects = self._all_stateful()
+        for name, obj in objects.items():
+            if name in saved:
+                obj.load_state_dict(saved[name])
+            else:
+                log.warning("The checkpoint holds no state of %s; it starts from its own.", name)
+        unused = sorted(set(saved) - set(objects))
+        if unused:
+            log.warning(
+                "The checkpoint holds the state of %s, but nothing of that name is registered "
+                "(a callback or Trainer.register_stateful) in this launch; it is not used.",
+                ", ".join(unused),
+            )
 
     def load_state_dict(self, state: Mapping[str, Any], *, resharded: bool = False) -> None:
         """Load this rank's trainer state, or rank 0's when the checkpoint was ``resharded``.
@@ -410,3 +456,4 @@ class TrainLoop(Generic[BatchT]):
             self._metrics.load_state_dict(state["train_metrics"])
         self._train_step.load_state_dict(state["train_step"])
         self._validator.load_state_dict(state["validation"])
+        self._load_stateful(state.get(STATEFUL_SECTION, {}))

@@ -10,6 +10,7 @@ the part of the Trainer that reads and writes it::
     train_step     loss scale and LR scheduler
     train_metrics  the unpublished metric window and the unit's metrics
     validation     last and best scores, early stopper
+    stateful       (only when there are any) the stateful callbacks and registered objects
 
 Checkpoints of older formats are mapped onto it by :func:`upgrade_trainer_state`: the first
 format was flat, with three booleans for the stop reason; the second measured the gradient norm
@@ -37,6 +38,9 @@ TRAINER_STATE_SECTIONS: Final = frozenset(
         "validation",
     }
 )
+
+STATEFUL_SECTION: Final = "stateful"
+"""The optional section: absent in a checkpoint of a run without stateful callbacks."""
 
 
 class StopReason(Enum):
@@ -141,7 +145,8 @@ def upgrade_trainer_state(state: Mapping[str, Any]) -> dict[str, Any]:
         check_state_keys(state, TRAINER_STATE_SECTIONS, what="trainer (format 2)")
         return _upgrade_format_2(state)
     if version == TRAINER_STATE_VERSION:
-        check_state_keys(state, TRAINER_STATE_SECTIONS, what="trainer")
+        optional = {STATEFUL_SECTION} & set(state)
+        check_state_keys(state, TRAINER_STATE_SECTIONS | optional, what="trainer")
         return dict(state)
     raise CheckpointError(
         f"The trainer state of the checkpoint has format version {version}, but this version "

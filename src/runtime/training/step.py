@@ -18,7 +18,7 @@ from checkpoint.arguments import check_positive
 from gangs import Gangs
 from runtime.errors import TrainerError
 from runtime.metrics.tracing import BACKWARD, FORWARD, GRADIENT_SYNC, OPTIMIZER_STEP, traced
-from runtime.training.callbacks import overrides
+from runtime.training.callbacks import TrainerCallback, overrides
 from runtime.training.gradients import Gradients, gradient_sync_switch
 from runtime.training.loss_scale import LossScaler
 from runtime.training.non_finite import NanPolicy, NonFiniteGuard
@@ -101,9 +101,11 @@ class TrainStep(Generic[BatchT]):
         nan_policy: NanPolicy = "error",
         max_consecutive_skipped_steps: int = 10,
         trace: bool = False,
+        callbacks: TrainerCallback | None = None,
     ) -> None:
         check_positive("max_gradient_norm", max_gradient_norm)
         self._unit = unit
+        self._callbacks = callbacks
         # Most units do not override the hook, and their steps skip the call.
         self._set_unit_step_nr = (
             unit.set_step_nr if overrides(unit, TrainUnit, "set_step_nr") else None
@@ -193,6 +195,8 @@ class TrainStep(Generic[BatchT]):
                     grad_norm=grad_norm,
                 )
             )
+        if applied and self._callbacks is not None:
+            self._callbacks.on_before_optimizer_step(step_nr=step_nr, model=self._model)
         self._update(applied, may_skip)
         # Held until the update is done: its autograd graph (spent, but not yet freed) references
         # every parameter, and while a parameter has a second C++ owner, the optimizer's own

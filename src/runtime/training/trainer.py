@@ -28,7 +28,7 @@ from runtime.metrics.recorders import MetricRecorder, RecorderOptions, make_reco
 from runtime.metrics.train_metrics import Throughput, TrainMetrics
 from runtime.training.callbacks import CallbackList, TrainerCallback
 from runtime.training.checkpointing import Checkpointer, CheckpointOptions
-from runtime.training.early_stop import EarlyStopper
+from runtime.training.early_stop import EarlyStopper, Stateful
 from runtime.training.garbage_collection import GarbageCollection
 from runtime.training.loop import Limits, Observers, Schedules, TrainLoop
 from runtime.training.non_finite import NanPolicy
@@ -161,6 +161,7 @@ class Trainer(Generic[BatchT]):
             nan_policy=nan_policy,
             max_consecutive_skipped_steps=max_consecutive_skipped_steps,
             trace=profiler is not None,
+            callbacks=self._callbacks,
         )
         self._recorder = make_recorder(gangs.root, recorders, recording)
         self._validator = self._make_validator(valid_units, valid_data_readers, max_num_valid_steps)
@@ -229,6 +230,25 @@ class Trainer(Generic[BatchT]):
     @property
     def step_nr(self) -> int:
         return self._loop.state.step_nr
+
+    def add_callback(self, callback: TrainerCallback) -> None:
+        """Add ``callback`` after those given to the constructor (before :meth:`run`)."""
+        self._callbacks.add(callback)
+
+    def register_stateful(self, name: str, obj: Stateful) -> None:
+        """Save ``obj.state_dict()`` under ``name`` with the trainer state of every checkpoint,
+        and restore it with ``obj.load_state_dict`` on resume (before :meth:`run`)."""
+        if not isinstance(obj, Stateful):
+            raise TypeError(
+                f"{name} must have state_dict() and load_state_dict(), but "
+                f"{type(obj).__name__} lacks them."
+            )
+        if name in self._loop.stateful or name.startswith("callbacks."):
+            raise ValueError(
+                f"The name {name!r} is taken (names starting with 'callbacks.' are the stateful "
+                "callbacks'). Register each object under a name of its own."
+            )
+        self._loop.stateful[name] = obj
 
     @property
     def resume_from(self) -> Path | None:

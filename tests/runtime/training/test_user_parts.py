@@ -145,7 +145,7 @@ class FailAt(TrainerCallback):
     def __init__(self, step_nr: int) -> None:
         self._step_nr = step_nr
 
-    def on_step_end(self, *, step_nr: int) -> None:
+    def on_step_end(self, *, step_nr: int, metrics: object = None) -> None:
         if step_nr == self._step_nr:
             raise RuntimeError(f"failed at step {step_nr}")
 
