@@ -8,7 +8,7 @@ methods below; the others have defaults that fit a storage without background wr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,8 +47,12 @@ class AbstractCheckpointManager(ABC):
         trainer_state: Mapping[str, Any],
         score: float | None = None,
         async_checkpoint: bool = False,
+        exclude: Sequence[str] = (),
     ) -> None:
         """Save model, optimizer and trainer state of ``step_nr`` with its validation ``score``.
+
+        The model entries that a pattern of ``exclude`` matches (``fnmatch``) are left out, and
+        a load keeps what the model holds for them (see :mod:`checkpoint.exclusion`).
 
         Returns once committed; an implementation that writes in the background may return
         earlier when ``async_checkpoint`` is set, with :attr:`pending_step_nr` set until

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, final
@@ -40,8 +40,10 @@ def make_manifest(
     step_nr: int,
     score: float | None,
     layout: dict[str, int],
+    excluded: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """The manifest of a checkpoint whose ranks wrote ``files`` (by path below its directory)."""
+    """The manifest of a checkpoint whose ranks wrote ``files`` (by path below its directory);
+    ``excluded`` lists the model entries left out of it."""
     return {
         "format_version": FORMAT_VERSION,
         "algorithm": ALGORITHM,
@@ -51,6 +53,7 @@ def make_manifest(
         **layout,
         "torch_version": torch.__version__,
         "created_at": time.time(),
+        "excluded": list(excluded),
         "files": {name: files[name].as_entry() for name in sorted(files)},
     }
 

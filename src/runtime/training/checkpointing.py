@@ -18,6 +18,8 @@ from checkpoint import (
     RetentionPolicy,
 )
 from checkpoint.catalog import resolve_step_dir
+from checkpoint.exclusion import check_patterns
+from checkpoint.storage import get_model_state
 from gangs import Gangs
 from runtime.training.callbacks import TrainerCallback
 from runtime.training.validation import Scoring
@@ -34,6 +36,8 @@ class CheckpointOptions:
     init_from: Path | None = None
     resume_from: Path | None = None
     """A ``step_N`` directory of any run, loaded in full when this run has no checkpoint yet."""
+    exclude: tuple[str, ...] = ()
+    """``fnmatch`` patterns of model entries left out of checkpoints."""
 
     def __post_init__(self) -> None:
         if self.resume_from is not None:
@@ -64,6 +68,8 @@ class Checkpointer:
         self._optimizer = optimizer
         self._callbacks = callbacks
         self.last_saved_step: int | None = None
+        if options.exclude:
+            check_patterns(list(get_model_state(model)), options.exclude)
 
     @property
     def manager(self) -> AbstractCheckpointManager:
@@ -80,6 +86,7 @@ class Checkpointer:
             trainer_state=trainer_state,
             score=score,
             async_checkpoint=self.options.async_checkpoint,
+            exclude=self.options.exclude,
         )
         self.last_saved_step = step_nr
         if self._manager.pending_step_nr is None:

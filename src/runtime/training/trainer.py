@@ -110,6 +110,7 @@ class Trainer(Generic[BatchT]):
         device_peak_flops: float | None = None,
         init_from: Path | None = None,
         resume_from: Path | None = None,
+        checkpoint_exclude: Sequence[str] = (),
     ) -> None:
         gangs = _resolve_gangs(gangs, root_gang, dp_gang, tp_gang)
         # The keywords above, each turned into the option group that uses it; from here on only
@@ -138,7 +139,12 @@ class Trainer(Generic[BatchT]):
             keep_best_n_models=keep_best_n_models,
         )
         checkpointing = CheckpointOptions(
-            retention, async_checkpoint, reshard_on_resume, init_from, resume_from
+            retention,
+            async_checkpoint,
+            reshard_on_resume,
+            init_from,
+            resume_from,
+            tuple(checkpoint_exclude),
         )
         recording = RecorderOptions(
             tb_dir, metrics_dir, wandb_project, wandb_run_name, wandb_dir, wandb_config

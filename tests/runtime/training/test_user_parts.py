@@ -4,7 +4,7 @@ storage (in memory), and every part closed on every way out of ``run()``."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -46,6 +46,7 @@ class MemoryCheckpointManager(AbstractCheckpointManager):
         trainer_state: Mapping[str, Any],
         score: float | None = None,
         async_checkpoint: bool = False,
+        exclude: Sequence[str] = (),
     ) -> None:
         self.saved[step_nr] = copy.deepcopy(
             {
