@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, final
+from typing import TYPE_CHECKING, Any, final
 
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -24,6 +24,9 @@ from gangs import Gangs
 from runtime.training.callbacks import TrainerCallback
 from runtime.training.validation import Scoring
 
+if TYPE_CHECKING:
+    from runtime.training.initial_weights import InitFrom
+
 
 @final
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class CheckpointOptions:
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
     async_checkpoint: bool = False
     reshard_on_resume: bool = False
-    init_from: Path | None = None
+    init_from: InitFrom | None = None
     resume_from: Path | None = None
     """A ``step_N`` directory of any run, loaded in full when this run has no checkpoint yet."""
     exclude: tuple[str, ...] = ()
