@@ -54,6 +54,8 @@ class TrainerSection:
     max_num_data_epochs: int | None = None
     publish_metrics_every_n_steps: int = 10
     validate_every_n_steps: int = 100
+    validate_at_start: bool = False
+    """Validate once before the first step too (a baseline score)."""
     checkpoint_every_n_steps: int = 100
     keep_last_n_checkpoints: int | None = 2
     keep_best_n_checkpoints: int | None = 1
@@ -173,6 +175,7 @@ def trainer_options(
         "max_num_steps": t.max_num_steps,
         "max_num_data_epochs": t.max_num_data_epochs,
         "validate_every_n_steps": t.validate_every_n_steps,
+        "validate_at_start": t.validate_at_start and validates,
         "checkpoint_every_n_steps": t.checkpoint_every_n_steps,
         "keep_last_n_checkpoints": t.keep_last_n_checkpoints,
         "keep_best_n_checkpoints": t.keep_best_n_checkpoints if validates else None,

@@ -57,6 +57,7 @@ from runtime.cli.hf_export import HF_FILES_DIR
 from runtime.data.text import (
     InstructionDataset,
     InstructionFields,
+    TextBatch,
     TextDataReader,
     Tokenizer,
     collate_instructions,
@@ -206,19 +207,61 @@ def build_readers(
     )
     valid = None
     if data.valid is not None:
-        # One pass in file order; the last partial step is dropped, a few sequences at most.
-        valid = TextDataReader(
-            sources=data.valid,
-            tokenizer=tokenizer,
-            seq_len=data.seq_len,
+        valid = MapDataReader(
+            dataset=packed_valid_set(config, tokenizer),
             batch_size=data.batch_size,
+            collate=collate_text_batches,
             gang=gangs.dp,
-            text_field=data.text_field,
-            skip_bad_lines=data.skip_bad_lines,
-            document_ids=data.document_mask,
-            shuffle_files=False,
+            shuffle=False,
+            drop_remainder=False,
+            sync_mode=SyncMode.UNTIL_LAST,
         )
     return train, valid
+
+
+def packed_valid_set(config: LMConfig, tokenizer: Tokenizer) -> list[TextBatch]:
+    """The valid files packed once, in file order, into sequences of one row each: every rank
+    holds them all and the reader shards them, so the score covers every full sequence (only
+    the tokens after the last one are left out)."""
+    data = config.data
+    assert data.valid is not None
+    reader = TextDataReader(
+        sources=data.valid,
+        tokenizer=tokenizer,
+        seq_len=data.seq_len,
+        batch_size=1,
+        gang=Gangs.single().dp,
+        text_field=data.text_field,
+        skip_bad_lines=data.skip_bad_lines,
+        document_ids=data.document_mask,
+        shuffle_files=False,
+    )
+    try:
+        rows = [batch for batches in reader for batch in batches]
+    finally:
+        reader.close()
+    if not rows:
+        raise ValueError(
+            f"data.valid ({data.valid}) holds fewer than data.seq_len + 1 ({data.seq_len + 1}) "
+            "tokens: not one sequence to validate on."
+        )
+    return rows
+
+
+def collate_text_batches(rows: list[TextBatch]) -> TextBatch:
+    def cat(name: str) -> Tensor | None:
+        parts = [getattr(row, name) for row in rows]
+        return None if parts[0] is None else torch.cat(parts)
+
+    input_ids, target_ids = cat("input_ids"), cat("target_ids")
+    assert input_ids is not None and target_ids is not None
+    return TextBatch(
+        input_ids=input_ids,
+        target_ids=target_ids,
+        num_targets=sum(row.num_targets for row in rows),
+        document_ids=cat("document_ids"),
+        positions=cat("positions"),
+    )
 
 
 def _sft_reader(

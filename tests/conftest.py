@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -238,3 +239,19 @@ def make_tokenizer_dir(
     if config_file is not None:
         (directory / config_file).write_text(json.dumps(config))
     return directory
+
+
+@pytest.fixture(autouse=True)
+def fail_on_logging_errors(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A test fails when a log record could not be written ("--- Logging error ---"): a handler
+    whose stream was closed under it, or a message whose arguments do not format."""
+    errors: list[str] = []
+    original = logging.Handler.handleError
+
+    def record(handler: logging.Handler, log_record: logging.LogRecord) -> None:
+        errors.append(f"{type(handler).__name__}: {sys.exc_info()[1]!r} for {log_record.msg!r}")
+        original(handler, log_record)
+
+    monkeypatch.setattr(logging.Handler, "handleError", record)
+    yield
+    assert not errors, "logging errors:\n" + "\n".join(errors)

@@ -380,3 +380,43 @@ def test_skipped_bad_lines_are_counted_and_published(tmp_path: Path) -> None:
     refused = run_python(*recipe_args(tmp_path / "strict", *TINY_TRAINING, *base))
     assert refused.returncode != 0
     assert "train.jsonl: line 4: the line is not JSON" in refused.stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("nproc", "layout"),
+    [
+        pytest.param(2, ("data_parallel=fsdp",), id="fsdp2"),
+        pytest.param(
+            4, ("data_parallel=hsdp", "gang.dp_shard_size=2"), id="hsdp", marks=pytest.mark.slow
+        ),
+    ],
+)
+def test_validation_before_the_first_step_leaves_training_intact(
+    tmp_path: Path, nproc: int, layout: tuple[str, ...]
+) -> None:
+    """A Hugging Face Llama on meta, sharded over its decoder layers: a validation before any
+    step must not leave FSDP2's parameter buffers unusable for training."""
+    model_dir = make_hf_llama_dir(tmp_path / "model")
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": s} for s in repeated(200, seed=2)])
+    valid = write_jsonl(tmp_path / "valid.jsonl", [{"text": s} for s in repeated(30, seed=2)])
+    out = tmp_path / "run"
+    result = torchrun(
+        nproc,
+        *recipe_args(
+            out,
+            *TINY_TRAINING,
+            *layout,
+            f"model.hf_path={model_dir}",
+            f"data.train={train}",
+            f"data.valid={valid}",
+            "trainer.validate_at_start=true",
+            "trainer.validate_every_n_steps=3",
+            "trainer.checkpoint_every_n_steps=3",
+            "trainer.max_num_steps=3",
+        ),
+        timeout=600,
+    )
+    assert_ok(result)
+    assert [r["step_nr"] for r in read_jsonl(out / "metrics" / "valid.jsonl")] == [0, 3]
+    assert len(losses(out)) == 3

@@ -73,6 +73,17 @@ class DataReader(ABC, Generic[BatchT]):
     def close(self) -> None:
         """Release background resources; iterating again acquires them anew."""
 
+    def for_evaluation(self) -> DataReader[BatchT]:
+        """This data read the way validation and evaluation read it: every example once, the
+        last partial micro-batch kept, one micro-batch a step, and ``[]`` on a rank whose shard
+        ran out until the last rank is done (:attr:`SyncMode.UNTIL_LAST`), so a score is the
+        mean over the whole set whatever the batch size and the number of ranks.
+
+        The Trainer calls it on its valid readers. The default is the reader itself: a reader of
+        your own must read its whole set this way, or raise ``ValueError`` saying how to.
+        """
+        return self
+
 
 def int_entry(state: Mapping[str, Any], key: str) -> int:
     """The integer ``key`` of a saved reader state, or a ValueError that says what is wrong."""

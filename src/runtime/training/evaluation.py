@@ -57,14 +57,19 @@ def evaluate_units(
     stops after the same number, so the values cover the first ``max_num_steps`` batches of
     every rank's shard.
 
-    The model is in eval mode under ``torch.inference_mode()`` meanwhile, and is put back in the
-    mode it was in. Each reader is reset afterwards, ready for the next evaluation.
+    The model is in eval mode under ``torch.no_grad()`` meanwhile, and is put back in the mode
+    it was in. Each reader is reset afterwards, ready for the next evaluation.
+
+    Not ``inference_mode``: tensors made under it can never be updated in place outside it, and
+    a forward allocates state that training later updates in place (FSDP2's unsharded
+    parameter buffers, caches of compiled or user modules), which would then fail at the first
+    training step.
     """
     was_training = model.training
     model.eval()
     results: dict[str, dict[str, Any]] = {}
     try:
-        with torch.inference_mode():
+        with torch.no_grad():
             for unit, reader in zip(units, data_readers, strict=True):
                 unit.set_step_nr(step_nr)
                 for num_steps, batches in enumerate(reader):

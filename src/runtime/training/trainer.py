@@ -158,7 +158,12 @@ class Trainer(Generic[BatchT]):
         self._anomaly_detection = anomaly_detection
         self._callbacks = CallbackList(callbacks)
         self._checkpoint_manager, self._scoring = checkpoint_manager, scoring
-        self._data_readers = [data_reader, *(valid_data_readers or [])]
+        # Validation reads every example once, so a score is the mean over the whole valid set.
+        given_valid_readers = list(valid_data_readers or [])
+        valid_data_readers = [reader.for_evaluation() for reader in given_valid_readers]
+        self._data_readers = list(
+            {id(r): r for r in [data_reader, *given_valid_readers, *valid_data_readers]}.values()
+        )
         self._closed = False
         self._train_step = TrainStep(
             unit=unit,

@@ -18,7 +18,14 @@ from torch import Tensor, nn
 from checkpoint import CheckpointManager
 from gangs import FakeGang, Gangs
 from runtime import PatienceEarlyStopper, Trainer, TrainerCallback
-from tests.conftest import RunTorch, assert_ok, make_toy_trainer, read_jsonl, read_scalars
+from tests.conftest import (
+    RunTorch,
+    assert_ok,
+    make_toy_trainer,
+    read_jsonl,
+    read_scalars,
+    torchrun,
+)
 from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit, collate
 from tests.workers.valid_toy import ScriptedEvalUnit, ToyEvalUnit, make_valid_reader
 from units import EvalUnit
@@ -148,7 +155,7 @@ class ModeRecordingTrainUnit(ToyUnit):
         return super().__call__(batch)
 
 
-def test_validation_runs_in_eval_and_inference_mode_and_training_resumes(tmp_path: Path) -> None:
+def test_validation_runs_in_eval_mode_without_grad_and_training_resumes(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = ToyModel()
     eval_unit = ModeRecordingEvalUnit(model)
@@ -162,8 +169,9 @@ def test_validation_runs_in_eval_and_inference_mode_and_training_resumes(tmp_pat
         validate_at_start=True,
     )
     assert trainer.run() == 0
-    # 10 examples in batches of 4 = 3 batches, at steps 0, 2, 4 and 6.
-    assert eval_unit.modes == [(False, True, False)] * 12
+    # 10 examples in batches of 4 = 3 batches, at steps 0, 2, 4 and 6. Not inference mode: its
+    # tensors could not be updated in place by the training after it.
+    assert eval_unit.modes == [(False, False, False)] * 12
     assert train_unit.modes == [(True, False)] * 6
     assert model.training
 
@@ -684,6 +692,24 @@ def test_a_failing_early_stopper_fails_every_rank(tmp_path: Path, run_torchrun: 
         "TrainerError: The early stopper failed on rank 0 at step 4: RuntimeError: the stopper "
         "broke at step 4" in rank_1
     )
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("num_ranks", [1, 2, 3])
+def test_the_score_is_the_mean_over_the_whole_valid_set_at_any_dp_size(
+    tmp_path: Path, num_ranks: int
+) -> None:
+    from tests.runtime.training import valid_score_worker as worker
+
+    result = torchrun(num_ranks, str(Path(worker.__file__)), str(tmp_path), timeout=300)
+    assert_ok(result)
+    data = worker.dataset()
+    x, y = data.datasets["x"], data.datasets["y"]  # type: ignore[index]
+    with torch.no_grad():
+        expected = (worker.model()(x) - y).square().mean().item()
+    first = read_jsonl(tmp_path / "metrics" / "valid.jsonl")[0]
+    assert first["step_nr"] == 0
+    assert first["squared_error"] == pytest.approx(expected, rel=1e-6)
 
 
 def test_max_num_valid_steps_caps_the_batches_of_every_validation(tmp_path: Path) -> None:

@@ -137,6 +137,14 @@ class TextDataReader(DataReader[TextBatch]):
         return batches
 
     @override
+    def for_evaluation(self) -> TextDataReader:
+        raise ValueError(
+            "A TextDataReader packs a stream and drops its last partial step, so a score over it "
+            "would leave out the end of the valid set. Tokenize the valid set and read it with "
+            "MapDataReader (it keeps every example) as valid_data_readers."
+        )
+
+    @override
     def reset(self) -> None:
         self._go_to(epoch=self._epoch + 1, cursors=[Cursor()] * len(self._streams))
         self._step_nr = self._sequence_nr = 0
