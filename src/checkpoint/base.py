@@ -43,7 +43,7 @@ class AbstractCheckpointManager(ABC):
         step_nr: int,
         *,
         model: Module,
-        optimizer: Optimizer,
+        optimizer: Optimizer | Sequence[Optimizer],
         trainer_state: Mapping[str, Any],
         score: float | None = None,
         async_checkpoint: bool = False,
@@ -51,6 +51,7 @@ class AbstractCheckpointManager(ABC):
     ) -> None:
         """Save model, optimizer and trainer state of ``step_nr`` with its validation ``score``.
 
+        ``optimizer`` is the Trainer's one optimizer, or the sequence of its several.
         The model entries that a pattern of ``exclude`` matches (``fnmatch``) are left out, and
         a load keeps what the model holds for them (see :mod:`checkpoint.exclusion`).
 
@@ -61,7 +62,7 @@ class AbstractCheckpointManager(ABC):
 
     @abstractmethod
     def load_last_checkpoint(
-        self, *, model: Module, optimizer: Optimizer, reshard: bool = False
+        self, *, model: Module, optimizer: Optimizer | Sequence[Optimizer], reshard: bool = False
     ) -> LoadedCheckpoint | None:
         """Load the newest full checkpoint into ``model`` and ``optimizer``; None if none."""
 

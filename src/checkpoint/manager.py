@@ -101,7 +101,7 @@ class CheckpointManager(AbstractCheckpointManager):
         step_nr: int,
         *,
         model: Module,
-        optimizer: Optimizer,
+        optimizer: Optimizer | Sequence[Optimizer],
         trainer_state: Mapping[str, Any],
         score: float | None = None,
         async_checkpoint: bool = False,
@@ -223,7 +223,7 @@ class CheckpointManager(AbstractCheckpointManager):
 
     @override
     def load_last_checkpoint(
-        self, *, model: Module, optimizer: Optimizer, reshard: bool = False
+        self, *, model: Module, optimizer: Optimizer | Sequence[Optimizer], reshard: bool = False
     ) -> LoadedCheckpoint | None:
         """Load the newest intact full checkpoint into ``model`` and ``optimizer``.
 
@@ -280,7 +280,12 @@ class CheckpointManager(AbstractCheckpointManager):
         self._root.barrier()
 
     def load_checkpoint(
-        self, step_nr: int, *, model: Module, optimizer: Optimizer, reshard: bool = False
+        self,
+        step_nr: int,
+        *,
+        model: Module,
+        optimizer: Optimizer | Sequence[Optimizer],
+        reshard: bool = False,
     ) -> LoadedCheckpoint:
         """Verify and load the full checkpoint of ``step_nr``; raise CheckpointError if damaged.
 

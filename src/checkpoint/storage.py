@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
@@ -28,19 +28,55 @@ if TYPE_CHECKING:
 StateDict = dict[str, Any]
 
 
-def get_state_dicts(model: Module, optimizer: Optimizer) -> tuple[StateDict, StateDict]:
+def get_state_dicts(
+    model: Module, optimizer: Optimizer | Sequence[Optimizer]
+) -> tuple[StateDict, StateDict]:
     """The model's and optimizer's state dicts, by parameter name, for any DDP/FSDP2/TP layout."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    _init_sparse_optimizer_state(optimizer)
     return get_state_dict(model, optimizer)
 
 
 def set_state_dicts(
-    model: Module, optimizer: Optimizer, model_state: StateDict, optim_state: StateDict
+    model: Module,
+    optimizer: Optimizer | Sequence[Optimizer],
+    model_state: StateDict,
+    optim_state: StateDict,
 ) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    _init_sparse_optimizer_state(optimizer)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+
+
+def _init_sparse_optimizer_state(optimizer: Optimizer | Sequence[Optimizer]) -> None:
+    """Create the state of a ``SparseAdam`` that has none yet, by a step on empty sparse
+    gradients (which touches no row).
+
+    The state-dict helpers create a missing optimizer state by a step on dense zero gradients,
+    which ``SparseAdam`` refuses; once it has a state, they leave it alone.
+    """
+    import torch
+
+    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+    for sparse in optimizers:
+        if not isinstance(sparse, torch.optim.SparseAdam) or sparse.state:
+            continue
+        params = [p for group in sparse.param_groups for p in group["params"] if p.requires_grad]
+        if any(p.grad is not None for p in params):
+            continue
+        for param in params:
+            param.grad = torch.sparse_coo_tensor(
+                torch.empty((1, 0), dtype=torch.int64, device=param.device),
+                param.new_empty((0, *param.shape[1:])),
+                param.shape,
+                check_invariants=False,
+            )
+        # SparseAdam.step is untyped.
+        step: Callable[[], object] = sparse.step
+        step()
+        sparse.zero_grad(set_to_none=True)
 
 
 def get_model_state(model: Module) -> StateDict:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, final
@@ -59,7 +59,7 @@ class Checkpointer:
         options: CheckpointOptions,
         scoring: Scoring,
         model: Module,
-        optimizer: Optimizer,
+        optimizer: Optimizer | Sequence[Optimizer],
         callbacks: TrainerCallback,
         gangs: Gangs,
     ) -> None:

@@ -15,6 +15,9 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import TypeIs
 
+from gangs import Gang
+from runtime.training.sparse_gradients import SparseGradients, sparse_parameters
+
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
@@ -53,15 +56,17 @@ def gradient_sync_switch(model: Module) -> Callable[[bool], None] | None:
     return None
 
 
-def _parameter_groups(model: Module) -> list[list[torch.nn.Parameter]]:
-    """The trainable parameters of ``model``, grouped so that each group lives on one device mesh.
+def _parameter_groups(model: Module, sparse: list[Tensor]) -> list[list[torch.nn.Parameter]]:
+    """The trainable parameters of ``model`` but the ``sparse`` ones, grouped so that each group
+    lives on one device mesh.
 
     DTensor ops need operands on one mesh: with FSDP2 x TP, TP-sharded parameters live on the
     2-D mesh and the others on the DP mesh, and with TP alone, plain tensors sit beside DTensors.
     """
     groups: dict[object, list[torch.nn.Parameter]] = {}
+    sparse_ids = {id(p) for p in sparse}
     for param in model.parameters():
-        if param.requires_grad:
+        if param.requires_grad and id(param) not in sparse_ids:
             mesh = param.device_mesh if _is_dtensor(param) else None
             groups.setdefault(mesh, []).append(param)
     return list(groups.values())
@@ -102,11 +107,15 @@ class Gradients:
     and clipped.
 
     The groups are found on the first step and kept: a step only collects the ``.grad`` of each
-    group's parameters, without walking the module tree.
+    group's parameters, without walking the module tree. The sparse gradients of embeddings
+    with ``sparse=True`` are handled apart (:mod:`runtime.training.sparse_gradients`), reduced
+    over ``dp_gang`` on :meth:`normalize`, and counted in the norm and clipping like the others.
     """
 
-    def __init__(self, model: Module) -> None:
+    def __init__(self, model: Module, *, dp_gang: Gang | None = None) -> None:
         self._model = model
+        self._sparse = SparseGradients(dp_gang)
+        self._sparse_params: list[Tensor] = []
         # Each group's parameters, whether the group is plain, and whether its local tensors
         # take the fused unscale kernel: found on the first step.
         self._groups: list[tuple[list[torch.nn.Parameter], bool, bool]] | None = None
@@ -119,8 +128,12 @@ class Gradients:
         """Each group's gradients (groups without any left out), whether the group is plain, and
         whether its local tensors take the fused unscale kernel."""
         if self._groups is None:
-            groups = _parameter_groups(self._model)
-            self._device = _local(groups[0][0]).device if groups else None
+            self._sparse_params = [
+                p for p in sparse_parameters(self._model).values() if p.requires_grad
+            ]
+            groups = _parameter_groups(self._model, self._sparse_params)
+            firsts = [group[0] for group in groups] + self._sparse_params
+            self._device = _local(firsts[0]).device if firsts else None
             self._groups = [
                 (group, _is_plain(group), _is_fusable(group, self._device)) for group in groups
             ]
@@ -130,6 +143,10 @@ class Gradients:
             if grads:
                 grouped.append((grads, plain, fused))
         return grouped
+
+    def _sparse_grads(self) -> list[Tensor]:
+        """The sparse parameters that have a gradient this step (after :meth:`_grads`)."""
+        return [p for p in self._sparse_params if p.grad is not None]
 
     def normalize(self, factor: float) -> Tensor | None:
         """Multiply the gradients by ``factor``; return this rank's non-finite flag (None if
@@ -142,7 +159,8 @@ class Gradients:
         factor changed, where ``_foreach_mul_`` and a norm would dispatch once per tensor each.
         """
         grouped = self._grads()
-        if not grouped:
+        sparse = self._sparse_grads()
+        if not grouped and not sparse:
             return None
         if self._non_finite is None or self._inverse is None:
             self._non_finite = torch.zeros((), device=self._device)
@@ -163,15 +181,18 @@ class Gradients:
                 # Rare layouts only (float64, or mixed devices): a check per tensor.
                 bad = torch.isfinite(tensor).logical_not().any()
                 self._non_finite.add_(bad.to(self._non_finite.device, torch.float32))
+        if sparse:
+            self._sparse.normalize(sparse, factor, self._non_finite)
         return self._non_finite
 
     def norm(self) -> Tensor:
         """The total 2-norm of the gradients, in float32 or wider (a collective for sharded
         gradients, none for plain and DDP ones)."""
         grouped = self._grads()
-        if not grouped:
-            return torch.zeros(())
         norms = [_group_norm(grads, plain) for grads, plain, _ in grouped]
+        norms += self._sparse.norms(self._sparse_grads())
+        if not norms:
+            return torch.zeros(())
         # With one group, sqrt(norm ** 2) is norm exactly (binary floating point), so skip the ops.
         if len(norms) == 1:
             return norms[0]
@@ -183,6 +204,7 @@ class Gradients:
         clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         for grads, _, _ in self._grads():
             torch._foreach_mul_(grads, clip_coef.to(grads[0].dtype))
+        self._sparse.clip(self._sparse_grads(), clip_coef)
 
 
 def _local(tensor: Tensor) -> Tensor:

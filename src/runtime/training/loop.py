@@ -370,8 +370,8 @@ class TrainLoop(Generic[BatchT]):
 
     def _publish_train_metrics(self) -> dict[str, Any]:
         step_nr = self.state.step_nr
-        extra = {
-            "lr": self._train_step.learning_rate,
+        extra: dict[str, float] = {
+            **self._train_step.learning_rates(),
             "data_epoch": self.state.data_epoch_nr,
             "elapsed_time": time.perf_counter() - self._run_start,
         }

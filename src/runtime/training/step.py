@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Generic, NamedTuple, TypeVar, final
 
@@ -22,6 +22,7 @@ from runtime.training.callbacks import TrainerCallback, overrides
 from runtime.training.gradients import Gradients, gradient_sync_switch
 from runtime.training.loss_scale import LossScaler
 from runtime.training.non_finite import NanPolicy, NonFiniteGuard
+from runtime.training.sparse_gradients import check_sparse_outside_ddp
 from runtime.training.state import check_state_keys
 from runtime.training.step_totals import DdpCountCarrier, StepTotals
 from units import TrainUnit
@@ -93,9 +94,9 @@ class TrainStep(Generic[BatchT]):
         self,
         *,
         unit: TrainUnit[BatchT],
-        optimizer: Optimizer,
+        optimizer: Optimizer | Sequence[Optimizer],
         gangs: Gangs,
-        lr_scheduler: LRScheduler | None = None,
+        lr_scheduler: LRScheduler | Sequence[LRScheduler] | None = None,
         precision: Precision = Precision(),
         max_gradient_norm: float | None = None,
         nan_policy: NanPolicy = "error",
@@ -111,8 +112,8 @@ class TrainStep(Generic[BatchT]):
             unit.set_step_nr if overrides(unit, TrainUnit, "set_step_nr") else None
         )
         self._model = unit.model
-        self._optimizer = optimizer
-        self._lr_scheduler = lr_scheduler
+        self.optimizers = as_optimizers(optimizer)
+        self._lr_schedulers = _as_schedulers(lr_scheduler)
         self._gangs = gangs
         self._dtype = precision.dtype
         self._autocasts = precision.amp and precision.dtype != torch.float32
@@ -127,7 +128,8 @@ class TrainStep(Generic[BatchT]):
             root_gang=gangs.root,
             checks_gradients=not self._loss_scaler.enabled,
         )
-        self._gradients = Gradients(self._model)
+        check_sparse_outside_ddp(self._model)
+        self._gradients = Gradients(self._model, dp_gang=gangs.dp)
         self._totals = StepTotals(
             gangs=gangs,
             check_losses=self.guard.skips,
@@ -275,16 +277,19 @@ class TrainStep(Generic[BatchT]):
         return non_finite, grad_norm
 
     def _update_model(self, applied: bool, may_skip: bool) -> None:
+        # Every optimizer steps, or none does: a skipped step skips them together.
         if applied:
-            self._optimizer.step()
+            for optimizer in self.optimizers:
+                optimizer.step()
         if may_skip:
             if applied:
                 self._unit.metric_bag.commit_updates()
             else:
                 self._unit.metric_bag.rollback_updates()
-        self._optimizer.zero_grad(set_to_none=True)
-        if self._lr_scheduler is not None:
-            self._lr_scheduler.step()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        for scheduler in self._lr_schedulers:
+            scheduler.step()
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The unit's forward context: autocast to ``dtype`` with ``amp``, nothing otherwise."""
@@ -297,12 +302,14 @@ class TrainStep(Generic[BatchT]):
         """Whether the step marks its ranges for a profiler."""
         return self._trace
 
-    @property
-    def learning_rate(self) -> float:
-        """The learning rate of the first parameter group."""
-        if self._lr_scheduler is not None:
-            return float(self._lr_scheduler.get_last_lr()[0])
-        return float(self._optimizer.param_groups[0]["lr"])
+    def learning_rates(self) -> dict[str, float]:
+        """The learning rate of every optimizer's every parameter group: ``lr`` for the first
+        group of the first optimizer, ``lr/opt{i}/group{j}`` for the others (both from 0)."""
+        rates = {}
+        for i, optimizer in enumerate(self.optimizers):
+            for j, group in enumerate(optimizer.param_groups):
+                rates["lr" if i == j == 0 else f"lr/opt{i}/group{j}"] = float(group["lr"])
+        return rates
 
     @property
     def loss_scale(self) -> float | None:
@@ -310,31 +317,74 @@ class TrainStep(Generic[BatchT]):
         return self._loss_scaler.scale if self._loss_scaler.enabled else None
 
     def state_dict(self) -> dict[str, Any]:
+        # One scheduler's state is kept as it was before several were allowed, so checkpoints
+        # of either kind load; several are a list in their order.
+        states = [scheduler.state_dict() for scheduler in self._lr_schedulers]
         return {
             "loss_scaler": self._loss_scaler.state_dict(),
-            "lr_scheduler": None if self._lr_scheduler is None else self._lr_scheduler.state_dict(),
+            "lr_scheduler": None if not states else states[0] if len(states) == 1 else states,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         check_state_keys(state, {"loss_scaler", "lr_scheduler"}, what="train_step")
         self._loss_scaler.load_state_dict(state["loss_scaler"])
-        scheduler_state = state["lr_scheduler"]
-        if self._lr_scheduler is None:
-            if scheduler_state is not None:
-                log.warning(
-                    "The checkpoint holds an LR scheduler state, but this Trainer has no "
-                    "lr_scheduler; the learning rate stays the optimizer's."
-                )
-        elif scheduler_state is None:
-            raise TrainerError(
-                "This Trainer has an lr_scheduler, but the checkpoint holds no LR scheduler state "
-                "(its run had none). Resume without an lr_scheduler, or start a fresh run."
+        saved = state["lr_scheduler"]
+        states = [] if saved is None else list(saved) if isinstance(saved, list) else [saved]
+        if not self._lr_schedulers and states:
+            log.warning(
+                "The checkpoint holds an LR scheduler state, but this Trainer has no "
+                "lr_scheduler; the learning rate stays the optimizer's."
             )
-        else:
-            self._lr_scheduler.load_state_dict(scheduler_state)
+            return
+        if len(states) != len(self._lr_schedulers):
+            raise TrainerError(
+                f"This Trainer has {len(self._lr_schedulers)} LR scheduler(s), but the checkpoint "
+                f"holds the state of {len(states)} (its run had that many). Resume with the "
+                "schedulers of that run, or start a fresh run."
+            )
+        for scheduler, scheduler_state in zip(self._lr_schedulers, states, strict=True):
+            scheduler.load_state_dict(scheduler_state)
 
 
 _NO_AUTOCAST: Final = contextlib.nullcontext()
+
+
+def as_optimizers(optimizer: Optimizer | Sequence[Optimizer]) -> list[Optimizer]:
+    """The Trainer's ``optimizer``, one or several, as a list; an error for anything else."""
+    optimizers = [optimizer] if isinstance(optimizer, Optimizer) else list(optimizer)
+    if not optimizers or not all(isinstance(o, Optimizer) for o in optimizers):
+        raise ValueError(
+            "optimizer must be a torch.optim.Optimizer or a non-empty sequence of them, but is "
+            f"{_describe(optimizer)} instead."
+        )
+    seen: set[int] = set()
+    for o in optimizers:
+        for group in o.param_groups:
+            for param in group["params"]:
+                if id(param) in seen:
+                    raise ValueError(
+                        "A parameter is in more than one of the optimizers (or twice in one), "
+                        "so it would be updated more than once per step. Give each optimizer "
+                        "its own parameters."
+                    )
+                seen.add(id(param))
+    return optimizers
+
+
+def _as_schedulers(
+    lr_scheduler: LRScheduler | Sequence[LRScheduler] | None,
+) -> list[LRScheduler]:
+    if lr_scheduler is None:
+        return []
+    if isinstance(lr_scheduler, LRScheduler):
+        return [lr_scheduler]
+    schedulers = list(lr_scheduler)
+    if not all(isinstance(s, LRScheduler) for s in schedulers):
+        raise ValueError(
+            "lr_scheduler must be an LRScheduler, a sequence of them, or None, but is "
+            f"{_describe(lr_scheduler)} instead."
+        )
+    return schedulers
 
 
 def _in_autocast(

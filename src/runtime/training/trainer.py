@@ -61,14 +61,14 @@ class Trainer(Generic[BatchT]):
         *,
         unit: TrainUnit[BatchT],
         data_reader: DataReader[BatchT],
-        optimizer: Optimizer,
+        optimizer: Optimizer | Sequence[Optimizer],
         checkpoint_manager: AbstractCheckpointManager,
         root_gang: Gang | None = None,
         dp_gang: Gang | None = None,
         tp_gang: Gang | None = None,
         gangs: Gangs | None = None,
         dtype: torch.dtype = torch.float32,
-        lr_scheduler: LRScheduler | None = None,
+        lr_scheduler: LRScheduler | Sequence[LRScheduler] | None = None,
         max_num_steps: int | None = None,
         max_num_data_epochs: int | None = None,
         valid_units: Sequence[EvalUnit[Any]] | None = None,
@@ -186,7 +186,7 @@ class Trainer(Generic[BatchT]):
                 _throughput(unit, gangs, flops_per_target, device_peak_flops)
             ),
             validator=self._validator,
-            checkpointer=self._make_checkpointer(optimizer, checkpointing),
+            checkpointer=self._make_checkpointer(self._train_step.optimizers, checkpointing),
             schedules=schedules,
             limits=Limits(max_num_steps, max_num_data_epochs),
             observers=self._make_observers(progress, profiler),
@@ -204,14 +204,16 @@ class Trainer(Generic[BatchT]):
         )
 
     def _make_checkpointer(
-        self, optimizer: Optimizer, checkpointing: CheckpointOptions
+        self, optimizers: Sequence[Optimizer], checkpointing: CheckpointOptions
     ) -> Checkpointer:
         return Checkpointer(
             manager=self._checkpoint_manager,
             options=checkpointing,
             scoring=self._scoring,
             model=self._unit.model,
-            optimizer=optimizer,
+            # One optimizer is handed over alone, as the checkpoint managers written for one
+            # optimizer expect.
+            optimizer=optimizers[0] if len(optimizers) == 1 else optimizers,
             callbacks=self._callbacks,
             gangs=self._gangs,
         )

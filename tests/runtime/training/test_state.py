@@ -209,3 +209,23 @@ def test_a_format_1_checkpoint_from_mid_run_resumes_bit_identically(tmp_path: Pa
     assert trainer.run() == 0
     assert trainer.step_nr == 9
     assert_params_equal(model, FORMAT_1_RUN / "params_step_9.pt")
+
+
+def test_numpy_generator_is_seeded_per_rank_and_restored_from_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    import numpy as np
+
+    from runtime.training.rng import rng_state, seed_rngs, set_rng_state
+
+    seed_rngs(3, dp_rank=0, dp_size=2)
+    rank_0 = np.random.rand(3)
+    seed_rngs(3, dp_rank=1, dp_size=2)
+    assert not np.array_equal(np.random.rand(3), rank_0)
+    seed_rngs(3, dp_rank=0, dp_size=2)
+    assert np.array_equal(np.random.rand(3), rank_0)
+
+    torch.save(rng_state(), tmp_path / "rng.pt")
+    expected = np.random.rand(3)
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert np.array_equal(np.random.rand(3), expected)
