@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 class ProgressDisplay:
     """Shows the step and the latest published values; the default shows nothing.
 
-    ``advance`` runs once per step (when a subclass overrides it), so it must not read device
+    ``advance`` runs once per step, so it must not read device
     values: the Trainer passes values only at publish time, when they are on the host anyway.
     """
 

@@ -10,6 +10,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gangs import Gangs
+from runtime.parallel.materialize import has_meta_tensors
 from runtime.training.sparse_gradients import sparse_parameters
 
 if TYPE_CHECKING:
@@ -44,6 +45,9 @@ def apply_data_parallel(
 ) -> Module:
     """Replicate (DDP), shard (FSDP2) or shard-and-replicate (HSDP) ``model`` over the DP gang.
 
+    A model that is not on the meta device is moved to ``gangs.root.device`` first, on one
+    process too.
+
     A no-op when DP is off. With FSDP2 and HSDP, each submodule whose type is in ``fsdp_units``
     becomes its own shard unit (its parameters are gathered only around its own forward and
     backward), then the whole model. HSDP shards within ``dp_shard`` and replicates across
@@ -76,6 +80,9 @@ def apply_data_parallel(
             f"{', '.join(k for k, v in ddp_options.items() if v)} are DDP options, but kind is "
             f"'{kind}'. Leave them out, or use kind='ddp'."
         )
+    if not has_meta_tensors(model):
+        # The model leaves on the gangs' device whatever the layout (a no-op when it is there).
+        model.to(gangs.root.device)
     if gangs.dp.size == 1:
         return model
     if kind != "ddp":

@@ -91,23 +91,12 @@ class TrainerCallback:
         """After training finished (not after a preemption stop)."""
 
 
-def overrides(instance: object, base: type, name: str) -> bool:
-    """Whether the class of ``instance`` overrides the method ``name`` of ``base``."""
-    return getattr(type(instance), name) is not getattr(base, name)
-
-
-_PER_STEP = ("on_step_begin", "on_before_optimizer_step", "on_step_end")
-"""The moments of every step: the list calls only the callbacks that override them, so a step
-costs nothing for the callbacks that do nothing then."""
-
-
 @final
 class CallbackList(TrainerCallback):
     """Calls each of ``callbacks`` in order, one moment at a time; :meth:`add` appends one."""
 
     def __init__(self, callbacks: Sequence[TrainerCallback]) -> None:
         self._callbacks: list[TrainerCallback] = []
-        self._per_step: dict[str, list[TrainerCallback]] = {name: [] for name in _PER_STEP}
         for callback in callbacks:
             self.add(callback)
 
@@ -117,9 +106,6 @@ class CallbackList(TrainerCallback):
                 f"callbacks must be TrainerCallback objects, but got {type(callback).__name__}."
             )
         self._callbacks.append(callback)
-        for name, subscribers in self._per_step.items():
-            if overrides(callback, TrainerCallback, name):
-                subscribers.append(callback)
 
     def stateful(self) -> dict[str, Stateful]:
         """The callbacks with a state, by a name that stays the same across launches of the
@@ -132,10 +118,6 @@ class CallbackList(TrainerCallback):
                 named[name if count == 0 else f"{name}.{count}"] = callback
         return named
 
-    @property
-    def on_step_end_is_empty(self) -> bool:
-        return not self._per_step["on_step_end"]
-
     def on_train_begin(self, *, step_nr: int) -> None:
         for callback in self._callbacks:
             callback.on_train_begin(step_nr=step_nr)
@@ -145,15 +127,15 @@ class CallbackList(TrainerCallback):
             callback.on_epoch_begin(epoch_nr=epoch_nr, step_nr=step_nr)
 
     def on_step_begin(self, *, step_nr: int, batches: Sequence[Any]) -> None:
-        for callback in self._per_step["on_step_begin"]:
+        for callback in self._callbacks:
             callback.on_step_begin(step_nr=step_nr, batches=batches)
 
     def on_before_optimizer_step(self, *, step_nr: int, model: Module) -> None:
-        for callback in self._per_step["on_before_optimizer_step"]:
+        for callback in self._callbacks:
             callback.on_before_optimizer_step(step_nr=step_nr, model=model)
 
     def on_step_end(self, *, step_nr: int, metrics: Mapping[str, Any] | None) -> None:
-        for callback in self._per_step["on_step_end"]:
+        for callback in self._callbacks:
             callback.on_step_end(step_nr=step_nr, metrics=metrics)
 
     def on_out_of_data(self, *, step_nr: int, epoch_nr: int) -> None:

@@ -1,16 +1,16 @@
 """Gradients across DP and TP: deferring their sync, normalizing them, their norm, clipping.
 
-DDP, FSDP2 and DTensor are looked up only once something imported them: a model that uses none
-of them never needs them, and importing them costs a second.
+DDP, FSDP2 and DTensor are imported only where a process group exists: without one nothing can
+be any of them, and a single-process run spares importing them (seconds).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import TYPE_CHECKING, Final, final
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 from typing_extensions import TypeIs
@@ -22,35 +22,38 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 
-def loaded_class(module: str, name: str) -> Any:
-    """``module.name`` if ``module`` was imported already, else None: nothing is an instance of
-    a class that was never imported."""
-    loaded = sys.modules.get(module)
-    return getattr(loaded, name, None) if loaded is not None else None
+def process_group_exists() -> bool:
+    """Whether the default process group exists (DDP, FSDP2 and DTensor all need one)."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def _is_dtensor(tensor: object) -> TypeIs[DTensor]:
-    dtensor = loaded_class("torch.distributed.tensor", "DTensor")
-    return dtensor is not None and isinstance(tensor, dtensor)
+    if not process_group_exists():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def gradient_sync_switch(model: Module) -> Callable[[bool], None] | None:
     """A switch for DP gradient reduction in ``model``'s next backwards: off while micro-batches
     accumulate, on for the last. None for a model that reduces nothing (neither DDP nor FSDP2).
 
-    A switch, not a context manager around each micro-batch: a ``with`` costs more Python than
-    the rest of a small step's bookkeeping.
+    A switch, not a context manager: FSDP2 offers only the switch
+    (``set_requires_gradient_sync``), so DDP gets one too (the flag its ``no_sync()`` sets).
     """
-    ddp = loaded_class("torch.nn.parallel", "DistributedDataParallel")
-    if ddp is not None and isinstance(model, ddp):
+    if not process_group_exists():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
 
         def switch_ddp(enabled: bool) -> None:
-            # The flag DistributedDataParallel.no_sync() sets; its forward reads it.
             model.require_backward_grad_sync = enabled
 
         return switch_ddp
-    fsdp = loaded_class("torch.distributed.fsdp", "FSDPModule")
-    if fsdp is not None and isinstance(model, fsdp):
+    if isinstance(model, FSDPModule):
         switch_fsdp: Callable[[bool], None] = model.set_requires_gradient_sync
         return switch_fsdp
     return None
@@ -189,7 +192,7 @@ class Gradients:
         """The total 2-norm of the gradients, in float32 or wider (a collective for sharded
         gradients, none for plain and DDP ones)."""
         grouped = self._grads()
-        norms = [_group_norm(grads, plain) for grads, plain, _ in grouped]
+        norms = [_group_norm(grads) for grads, _, _ in grouped]
         norms += self._sparse.norms(self._sparse_grads())
         if not norms:
             return torch.zeros(())
@@ -218,14 +221,8 @@ def _is_fusable(group: list[torch.nn.Parameter], device: torch.device | None) ->
     return all(_local(p).device == device and p.dtype in _FUSED_DTYPES for p in group)
 
 
-def _group_norm(grads: list[Tensor], plain: bool) -> Tensor:
-    """The 2-norm of one group's gradients, in float32 or wider."""
-    if plain:
-        # The ops get_total_norm runs for tensors of one device and dtype, so the same bits,
-        # without its grouping and checks: these cost more than the norm on a small model.
-        norm: Tensor = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
-        # .float() of a float32 tensor is the tensor itself, but its dispatch costs more than this.
-        return norm if norm.dtype == torch.float32 else norm.float()
+def _group_norm(grads: list[Tensor]) -> Tensor:
+    """The 2-norm of one group's gradients, in float32."""
     norm = torch.nn.utils.get_total_norm(grads)
     full: Tensor = norm.full_tensor() if _is_dtensor(norm) else norm
     return full.float()

@@ -35,10 +35,13 @@ def check_sparse_outside_ddp(model: Module) -> None:
     """Raise if ``model`` is DDP that reduces sparse gradients itself (it sums them where it
     averages dense ones, and the step would reduce them a second time)."""
     # Imported here: that module imports this one.
-    from runtime.training.gradients import loaded_class
+    from runtime.training.gradients import process_group_exists
 
-    ddp = loaded_class("torch.nn.parallel", "DistributedDataParallel")
-    if ddp is None or not isinstance(model, ddp):
+    if not process_group_exists():
+        return
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
         return
     ignored = set(getattr(model, "parameters_to_ignore", ()))
     reduced = sorted(set(sparse_parameters(model.module)) - ignored)

@@ -7,7 +7,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Generic, NamedTuple, TypeVar, final
+from typing import Any, Final, Generic, TypeVar, final
 
 import torch
 from torch import Tensor
@@ -18,13 +18,13 @@ from checkpoint.arguments import check_positive
 from gangs import Gangs
 from runtime.errors import TrainerError
 from runtime.metrics.tracing import BACKWARD, FORWARD, GRADIENT_SYNC, OPTIMIZER_STEP, traced
-from runtime.training.callbacks import TrainerCallback, overrides
+from runtime.training.callbacks import TrainerCallback
 from runtime.training.gradients import Gradients, gradient_sync_switch
 from runtime.training.loss_scale import LossScaler
 from runtime.training.non_finite import NanPolicy, NonFiniteGuard
 from runtime.training.sparse_gradients import check_sparse_outside_ddp
 from runtime.training.state import check_state_keys
-from runtime.training.step_totals import DdpCountCarrier, StepTotals
+from runtime.training.step_totals import StepTotals
 from units import TrainUnit
 
 log = logging.getLogger(__name__)
@@ -34,12 +34,9 @@ R = TypeVar("R")
 
 
 @final
-class StepOutput(NamedTuple):
-    """What one step measured; tensors stay on the device, so reading them is left to publish.
-
-    A named tuple, not a frozen dataclass: it is made every step, and a frozen dataclass sets
-    each field through ``object.__setattr__``.
-    """
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepOutput:
+    """What one step measured; tensors stay on the device, so reading them is left to publish."""
 
     step_nr: int
     """The number of the step."""
@@ -53,7 +50,7 @@ class StepOutput(NamedTuple):
     """The examples of the whole DP gang."""
     grad_norm: Tensor | None
     """The gradient norm before clipping, on the steps that measure it (see
-    :meth:`TrainStep.take`)."""
+    :meth:`TrainStep.__call__`)."""
     non_finite_gradients: Tensor | None
     """This rank's flag, one tensor for the run: non-zero since the first NaN or infinite
     gradient (None without gradients)."""
@@ -107,10 +104,6 @@ class TrainStep(Generic[BatchT]):
         check_positive("max_gradient_norm", max_gradient_norm)
         self._unit = unit
         self._callbacks = callbacks
-        # Most units do not override the hook, and their steps skip the call.
-        self._set_unit_step_nr = (
-            unit.set_step_nr if overrides(unit, TrainUnit, "set_step_nr") else None
-        )
         self._model = unit.model
         self.optimizers = as_optimizers(optimizer)
         self._lr_schedulers = _as_schedulers(lr_scheduler)
@@ -130,19 +123,13 @@ class TrainStep(Generic[BatchT]):
         )
         check_sparse_outside_ddp(self._model)
         self._gradients = Gradients(self._model, dp_gang=gangs.dp)
-        self._totals = StepTotals(
-            gangs=gangs,
-            check_losses=self.guard.skips,
-            carrier=DdpCountCarrier.attach(self._model, gangs),
-        )
+        self._totals = StepTotals(gangs=gangs, check_losses=self.guard.skips)
         self._dp_size = gangs.dp.size
         self._switch_gradient_sync = gradient_sync_switch(self._model)
         # A step is skipped on an fp16 overflow, or with nan_policy="skip" on a non-finite value.
         self._may_skip = self._loss_scaler.enabled or self.guard.skips
-        # The phases of a step. With a profiler each runs in its named range, bound here rather
-        # than entered in the step: a step without a profiler enters no context at all. The unit
-        # runs through its bound __call__, which calling the instance would look up every time.
-        forward: Callable[[BatchT], tuple[Tensor, int | None]] = unit.__call__
+        # The phases of a step; with a profiler each runs in its named range.
+        forward: Callable[[BatchT], tuple[Tensor, int | None]] = unit
         if self._autocasts:
             forward = _in_autocast(forward, self.autocast)
         self._forward = traced(FORWARD, forward, enabled=trace)
@@ -150,7 +137,7 @@ class TrainStep(Generic[BatchT]):
         self._normalize = traced(GRADIENT_SYNC, self._normalize_gradients, enabled=trace)
         self._update = traced(OPTIMIZER_STEP, self._update_model, enabled=trace)
 
-    def take(
+    def __call__(
         self,
         batches: list[BatchT],
         *,
@@ -161,12 +148,8 @@ class TrainStep(Generic[BatchT]):
         """Take the step. The gradient norm is measured when ``measure_grad_norm`` (the loop
         asks on the steps that publish it), and always with clipping, ``nan_policy="skip"`` or
         fp16, which decide on it: elsewhere it is work no one reads.
-
-        A method rather than ``__call__``: a call of an instance with keywords builds a dict of
-        them every time.
         """
-        if self._set_unit_step_nr is not None:
-            self._set_unit_step_nr(step_nr)
+        self._unit.set_step_nr(step_nr)
         may_skip = self._may_skip
         if may_skip:
             self._unit.metric_bag.begin_updates()
@@ -200,24 +183,19 @@ class TrainStep(Generic[BatchT]):
         if applied and self._callbacks is not None:
             self._callbacks.on_before_optimizer_step(step_nr=step_nr, model=self._model)
         self._update(applied, may_skip)
-        # Held until the update is done: its autograd graph (spent, but not yet freed) references
-        # every parameter, and while a parameter has a second C++ owner, the optimizer's own
-        # references to it skip torch's Python-object bookkeeping, which otherwise takes the GIL
-        # for each one (1 to 2% of W1's step, see README "Performance"). A hand-written loop
-        # holds its loss this long too.
+        # The last loss (and its spent graph) lives until after the update, as in a
+        # hand-written loop: freeing the graph first makes the optimizer step slower on CPU.
         del last_loss
-        # By position, in the order of the fields: a class called with keywords gets them as a
-        # dict, built every step.
         return StepOutput(
-            step_nr,
-            losses,
-            num_targets,
-            total_targets,
-            total_examples,
-            grad_norm,
-            non_finite,
-            stop_votes > 0,
-            applied,
+            step_nr=step_nr,
+            losses=losses,
+            num_targets=num_targets,
+            total_targets=total_targets,
+            total_examples=total_examples,
+            grad_norm=grad_norm,
+            non_finite_gradients=non_finite,
+            stop_requested=stop_votes > 0,
+            applied=applied,
         )
 
     def _forward_backward(
@@ -473,7 +451,6 @@ def _num_examples(batch: object) -> int:
     if isinstance(size, int):
         return size
     shared = None
-    # list and tuple first: an isinstance check against the Mapping ABC runs Python code.
     if isinstance(batch, (list, tuple)):
         shared = _shared_first_dim(batch)
     elif isinstance(batch, Mapping):
@@ -490,7 +467,6 @@ def _shared_first_dim(fields: Iterable[object]) -> int | None:
     """The first dimension the tensors among ``fields`` share, or None if they do not."""
     shared: int | None = None
     for field in fields:
-        # One read of .shape, the cheapest of torch's ways to a tensor's first dimension.
         shape = field.shape if isinstance(field, Tensor) else None
         if shape:
             if shared is not None and shape[0] != shared:

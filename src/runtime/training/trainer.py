@@ -22,17 +22,18 @@ from torch.optim.lr_scheduler import LRScheduler
 from checkpoint import AbstractCheckpointManager, CheckpointChoice, RetentionPolicy
 from gangs import Gang, Gangs
 from runtime.data import DataReader
+from runtime.data.device import DeviceDataReader
 from runtime.metrics.profiler import TorchProfiler
 from runtime.metrics.progress import make_progress_display
 from runtime.metrics.recorders import MetricRecorder, RecorderOptions, make_recorder
 from runtime.metrics.train_metrics import Throughput, TrainMetrics
+from runtime.parallel.placement import check_model_device
 from runtime.training.callbacks import CallbackList, TrainerCallback
 from runtime.training.checkpointing import Checkpointer, CheckpointOptions
 from runtime.training.early_stop import EarlyStopper, Stateful
-from runtime.training.garbage_collection import GarbageCollection
-from runtime.training.loop import Limits, Observers, Schedules, TrainLoop
+from runtime.training.loop import Limits, Observers, TrainLoop
 from runtime.training.non_finite import NanPolicy
-from runtime.training.schedule import Schedule, check_every_checkpoint_is_scored
+from runtime.training.schedule import Schedule, Schedules, check_every_checkpoint_is_scored
 from runtime.training.signals import PREEMPTED_EXIT_CODE
 from runtime.training.state import StopReason
 from runtime.training.step import Precision, TrainStep
@@ -112,10 +113,12 @@ class Trainer(Generic[BatchT]):
         flops_per_target: float | None = None,
         device_peak_flops: float | None = None,
         init_from: InitFrom | None = None,
+        move_batches_to_device: bool = True,
         resume_from: Path | None = None,
         checkpoint_exclude: Sequence[str] = (),
     ) -> None:
         gangs = _resolve_gangs(gangs, root_gang, dp_gang, tp_gang)
+        check_model_device(unit.model, gangs.root.device)
         # The keywords above, each turned into the option group that uses it; from here on only
         # the groups travel.
         schedules = Schedules(
@@ -132,6 +135,7 @@ class Trainer(Generic[BatchT]):
                 checkpoint_after_n_steps,
                 checkpoint_every_n_data_epochs,
             ),
+            collect_garbage=Schedule("gc", gc_every_n_steps),
             validate_at_start=validate_at_start,
         )
         scoring = Scoring(score_metric_name, lower_better, early_stopper)
@@ -158,11 +162,12 @@ class Trainer(Generic[BatchT]):
         self._anomaly_detection = anomaly_detection
         self._callbacks = CallbackList(callbacks)
         self._checkpoint_manager, self._scoring = checkpoint_manager, scoring
-        # Validation reads every example once, so a score is the mean over the whole valid set.
-        given_valid_readers = list(valid_data_readers or [])
-        valid_data_readers = [reader.for_evaluation() for reader in given_valid_readers]
+        given_readers = [data_reader, *(valid_data_readers or [])]
+        data_reader, valid_data_readers = _prepare_readers(
+            data_reader, valid_data_readers, gangs.root.device if move_batches_to_device else None
+        )
         self._data_readers = list(
-            {id(r): r for r in [data_reader, *given_valid_readers, *valid_data_readers]}.values()
+            {id(r): r for r in [*given_readers, data_reader, *valid_data_readers]}.values()
         )
         self._closed = False
         self._train_step = TrainStep(
@@ -178,7 +183,9 @@ class Trainer(Generic[BatchT]):
             callbacks=self._callbacks,
         )
         self._recorder = make_recorder(gangs.root, recorders, recording)
+        self._progress = make_progress_display(enabled=progress and gangs.root.rank == 0)
         self._validator = self._make_validator(valid_units, valid_data_readers, max_num_valid_steps)
+        self._checkpointer = self._make_checkpointer(self._train_step.optimizers, checkpointing)
         self._loop = TrainLoop(
             data_reader=data_reader,
             train_step=self._train_step,
@@ -186,21 +193,17 @@ class Trainer(Generic[BatchT]):
                 _throughput(unit, gangs, flops_per_target, device_peak_flops)
             ),
             validator=self._validator,
-            checkpointer=self._make_checkpointer(self._train_step.optimizers, checkpointing),
+            checkpointer=self._checkpointer,
             schedules=schedules,
             limits=Limits(max_num_steps, max_num_data_epochs),
-            observers=self._make_observers(progress, profiler),
+            observers=Observers(
+                callbacks=self._callbacks,
+                recorder=self._recorder,
+                progress=self._progress,
+                profiler=profiler,
+            ),
             gangs=gangs,
             seed=seed,
-            garbage_collection=GarbageCollection(gc_every_n_steps),
-        )
-
-    def _make_observers(self, progress: bool, profiler: TorchProfiler | None) -> Observers:
-        return Observers(
-            callbacks=self._callbacks,
-            recorder=self._recorder,
-            progress=make_progress_display(enabled=progress and self._gangs.root.rank == 0),
-            profiler=profiler,
         )
 
     def _make_checkpointer(
@@ -271,13 +274,13 @@ class Trainer(Generic[BatchT]):
     @property
     def resume_from(self) -> Path | None:
         """The ``step_N`` checkpoint directory of another run this run starts from, if any."""
-        return self._loop.checkpointer.options.resume_from
+        return self._checkpointer.options.resume_from
 
     @resume_from.setter
     def resume_from(self, path: Path | None) -> None:
         # The recipe command line sets it on the trainer a recipe built (``--resume-from``).
-        self._loop.checkpointer.options = dataclasses.replace(
-            self._loop.checkpointer.options, resume_from=path
+        self._checkpointer.options = dataclasses.replace(
+            self._checkpointer.options, resume_from=path
         )
 
     @property
@@ -307,15 +310,8 @@ class Trainer(Generic[BatchT]):
                 log.info("The run finished at step %d already; nothing to do.", state.step_nr)
                 return 0
 
-            if self._loop.observers.profiler is not None:
-                stack.enter_context(self._loop.observers.profiler)
-            self._loop.observers.progress.start(
-                total_steps=self._loop.limits.max_num_steps, initial_step=state.step_nr
-            )
             self._unit.model.train()
             self._loop.run()
-            # An asynchronous save of the last step commits here; after a crash it never does.
-            self._loop.finish_pending_save()
             if state.finished:
                 self._callbacks.on_train_end(step_nr=state.step_nr)
         return PREEMPTED_EXIT_CODE if state.stop_reason is StopReason.PREEMPTED else 0
@@ -348,7 +344,7 @@ class Trainer(Generic[BatchT]):
         with contextlib.ExitStack() as stack:
             for reader in self._data_readers:
                 stack.callback(reader.close)
-            stack.callback(self._loop.observers.progress.close)
+            stack.callback(self._progress.close)
             stack.callback(self._checkpoint_manager.close)
             stack.callback(self._recorder.close)
 
@@ -367,6 +363,20 @@ def _throughput(
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         num_parameters=sum(p.numel() for p in unit.model.parameters()),
     )
+
+
+def _prepare_readers(
+    data_reader: DataReader[BatchT],
+    valid_data_readers: Sequence[DataReader[Any]] | None,
+    device: torch.device | None,
+) -> tuple[DataReader[BatchT], list[DataReader[Any]]]:
+    """The readers as the loop reads them: validation reads every example once, so a score is
+    the mean over the whole valid set; with ``device`` (not the CPU), every micro-batch is moved
+    there before the unit sees it."""
+    valid = [reader.for_evaluation() for reader in valid_data_readers or []]
+    if device is None or device.type == "cpu":
+        return data_reader, valid
+    return DeviceDataReader(data_reader, device), [DeviceDataReader(r, device) for r in valid]
 
 
 def _resolve_gangs(
