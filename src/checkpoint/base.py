@@ -47,10 +47,13 @@ class AbstractCheckpointManager(ABC):
         trainer_state: Mapping[str, Any],
         score: float | None = None,
         async_checkpoint: bool = False,
+        exclude: Sequence[str] = (),
     ) -> None:
         """Save model, optimizer and trainer state of ``step_nr`` with its validation ``score``.
 
         ``optimizer`` is the Trainer's one optimizer, or the sequence of its several.
+        The model entries that a pattern of ``exclude`` matches (``fnmatch``) are left out, and
+        a load keeps what the model holds for them (see :mod:`checkpoint.exclusion`).
 
         Returns once committed; an implementation that writes in the background may return
         earlier when ``async_checkpoint`` is set, with :attr:`pending_step_nr` set until

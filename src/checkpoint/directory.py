@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST_NAME: Final = "manifest.json"
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+STEP_DIR_PATTERN: Final = re.compile(r"^step_(\d+)$")
 _DAMAGED_DIR = re.compile(r"^step_\d+\.damaged\d*$")
 
 
@@ -55,7 +55,7 @@ def scan(checkpoint_dir: Path) -> DirectoryListing:
     damaged: list[Path] = []
     if checkpoint_dir.is_dir():
         for path in checkpoint_dir.iterdir():
-            match = _STEP_DIR.match(path.name)
+            match = STEP_DIR_PATTERN.match(path.name)
             if match is not None:
                 if (path / MANIFEST_NAME).is_file():
                     committed[int(match.group(1))] = path

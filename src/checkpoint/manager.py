@@ -49,6 +49,7 @@ from checkpoint.errors import (
     CheckpointLoadError,
     caused_by_the_machine,
 )
+from checkpoint.exclusion import excluded_names, pop_entries
 from checkpoint.integrity import FileDigest
 from checkpoint.layout import WorldLayout, needs_reshard
 from checkpoint.manifest import (
@@ -111,8 +112,12 @@ class CheckpointManager(AbstractCheckpointManager):
         trainer_state: Mapping[str, Any],
         score: float | None = None,
         async_checkpoint: bool = False,
+        exclude: Sequence[str] = (),
     ) -> None:
         """Write a full checkpoint of ``step_nr`` and commit it once every rank has finished.
+
+        Model entries matched by a pattern of ``exclude`` are left out and listed in the
+        manifest under ``excluded``.
 
         With ``async_checkpoint`` this returns once the model and optimizer are staged in CPU
         memory; they are written in the background and committed by :meth:`finish_pending_save`
@@ -132,6 +137,8 @@ class CheckpointManager(AbstractCheckpointManager):
         pending = PendingSave(step_nr, tmp_dir, final_dir, score, layout)
         with removing_on_failure(self._root, pending):
             model_state, optim_state = get_state_dicts(model, optimizer)
+            pending.excluded = excluded_names(model_state, exclude)
+            pop_entries(model_state, pending.excluded)
             if async_checkpoint:
                 self._on_all_ranks(
                     "stage the checkpoint",
@@ -190,6 +197,7 @@ class CheckpointManager(AbstractCheckpointManager):
                 step_nr=pending.step_nr,
                 score=pending.score,
                 layout=pending.layout,
+                excluded=pending.excluded,
             )
             write_manifest(pending.tmp_dir, manifest)
             os.replace(pending.tmp_dir, pending.final_dir)
@@ -312,6 +320,8 @@ class CheckpointManager(AbstractCheckpointManager):
         )
 
         model_state, optim_state = get_state_dicts(model, optimizer)
+        # What the checkpoint left out keeps the model's own values.
+        kept = pop_entries(model_state, manifest.get("excluded", []))
         trainer_file = path / "trainer" / ("rank_0.pt" if resharded else self._rank_file)
         try:
             for subdir, state in (("model", model_state), ("optimizer", optim_state)):
@@ -326,7 +336,7 @@ class CheckpointManager(AbstractCheckpointManager):
             raise
         # The digests: a damaged file (of the right size) has loaded by now; see checkpoint.manifest.
         self._verdict(f"verify the checkpoint of step {step_nr}", check.finish)
-        set_state_dicts(model, optimizer, model_state, optim_state)
+        set_state_dicts(model, optimizer, {**model_state, **kept}, optim_state)
         log.info("Loaded the checkpoint of step %d from %s.", step_nr, path)
         return LoadedCheckpoint(
             step_nr=step_nr, trainer_state=trainer_state, manifest=manifest, resharded=resharded
@@ -349,10 +359,11 @@ class CheckpointManager(AbstractCheckpointManager):
     def load_model(self, step_nr: int, *, model: Module) -> None:
         """Load only the model of the checkpoint of ``step_nr`` (full or model-only)."""
         path = directory.step_dir(self._dir, step_nr)
-        self.verify(step_nr)
+        manifest = self.verify(step_nr)
         state = get_model_state(model)
+        kept = pop_entries(state, manifest.get("excluded", []))
         self._on_all_ranks("load the model", lambda: self._storage.load(state, path / "model"))
-        set_model_state(model, state)
+        set_model_state(model, {**state, **kept})
 
     def read_model_state(self, step_nr: int) -> dict[str, Any]:
         """The verified model of the checkpoint of ``step_nr`` as a plain state dict (one process;

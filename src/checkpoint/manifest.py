@@ -65,8 +65,10 @@ def make_manifest(
     step_nr: int,
     score: float | None,
     layout: dict[str, int],
+    excluded: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """The manifest of a checkpoint whose ranks wrote ``files`` (by path below its directory)."""
+    """The manifest of a checkpoint whose ranks wrote ``files`` (by path below its directory);
+    ``excluded`` lists the model entries left out of it."""
     return {
         "format_version": FORMAT_VERSION,
         "algorithm": ALGORITHM,
@@ -76,6 +78,7 @@ def make_manifest(
         **layout,
         "torch_version": torch.__version__,
         "created_at": time.time(),
+        "excluded": list(excluded),
         "files": {name: files[name].as_entry() for name in sorted(files)},
     }
 
@@ -342,3 +345,35 @@ def choose_checkpoint(
             f"the steps there are {', '.join(str(i.step_nr) for i in infos)}."
         )
     return which
+
+
+def resolve_step_dir(path: Path) -> tuple[Path, int]:
+    """The checkpoint directory and step of ``path``, a committed full ``step_N`` directory of
+    any run; ValueError naming the problem otherwise."""
+    match = directory.STEP_DIR_PATTERN.match(path.name)
+    if not path.exists():
+        raise ValueError(
+            f"resume_from is {path}, which does not exist. Pass the step_N directory of a "
+            "checkpoint, e.g. OTHER_OUTPUT_DIR/checkpoints/step_1000."
+        )
+    if match is None or not path.is_dir():
+        raise ValueError(
+            f"resume_from is {path}, which is not a step_N checkpoint directory. Pass one of "
+            "the step_N directories inside a run's checkpoints/ directory."
+        )
+    if not (path / directory.MANIFEST_NAME).is_file():
+        raise ValueError(
+            f"resume_from is {path}, which has no {directory.MANIFEST_NAME}: the save of that "
+            "checkpoint never committed (or its delete never finished). Pick a complete one."
+        )
+    try:
+        kind = read_manifest(path).get("kind", "full")
+    except CheckpointError as ex:
+        raise ValueError(f"resume_from is {path}, which cannot be resumed from: {ex}") from ex
+    if kind != "full":
+        raise ValueError(
+            f"resume_from is {path}, which holds only the model (retention pruned its optimizer "
+            "and trainer state), so a run cannot resume from it. Pass it as init_from to start "
+            "from its weights, or pick a full checkpoint."
+        )
+    return path.parent, int(match.group(1))

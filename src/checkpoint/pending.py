@@ -31,6 +31,8 @@ class PendingSave:
     score: float | None
     layout: dict[str, int]
     """The world layout of the saving run, for the manifest (:class:`WorldLayout`)."""
+    excluded: list[str] = field(default_factory=list)
+    """The model entries left out (``checkpoint_exclude``), for the manifest."""
     digests: dict[str, FileDigest] = field(default_factory=dict)
     """What this rank wrote, by path below the step directory."""
     uploads: list[Future[dict[str, FileDigest]]] = field(default_factory=list)

@@ -161,7 +161,7 @@ def _main(
         watchdog.start()
         stack.callback(watchdog.stop)
     run = _Run(config, output_dir, rank, logs, launch)
-    return run.execute(recipe, args.evaluate, startup_signals)
+    return run.execute(recipe, args.evaluate, startup_signals, args.resume_from)
 
 
 _LAUNCH_TIMEOUT = timedelta(minutes=15)
@@ -194,10 +194,13 @@ class _Run:
         recipe: Callable[[Any, Path], Runnable],
         evaluate: CheckpointChoice | None,
         startup_signals: StartupSignals,
+        resume_from: Path | None = None,
     ) -> int:
         """Build the recipe's runnable, train or evaluate with it, and close it on every path."""
         runnable = self.build(recipe)
         try:
+            if resume_from is not None:
+                _set_resume_from(runnable, resume_from)
             if evaluate is not None:
                 _evaluate(runnable, evaluate)
                 return 0
@@ -294,6 +297,19 @@ class _Run:
         # Relaunching a run with another world layout or model is a launch mistake, not a crash.
         log.exception("The run cannot resume: %s", message, extra=_FILE_ONLY)
         _fail(message)
+
+
+def _set_resume_from(runnable: Runnable, path: Path) -> None:
+    """Hand ``--resume-from`` to the trainer the recipe built; a bad path exits with status 2."""
+    if not hasattr(runnable, "resume_from"):
+        _fail(
+            f"--resume-from is given, but the recipe returned a {type(runnable).__name__}, which "
+            "has no resume_from. Return a Trainer, or drop --resume-from."
+        )
+    try:
+        runnable.resume_from = path  # type: ignore[attr-defined]
+    except ValueError as ex:
+        _fail(str(ex))
 
 
 @contextlib.contextmanager
@@ -526,6 +542,15 @@ def _make_parser() -> argparse.ArgumentParser:
         help="instead of training, evaluate the last, the best (by validation score) or the "
         "given step's checkpoint of OUTPUT_DIR with the recipe's valid units; the values go to "
         "metrics/eval.jsonl",
+    )
+    parser.add_argument(
+        "--resume-from",
+        metavar="PATH",
+        type=Path,
+        default=None,
+        help="start this run (in a new OUTPUT_DIR) from the full state of PATH, a step_N "
+        "checkpoint directory of any run: model, optimizer, schedulers, data position, RNG, "
+        "step, scores",
     )
     parser.add_argument(
         "--dump-config",

@@ -30,12 +30,14 @@ from runtime.metrics.tracing import CHECKPOINT, DATA_WAIT, trace_range, traced
 from runtime.metrics.train_metrics import TrainMetrics, describe_devices
 from runtime.training.callbacks import CallbackList
 from runtime.training.checkpointing import Checkpointer
+from runtime.training.early_stop import Stateful
 from runtime.training.garbage_collection import GarbageCollection
 from runtime.training.out_of_memory import MemoryFigures, step_out_of_memory_error
 from runtime.training.rng import rng_state, seed_rngs, set_rng_state
 from runtime.training.schedule import Due, Schedules
 from runtime.training.signals import StopSignals
 from runtime.training.state import (
+    STATEFUL_SECTION,
     TRAINER_STATE_VERSION,
     StopReason,
     TrainState,
@@ -102,6 +104,8 @@ class TrainLoop(Generic[BatchT]):
         self._gangs = gangs
         self._seed = seed
         self._callbacks = observers.callbacks
+        self.stateful: dict[str, Stateful] = {}
+        """Objects the user registered (``Trainer.register_stateful``), saved with the state."""
         self._recorder = observers.recorder
         self._progress: ProgressDisplay = observers.progress
         self._profiler = observers.profiler
@@ -178,6 +182,8 @@ class TrainLoop(Generic[BatchT]):
         state = self.state
         self._progress.start(total_steps=self._limits.max_num_steps, initial_step=state.step_nr)
         self._callbacks.on_train_begin(step_nr=state.step_nr)
+        if state.step_nr == 0:
+            self._callbacks.on_epoch_begin(epoch_nr=state.data_epoch_nr, step_nr=0)
         if self._schedules.validate_at_start and state.step_nr == 0 and self._validator.has_units:
             self._validator.validate(0, baseline=True)
         log.info("Training from step %d on %s.", state.step_nr, describe_devices(self._gangs))
@@ -220,6 +226,7 @@ class TrainLoop(Generic[BatchT]):
         """Take one optimizer step; return whether any rank asked to stop."""
         self.state.step_nr += 1
         step_nr = self.state.step_nr
+        self._callbacks.on_step_begin(step_nr=step_nr, batches=batches)
         try:
             # The gradient norm is measured where it is published: on the publishing steps and
             # on those after which the run may end (a validation may stop it early, and the end
@@ -239,17 +246,17 @@ class TrainLoop(Generic[BatchT]):
             ) from ex
         self._metrics.add_step(output)
         self._progress.advance(step_nr=step_nr)
-        self._callbacks.on_step_end(step_nr=step_nr)
         return output.stop_requested
 
     def _after_step(self, due: Due, *, stop_requested: bool) -> None:
         """Collect, publish, validate and checkpoint where due, and decide whether to stop."""
         state = self.state
         step_nr = state.step_nr
+        values = self._publish_train_metrics() if due.publish else None
+        self._callbacks.on_step_end(step_nr=step_nr, metrics=values)
+        # After the step's callbacks, as a collection between steps.
         if due.collect_garbage:
             gc.collect()
-        if due.publish:
-            self._publish_train_metrics()
         early_stop = due.validate and self._validator.validate(step_nr)
         # Known before the save, so a checkpoint of the last step says the run is over.
         if early_stop:
@@ -268,10 +275,12 @@ class TrainLoop(Generic[BatchT]):
         """Validate and checkpoint on the data-epoch schedules; then stop or start the next epoch."""
         state = self.state
         log.info("Data epoch %d ended at step %d.", state.data_epoch_nr, state.step_nr)
+        self._callbacks.on_out_of_data(step_nr=state.step_nr, epoch_nr=state.data_epoch_nr)
         max_epochs = self._limits.max_num_data_epochs
         if max_epochs is not None and state.data_epoch_nr >= max_epochs:
             # The end of training validates and checkpoints this step.
             state.stop_reason = StopReason.MAX_NUM_DATA_EPOCHS
+            self._callbacks.on_epoch_end(epoch_nr=state.data_epoch_nr, step_nr=state.step_nr)
             return
         if state.step_nr > 0:
             if (
@@ -285,8 +294,9 @@ class TrainLoop(Generic[BatchT]):
                 and self._checkpointer.last_saved_step != state.step_nr
             ):
                 self._save_checkpoint()
-            if state.stop_reason is not None:
-                return
+        self._callbacks.on_epoch_end(epoch_nr=state.data_epoch_nr, step_nr=state.step_nr)
+        if state.stop_reason is not None:
+            return
         if not self._epoch_had_batches:
             raise TrainerError(
                 f"The data reader ended epoch {state.data_epoch_nr} without a single batch. "
@@ -295,6 +305,7 @@ class TrainLoop(Generic[BatchT]):
         state.data_epoch_nr += 1
         self._data_reader.reset()
         self._epoch_had_batches = False
+        self._callbacks.on_epoch_begin(epoch_nr=state.data_epoch_nr, step_nr=state.step_nr)
 
     def _finish(self) -> None:
         """Publish, validate and checkpoint what the last step left undone."""
@@ -314,7 +325,7 @@ class TrainLoop(Generic[BatchT]):
 
     # ------------------------------------------------------ publish and save
 
-    def _publish_train_metrics(self) -> None:
+    def _publish_train_metrics(self) -> dict[str, Any]:
         step_nr = self.state.step_nr
         extra: dict[str, float] = {
             **self._train_step.learning_rates(),
@@ -330,6 +341,7 @@ class TrainLoop(Generic[BatchT]):
         self._progress.update_values(
             {k: float(v) for k, v in values.items() if k in ("loss", "lr", "grad_norm")}
         )
+        return values
 
     def _save_checkpoint(self) -> None:
         # A checkpoint of weights a non-finite step poisoned would be resumed from; never save one.
@@ -352,7 +364,36 @@ class TrainLoop(Generic[BatchT]):
             "train_step": self._train_step.state_dict(),
             "train_metrics": self._metrics.state_dict(),
             "validation": self._validator.state_dict(),
+            **self._stateful_section(),
         }
+
+    def _all_stateful(self) -> dict[str, Stateful]:
+        return {**self._callbacks.stateful(), **self.stateful}
+
+    def _stateful_section(self) -> dict[str, Any]:
+        # Absent without stateful objects, so such a checkpoint reads as it always did.
+        objects = self._all_stateful()
+        if not objects:
+            return {}
+        return {STATEFUL_SECTION: {name: obj.state_dict() for name, obj in objects.items()}}
+
+    def _load_stateful(self, saved: Mapping[str, Any]) -> None:
+        """Restore the callbacks and registered objects the checkpoint holds; one without a
+        saved state keeps its own (it is new in this launch), and a saved state without an
+        object is left unused, each with a warning."""
+        objects = self._all_stateful()
+        for name, obj in objects.items():
+            if name in saved:
+                obj.load_state_dict(saved[name])
+            else:
+                log.warning("The checkpoint holds no state of %s; it starts from its own.", name)
+        unused = sorted(set(saved) - set(objects))
+        if unused:
+            log.warning(
+                "The checkpoint holds the state of %s, but nothing of that name is registered "
+                "(a callback or Trainer.register_stateful) in this launch; it is not used.",
+                ", ".join(unused),
+            )
 
     def load_state_dict(self, state: Mapping[str, Any], *, resharded: bool = False) -> None:
         """Load this rank's trainer state, or rank 0's when the checkpoint was ``resharded``.
@@ -381,3 +422,4 @@ class TrainLoop(Generic[BatchT]):
             self._metrics.load_state_dict(state["train_metrics"])
         self._train_step.load_state_dict(state["train_step"])
         self._validator.load_state_dict(state["validation"])
+        self._load_stateful(state.get(STATEFUL_SECTION, {}))

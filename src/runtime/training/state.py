@@ -10,6 +10,7 @@ the part of the Trainer that reads and writes it::
     train_step     loss scale and LR scheduler
     train_metrics  the unpublished metric window and the unit's metrics
     validation     last and best scores, early stopper
+    stateful       (only when there are any) the stateful callbacks and registered objects
 
 The format is version 3 (``TRAINER_STATE_VERSION``); a checkpoint of any other version is a
 clear error (:func:`check_trainer_state`). A change to the sections or to what one holds bumps
@@ -37,6 +38,9 @@ TRAINER_STATE_SECTIONS: Final = frozenset(
         "validation",
     }
 )
+
+STATEFUL_SECTION: Final = "stateful"
+"""The optional section: absent in a checkpoint of a run without stateful callbacks."""
 
 
 class StopReason(Enum):
@@ -121,5 +125,6 @@ def check_trainer_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
             f"of the runtime reads version {TRAINER_STATE_VERSION} only. Resume with the version "
             "of the runtime that saved it, or start the run in a fresh output directory."
         )
-    check_state_keys(state, TRAINER_STATE_SECTIONS, what="trainer")
+    optional = {STATEFUL_SECTION} & set(state)
+    check_state_keys(state, TRAINER_STATE_SECTIONS | optional, what="trainer")
     return state

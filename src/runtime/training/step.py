@@ -18,6 +18,7 @@ from checkpoint.arguments import check_positive
 from gangs import Gangs
 from runtime.errors import TrainerError
 from runtime.metrics.tracing import BACKWARD, FORWARD, GRADIENT_SYNC, OPTIMIZER_STEP, traced
+from runtime.training.callbacks import TrainerCallback
 from runtime.training.gradients import Gradients, gradient_sync_switch
 from runtime.training.loss_scale import LossScaler
 from runtime.training.non_finite import NanPolicy, NonFiniteGuard
@@ -98,9 +99,11 @@ class TrainStep(Generic[BatchT]):
         nan_policy: NanPolicy = "error",
         max_consecutive_skipped_steps: int = 10,
         trace: bool = False,
+        callbacks: TrainerCallback | None = None,
     ) -> None:
         check_positive("max_gradient_norm", max_gradient_norm)
         self._unit = unit
+        self._callbacks = callbacks
         self._model = unit.model
         self.optimizers = as_optimizers(optimizer)
         self._lr_schedulers = _as_schedulers(lr_scheduler)
@@ -177,6 +180,8 @@ class TrainStep(Generic[BatchT]):
                     grad_norm=grad_norm,
                 )
             )
+        if applied and self._callbacks is not None:
+            self._callbacks.on_before_optimizer_step(step_nr=step_nr, model=self._model)
         self._update(applied, may_skip)
         # The last loss (and its spent graph) lives until after the update, as in a
         # hand-written loop: freeing the graph first makes the optimizer step slower on CPU.

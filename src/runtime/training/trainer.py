@@ -9,6 +9,7 @@ The parts, each in its own module: :class:`~runtime.training.step.TrainStep` (on
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,7 +30,7 @@ from runtime.metrics.train_metrics import Throughput, TrainMetrics
 from runtime.parallel.placement import check_model_device
 from runtime.training.callbacks import CallbackList, TrainerCallback
 from runtime.training.checkpointing import Checkpointer, CheckpointOptions
-from runtime.training.early_stop import EarlyStopper
+from runtime.training.early_stop import EarlyStopper, Stateful
 from runtime.training.loop import Limits, Observers, TrainLoop
 from runtime.training.non_finite import NanPolicy
 from runtime.training.schedule import Schedule, Schedules, check_every_checkpoint_is_scored
@@ -73,6 +74,7 @@ class Trainer(Generic[BatchT]):
         max_num_data_epochs: int | None = None,
         valid_units: Sequence[EvalUnit[Any]] | None = None,
         valid_data_readers: Sequence[DataReader[Any]] | None = None,
+        max_num_valid_steps: int | None = None,
         validate_every_n_steps: int | None = None,
         validate_after_n_steps: int = 0,
         validate_every_n_data_epochs: int | None = None,
@@ -112,6 +114,8 @@ class Trainer(Generic[BatchT]):
         device_peak_flops: float | None = None,
         init_from: InitFrom | None = None,
         move_batches_to_device: bool = True,
+        resume_from: Path | None = None,
+        checkpoint_exclude: Sequence[str] = (),
     ) -> None:
         gangs = _resolve_gangs(gangs, root_gang, dp_gang, tp_gang)
         check_model_device(unit.model, gangs.root.device)
@@ -141,7 +145,14 @@ class Trainer(Generic[BatchT]):
             keep_last_n_models=keep_last_n_models,
             keep_best_n_models=keep_best_n_models,
         )
-        checkpointing = CheckpointOptions(retention, async_checkpoint, reshard_on_resume, init_from)
+        checkpointing = CheckpointOptions(
+            retention,
+            async_checkpoint,
+            reshard_on_resume,
+            init_from,
+            resume_from,
+            tuple(checkpoint_exclude),
+        )
         recording = RecorderOptions(
             tb_dir, metrics_dir, wandb_project, wandb_run_name, wandb_dir, wandb_config
         )
@@ -169,10 +180,12 @@ class Trainer(Generic[BatchT]):
             nan_policy=nan_policy,
             max_consecutive_skipped_steps=max_consecutive_skipped_steps,
             trace=profiler is not None,
+            callbacks=self._callbacks,
         )
         self._recorder = make_recorder(gangs.root, recorders, recording)
         self._progress = make_progress_display(enabled=progress and gangs.root.rank == 0)
-        self._validator = self._make_validator(valid_units, valid_data_readers)
+        self._validator = self._make_validator(valid_units, valid_data_readers, max_num_valid_steps)
+        self._checkpointer = self._make_checkpointer(self._train_step.optimizers, checkpointing)
         self._loop = TrainLoop(
             data_reader=data_reader,
             train_step=self._train_step,
@@ -180,7 +193,7 @@ class Trainer(Generic[BatchT]):
                 _throughput(unit, gangs, flops_per_target, device_peak_flops)
             ),
             validator=self._validator,
-            checkpointer=self._make_checkpointer(self._train_step.optimizers, checkpointing),
+            checkpointer=self._checkpointer,
             schedules=schedules,
             limits=Limits(max_num_steps, max_num_data_epochs),
             observers=Observers(
@@ -220,6 +233,7 @@ class Trainer(Generic[BatchT]):
         self,
         valid_units: Sequence[EvalUnit[Any]] | None,
         valid_data_readers: Sequence[DataReader[Any]] | None,
+        max_num_valid_steps: int | None,
     ) -> Validator:
         return Validator(
             units=list(valid_units or []),
@@ -231,11 +245,43 @@ class Trainer(Generic[BatchT]):
             scoring=self._scoring,
             callbacks=self._callbacks,
             trace=self._train_step.traces,
+            max_num_steps=max_num_valid_steps,
         )
 
     @property
     def step_nr(self) -> int:
         return self._loop.state.step_nr
+
+    def add_callback(self, callback: TrainerCallback) -> None:
+        """Add ``callback`` after those given to the constructor (before :meth:`run`)."""
+        self._callbacks.add(callback)
+
+    def register_stateful(self, name: str, obj: Stateful) -> None:
+        """Save ``obj.state_dict()`` under ``name`` with the trainer state of every checkpoint,
+        and restore it with ``obj.load_state_dict`` on resume (before :meth:`run`)."""
+        if not isinstance(obj, Stateful):
+            raise TypeError(
+                f"{name} must have state_dict() and load_state_dict(), but "
+                f"{type(obj).__name__} lacks them."
+            )
+        if name in self._loop.stateful or name.startswith("callbacks."):
+            raise ValueError(
+                f"The name {name!r} is taken (names starting with 'callbacks.' are the stateful "
+                "callbacks'). Register each object under a name of its own."
+            )
+        self._loop.stateful[name] = obj
+
+    @property
+    def resume_from(self) -> Path | None:
+        """The ``step_N`` checkpoint directory of another run this run starts from, if any."""
+        return self._checkpointer.options.resume_from
+
+    @resume_from.setter
+    def resume_from(self, path: Path | None) -> None:
+        # The recipe command line sets it on the trainer a recipe built (``--resume-from``).
+        self._checkpointer.options = dataclasses.replace(
+            self._checkpointer.options, resume_from=path
+        )
 
     @property
     def gangs(self) -> Gangs:

@@ -27,7 +27,7 @@ from runtime.training.initial_weights import (
     InitSource,
     init_sources,
     load_initial_weights,
-    resolve_step_dir,
+    find_step_dir,
 )
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class ReloadInitialWeights(TrainerCallback):
         pinned: list[Any] = [None]
         if self._gangs.root.rank == 0:
             paths = [
-                resolve_step_dir(Path(s.path)) if Path(s.path).is_dir() else Path(s.path)
+                find_step_dir(Path(s.path)) if Path(s.path).is_dir() else Path(s.path)
                 for s in self._sources
             ]
             pinned = [[(str(path), _version(path)) for path in paths]]

@@ -168,7 +168,7 @@ class GcProbe(TrainerCallback):
         self.full_collections_at_steps: list[int] = []
         self._step_nr = 0
 
-    def on_step_end(self, *, step_nr: int) -> None:
+    def on_step_end(self, *, step_nr: int, metrics: object = None) -> None:
         self._step_nr = step_nr
         self.enabled_at_steps.append(gc.isenabled())
 

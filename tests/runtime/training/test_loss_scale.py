@@ -71,7 +71,7 @@ class ParamSnapshots(TrainerCallback):
         self._model = model
         self.by_step: dict[int, list[Tensor]] = {}
 
-    def on_step_end(self, *, step_nr: int) -> None:
+    def on_step_end(self, *, step_nr: int, metrics: object = None) -> None:
         self.by_step[step_nr] = [p.detach().clone() for p in self._model.parameters()]
 
 

@@ -69,7 +69,7 @@ def test_skip_leaves_the_weights_of_a_non_finite_step_and_counts_it(tmp_path: Pa
     from runtime import TrainerCallback
 
     class Snap(TrainerCallback):
-        def on_step_end(self, *, step_nr: int) -> None:
+        def on_step_end(self, *, step_nr: int, metrics: object = None) -> None:
             snapshots[step_nr] = [p.detach().clone() for p in model.parameters()]
 
     trainer = make_toy_trainer(

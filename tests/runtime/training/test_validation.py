@@ -26,7 +26,7 @@ from tests.conftest import (
     read_scalars,
     torchrun,
 )
-from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit
+from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit, collate
 from tests.workers.valid_toy import ScriptedEvalUnit, ToyEvalUnit, make_valid_reader
 from units import EvalUnit
 
@@ -710,3 +710,24 @@ def test_the_score_is_the_mean_over_the_whole_valid_set_at_any_dp_size(
     first = read_jsonl(tmp_path / "metrics" / "valid.jsonl")[0]
     assert first["step_nr"] == 0
     assert first["squared_error"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_max_num_valid_steps_caps_the_batches_of_every_validation(tmp_path: Path) -> None:
+    # 10 examples in batches of 4: three batches uncapped; capped at one, every validation sees
+    # exactly the first batch (the reader starts over after each).
+    capped = make_trainer(tmp_path / "capped", max_num_valid_steps=1, validate_every_n_steps=2)
+    capped.run()
+    full = make_trainer(tmp_path / "full", validate_every_n_steps=2)
+    full.run()
+    dataset = ToyDataset(10)
+    first_batch = collate([dataset[i] for i in range(4)])
+    capped_records = read_jsonl(tmp_path / "capped" / "metrics" / "valid.jsonl")
+    full_records = read_jsonl(tmp_path / "full" / "metrics" / "valid.jsonl")
+    assert [r["step_nr"] for r in capped_records] == [2, 4, 6]
+    assert [r["num_targets"] for r in capped_records] == [first_batch.num_targets] * 3
+    assert full_records[0]["num_targets"] > first_batch.num_targets
+
+
+def test_max_num_valid_steps_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_num_valid_steps must be greater than zero"):
+        make_trainer(tmp_path, max_num_valid_steps=0, validate_every_n_steps=2)
