@@ -72,7 +72,7 @@ from checkpoint.storage import (
     set_model_state,
     set_state_dicts,
 )
-from gangs import Gangs, agree, run_on_all_ranks
+from gangs import Gang, Gangs, agree, run_on_all_ranks
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +260,7 @@ class CheckpointManager(AbstractCheckpointManager):
                 damaged.append(step_nr)
                 continue
             if damaged:
-                self._move_aside(damaged)
+                _move_aside(self._root, self._dir, damaged)
                 log.warning(
                     "Resumed from the checkpoint of step %d instead of the damaged one of step %d.",
                     step_nr,
@@ -273,18 +273,6 @@ class CheckpointManager(AbstractCheckpointManager):
                 "Move the directory away to start from scratch."
             )
         return None
-
-    def _move_aside(self, step_nrs: list[int]) -> None:
-        if self._root.rank == 0:
-            for step_nr in step_nrs:
-                target = directory.move_aside(directory.step_dir(self._dir, step_nr))
-                log.warning(
-                    "Moved the damaged checkpoint of step %d to %s; delete it once you no longer "
-                    "need it for inspection.",
-                    step_nr,
-                    target,
-                )
-        self._root.barrier()
 
     def load_checkpoint(
         self,
@@ -332,7 +320,7 @@ class CheckpointManager(AbstractCheckpointManager):
             )
         except CheckpointError as ex:
             self.verify(step_nr)  # a damaged file that failed to load, named by its digest
-            self._raise_if_the_machine_failed(step_nr, ex)
+            _raise_if_the_machine_failed(self._root, step_nr, ex)
             raise
         # The digests: a damaged file (of the right size) has loaded by now; see checkpoint.manifest.
         self._verdict(f"verify the checkpoint of step {step_nr}", check.finish)
@@ -341,19 +329,6 @@ class CheckpointManager(AbstractCheckpointManager):
         return LoadedCheckpoint(
             step_nr=step_nr, trainer_state=trainer_state, manifest=manifest, resharded=resharded
         )
-
-    def _raise_if_the_machine_failed(self, step_nr: int, error: CheckpointError) -> None:
-        """Raise CheckpointLoadError on every rank if the intact checkpoint of ``step_nr`` failed
-        to load on some rank for a reason of the machine: falling back to an older checkpoint
-        would give up its steps for nothing."""
-        machine_failed, _ = agree(self._root, failed=caused_by_the_machine(error))
-        if machine_failed:
-            raise CheckpointLoadError(
-                f"The checkpoint of step {step_nr} is intact (every file matches its digest), but "
-                f"loading it failed ({error}). That is not damage, so the run does not fall back "
-                "to an older checkpoint: fix the cause (memory, the installation, the filesystem) "
-                "and resume again."
-            ) from error
 
     @override
     def load_model(self, step_nr: int, *, model: Module) -> None:
@@ -456,3 +431,31 @@ class CheckpointManager(AbstractCheckpointManager):
     @property
     def _rank_file(self) -> str:
         return f"rank_{self._root.rank}.pt"
+
+
+def _move_aside(root: Gang, checkpoint_dir: Path, step_nrs: list[int]) -> None:
+    """Rank 0 moves the damaged checkpoints of ``step_nrs`` aside; every rank waits for it."""
+    if root.rank == 0:
+        for step_nr in step_nrs:
+            target = directory.move_aside(directory.step_dir(checkpoint_dir, step_nr))
+            log.warning(
+                "Moved the damaged checkpoint of step %d to %s; delete it once you no longer "
+                "need it for inspection.",
+                step_nr,
+                target,
+            )
+    root.barrier()
+
+
+def _raise_if_the_machine_failed(root: Gang, step_nr: int, error: CheckpointError) -> None:
+    """Raise CheckpointLoadError on every rank if the intact checkpoint of ``step_nr`` failed
+    to load on some rank for a reason of the machine: falling back to an older checkpoint
+    would give up its steps for nothing."""
+    machine_failed, _ = agree(root, failed=caused_by_the_machine(error))
+    if machine_failed:
+        raise CheckpointLoadError(
+            f"The checkpoint of step {step_nr} is intact (every file matches its digest), but "
+            f"loading it failed ({error}). That is not damage, so the run does not fall back "
+            "to an older checkpoint: fix the cause (memory, the installation, the filesystem) "
+            "and resume again."
+        ) from error

@@ -121,21 +121,15 @@ class Trainer(Generic[BatchT]):
         check_model_device(unit.model, gangs.root.device)
         # The keywords above, each turned into the option group that uses it; from here on only
         # the groups travel.
-        schedules = Schedules(
-            publish=Schedule("publish_metrics", publish_metrics_every_n_steps),
-            validate=Schedule(
-                "validate",
-                validate_every_n_steps,
-                validate_after_n_steps,
-                validate_every_n_data_epochs,
-            ),
-            checkpoint=Schedule(
-                "checkpoint",
+        schedules = _schedules(
+            publish_every=publish_metrics_every_n_steps,
+            validate=(validate_every_n_steps, validate_after_n_steps, validate_every_n_data_epochs),
+            checkpoint=(
                 checkpoint_every_n_steps,
                 checkpoint_after_n_steps,
                 checkpoint_every_n_data_epochs,
             ),
-            collect_garbage=Schedule("gc", gc_every_n_steps),
+            gc_every=gc_every_n_steps,
             validate_at_start=validate_at_start,
         )
         scoring = Scoring(score_metric_name, lower_better, early_stopper)
@@ -146,13 +140,9 @@ class Trainer(Generic[BatchT]):
             keep_best_n_models=keep_best_n_models,
         )
         checkpointing = CheckpointOptions(
-            retention,
-            async_checkpoint,
-            reshard_on_resume,
-            init_from,
-            resume_from,
+            retention, async_checkpoint, reshard_on_resume, init_from, resume_from,
             tuple(checkpoint_exclude),
-        )
+        )  # fmt: skip
         recording = RecorderOptions(
             tb_dir, metrics_dir, wandb_project, wandb_run_name, wandb_dir, wandb_config
         )
@@ -162,12 +152,8 @@ class Trainer(Generic[BatchT]):
         self._anomaly_detection = anomaly_detection
         self._callbacks = CallbackList(callbacks)
         self._checkpoint_manager, self._scoring = checkpoint_manager, scoring
-        given_readers = [data_reader, *(valid_data_readers or [])]
-        data_reader, valid_data_readers = _prepare_readers(
+        data_reader, valid_data_readers = self._take_readers(
             data_reader, valid_data_readers, gangs.root.device if move_batches_to_device else None
-        )
-        self._data_readers = list(
-            {id(r): r for r in [*given_readers, data_reader, *valid_data_readers]}.values()
         )
         self._closed = False
         self._train_step = TrainStep(
@@ -196,15 +182,23 @@ class Trainer(Generic[BatchT]):
             checkpointer=self._checkpointer,
             schedules=schedules,
             limits=Limits(max_num_steps, max_num_data_epochs),
-            observers=Observers(
-                callbacks=self._callbacks,
-                recorder=self._recorder,
-                progress=self._progress,
-                profiler=profiler,
-            ),
+            observers=Observers(self._callbacks, self._recorder, self._progress, profiler),
             gangs=gangs,
             seed=seed,
         )
+
+    def _take_readers(
+        self,
+        data_reader: DataReader[BatchT],
+        valid_data_readers: Sequence[DataReader[Any]] | None,
+        device: torch.device | None,
+    ) -> tuple[DataReader[BatchT], list[DataReader[Any]]]:
+        """The readers as the loop reads them (see :func:`_prepare_readers`); all of them, the
+        given ones too, are closed by :meth:`close`."""
+        given = [data_reader, *(valid_data_readers or [])]
+        data_reader, valid = _prepare_readers(data_reader, valid_data_readers, device)
+        self._data_readers = list({id(r): r for r in [*given, data_reader, *valid]}.values())
+        return data_reader, valid
 
     def _make_checkpointer(
         self, optimizers: Sequence[Optimizer], checkpointing: CheckpointOptions
@@ -362,6 +356,24 @@ def _throughput(
         device_peak_flops,
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         num_parameters=sum(p.numel() for p in unit.model.parameters()),
+    )
+
+
+def _schedules(
+    *,
+    publish_every: int | None,
+    validate: tuple[int | None, int, int | None],
+    checkpoint: tuple[int | None, int, int | None],
+    gc_every: int | None,
+    validate_at_start: bool,
+) -> Schedules:
+    """The schedules of the Trainer's ``*_every_n_*`` and ``*_after_n_steps`` keywords."""
+    return Schedules(
+        publish=Schedule("publish_metrics", publish_every),
+        validate=Schedule("validate", *validate),
+        checkpoint=Schedule("checkpoint", *checkpoint),
+        collect_garbage=Schedule("gc", gc_every),
+        validate_at_start=validate_at_start,
     )
 
 
