@@ -174,6 +174,11 @@ class IterableDataReader(DataReader[BatchT]):
         return self._epoch
 
     @override
+    def read_every_example(self) -> None:
+        self._drop_remainder = False
+        self._sync_mode = SyncMode.UNTIL_LAST
+
+    @override
     def close(self) -> None:
         self._iterator = None
 

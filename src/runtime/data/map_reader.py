@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any, Generic, Protocol, TypeVar, final, overload
 
 import torch
@@ -207,6 +208,12 @@ class MapDataReader(DataReader[BatchT]):
     def num_steps(self) -> int:
         """The number of steps in a data epoch, the same on every rank."""
         return self._num_steps
+
+    @override
+    def read_every_example(self) -> None:
+        self._layout = replace(self._layout, drop_remainder=False)
+        self._sync_mode = SyncMode.UNTIL_LAST
+        self._go_to(epoch=self._epoch, offset=self._offset, step_nr=self._step_nr)
 
     @override
     def close(self) -> None:

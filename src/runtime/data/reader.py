@@ -73,6 +73,18 @@ class DataReader(ABC, Generic[BatchT]):
     def close(self) -> None:
         """Release background resources; iterating again acquires them anew."""
 
+    def read_every_example(self) -> None:
+        """Read every example from now on (call it before reading): keep a partial last
+        micro-batch and step, and go on until the last rank of the gang runs out
+        (:attr:`SyncMode.UNTIL_LAST`).
+
+        The Trainer and the :class:`~runtime.Evaluator` call it on their readers, so a score is
+        the mean over the whole set whatever the batch size and the number of ranks, with the
+        same reader arguments as for training. The built-in map and iterable readers switch;
+        this default, for a reader of your own, keeps the reader as it is: such a reader must
+        read every example by itself.
+        """
+
 
 def int_entry(state: Mapping[str, Any], key: str) -> int:
     """The integer ``key`` of a saved reader state, or a ValueError that says what is wrong."""

@@ -52,14 +52,18 @@ def evaluate_units(
 ) -> dict[str, dict[str, Any]]:
     """Run each unit over its reader to the end, publish and return the values by run name.
 
-    The model is in eval mode under ``torch.inference_mode()`` meanwhile, and is put back in the
+    The model is in eval mode under ``torch.no_grad()`` meanwhile, and is put back in the
     mode it was in. Each reader is reset afterwards, ready for the next evaluation.
     """
     was_training = model.training
     model.eval()
     results: dict[str, dict[str, Any]] = {}
     try:
-        with torch.inference_mode():
+        # Not inference_mode: tensors a wrapper allocates during the forward and keeps (FSDP2's
+        # unsharded parameter buffers, caches of compiled code) would be inference tensors, and
+        # the training that follows could never update them in place. no_grad saves the same
+        # autograd work and leaves ordinary tensors behind.
+        with torch.no_grad():
             for unit, reader in zip(units, data_readers, strict=True):
                 unit.set_step_nr(step_nr)
                 for batches in reader:
@@ -75,7 +79,22 @@ def evaluate_units(
                 results[name] = values
     finally:
         model.train(was_training)
+        reshard_fsdp_modules(model)
     return results
+
+
+def reshard_fsdp_modules(model: Module) -> None:
+    """Free the full parameters that FSDP2 gathered for a forward without a backward.
+
+    FSDP2 keeps the root module's parameters gathered after its forward until the backward,
+    which an evaluation never runs: an optimizer built afterwards would then hold the full
+    tensors instead of the shards, and the memory would stay taken.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def combine_scores(results: Mapping[str, Mapping[str, Any]], score_metric_name: str) -> float:
@@ -118,6 +137,10 @@ class Evaluator:
             raise ValueError("units must hold at least one EvalUnit.")
         check_same_length("units", units, "data_readers", data_readers)
         check_run_names(units)
+        # A score is the mean over the whole set, whatever the batch size and the number of
+        # ranks, even when the readers were built with the arguments used for training.
+        for reader in data_readers:
+            reader.read_every_example()
         self._model = model
         self._units = list(units)
         self._data_readers = list(data_readers)

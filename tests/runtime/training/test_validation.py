@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,17 @@ from torch import Tensor, nn
 
 from checkpoint import CheckpointManager
 from gangs import FakeGang, Gangs
-from runtime import PatienceEarlyStopper, Trainer, TrainerCallback
-from tests.conftest import RunTorch, assert_ok, make_toy_trainer, read_jsonl, read_scalars
-from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit
+from runtime import Evaluator, MapDataReader, PatienceEarlyStopper, Trainer, TrainerCallback
+from tests.conftest import (
+    ListRecorder,
+    RunTorch,
+    assert_ok,
+    make_toy_trainer,
+    read_jsonl,
+    read_scalars,
+)
+from tests.workers import valid_score
+from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit, collate
 from tests.workers.valid_toy import ScriptedEvalUnit, ToyEvalUnit, make_valid_reader
 from units import EvalUnit
 
@@ -148,7 +157,7 @@ class ModeRecordingTrainUnit(ToyUnit):
         return super().__call__(batch)
 
 
-def test_validation_runs_in_eval_and_inference_mode_and_training_resumes(tmp_path: Path) -> None:
+def test_validation_runs_in_eval_mode_without_grad_and_training_resumes(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = ToyModel()
     eval_unit = ModeRecordingEvalUnit(model)
@@ -162,8 +171,9 @@ def test_validation_runs_in_eval_and_inference_mode_and_training_resumes(tmp_pat
         validate_at_start=True,
     )
     assert trainer.run() == 0
-    # 10 examples in batches of 4 = 3 batches, at steps 0, 2, 4 and 6.
-    assert eval_unit.modes == [(False, True, False)] * 12
+    # 10 examples in batches of 4 = 3 batches, at steps 0, 2, 4 and 6. Never inference mode:
+    # tensors allocated in it could not be updated by the training that follows.
+    assert eval_unit.modes == [(False, False, False)] * 12
     assert train_unit.modes == [(True, False)] * 6
     assert model.training
 
@@ -684,3 +694,78 @@ def test_a_failing_early_stopper_fails_every_rank(tmp_path: Path, run_torchrun: 
         "TrainerError: The early stopper failed on rank 0 at step 4: RuntimeError: the stopper "
         "broke at step 4" in rank_1
     )
+
+
+# ------------------------------------------- validation and evaluation before training, sharded
+
+HF_WORKER = "tests/workers/hf_validation.py"
+
+
+def run_hf_worker(run_torchrun: RunTorch, out: Path, nproc: int, **options: Any) -> Any:
+    assert_ok(run_torchrun(nproc, HF_WORKER, str(out), json.dumps(options)))
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("nproc", "options"),
+    [
+        pytest.param(2, {"data_parallel": "fsdp"}, id="fsdp2"),
+        pytest.param(
+            4, {"data_parallel": "hsdp", "dp_shard_size": 2}, id="hsdp2x2", marks=pytest.mark.slow
+        ),
+    ],
+)
+def test_a_sharded_llama_trains_after_validate_at_start(
+    tmp_path: Path, run_torchrun: RunTorch, nproc: int, options: dict[str, Any]
+) -> None:
+    # A transformers Llama built on meta, sharded over its decoder layers: the validation
+    # before the first step must leave the sharded parameters' buffers trainable.
+    result = run_hf_worker(run_torchrun, tmp_path, nproc, first="validate", **options)
+    assert result["steps"] == [1, 2]
+    assert result["evaluated"] == [["valid", 0], ["valid", 2]]
+    assert all(math.isfinite(norm) and norm > 0 for norm in result["grad_norms"])
+
+
+@pytest.mark.distributed
+def test_a_sharded_llama_trains_after_an_evaluation_in_the_same_process(
+    tmp_path: Path, run_torchrun: RunTorch
+) -> None:
+    result = run_hf_worker(run_torchrun, tmp_path, 2, first="evaluate", data_parallel="fsdp")
+    assert result["evaluated"] == [["eval", 0]]
+    assert result["steps"] == [1, 2]
+    assert all(math.isfinite(norm) and norm > 0 for norm in result["grad_norms"])
+
+
+# ------------------------------------------------------------- the score covers the whole set
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc", [1, 2, 3])
+def test_the_score_is_the_mean_over_the_whole_valid_set_at_any_dp_size(
+    tmp_path: Path, run_torchrun: RunTorch, nproc: int
+) -> None:
+    # 11 examples in batches of 3 with the training defaults (drop_remainder, until the first
+    # rank): neither the batch size nor 2 or 3 ranks divide the set, and at 3 ranks the third
+    # one has no data for the last step.
+    assert_ok(run_torchrun(nproc, "tests/workers/valid_score.py", str(tmp_path)))
+    model, (x, y) = valid_score.make_model(), valid_score.make_dataset().tensors
+    with torch.no_grad():
+        expected = (model(x) - y).pow(2).mean().item()
+    for rank in range(nproc):
+        values = json.loads((tmp_path / f"score_rank_{rank}.json").read_text())
+        assert values["num_examples"] == valid_score.NUM_EXAMPLES
+        assert values["mse"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_valid_reader_built_for_training_reads_every_example() -> None:
+    reader = MapDataReader(dataset=ToyDataset(11), batch_size=3, collate=collate, gang=FakeGang())
+    model = ToyModel()
+    Evaluator(
+        model=model,
+        units=[ToyEvalUnit(model)],
+        data_readers=[reader],
+        gangs=Gangs.single(),
+        recorder=ListRecorder(),
+    )
+    assert [len(batch.x) for batches in reader for batch in batches] == [3, 3, 3, 2]
