@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,23 @@ def torchrun(
 
 
 RunTorch = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture(autouse=True)
+def no_logging_errors(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Fail the test in which a logging handler failed to write (``--- Logging error ---``),
+    typically a handler left on a logger after its stream or file was closed."""
+    errors: list[str] = []
+    handle_error = logging.Handler.handleError
+
+    def record_error(handler: logging.Handler, record: logging.LogRecord) -> None:
+        errors.append(f"{handler!r} could not log {record.getMessage()!r}: {sys.exc_info()[1]!r}")
+        handle_error(handler, record)
+
+    monkeypatch.setattr(logging.Handler, "handleError", record_error)
+    yield
+    if errors:
+        pytest.fail("Logging errors were reported:\n" + "\n".join(errors))
 
 
 @pytest.fixture
