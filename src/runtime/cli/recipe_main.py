@@ -97,25 +97,47 @@ def main(
     """
     launch = LaunchBarrier.from_environment()
     code = 1
-    try:
-        with contextlib.ExitStack() as stack:
-            # Registered first, so it runs last: after the trainer let go of its groups.
-            stack.callback(_destroy_process_groups)
-            code = _main(recipe, config_class, argv, launch, stack)
-    except _Refusal as ex:
-        if launch is not None:
-            launch.fail(ex.message, exit_code=ex.exit_code)
-        print(f"error: {ex.message}", file=sys.stderr)
-        code = ex.exit_code
-    except LaunchRefused as ex:
-        log.error("Another rank could not start: %s", ex.reason, extra=_FILE_ONLY)
-        print(f"error: {ex.reason}", file=sys.stderr)
-        code = ex.exit_code
-    except BaseException as ex:
-        if launch is not None and not isinstance(ex, SystemExit):
-            launch.fail(f"{type(ex).__name__}: {_one_line(str(ex))}", exit_code=1)
-        raise
+    with _restored_root_logger():
+        try:
+            with contextlib.ExitStack() as stack:
+                # Registered first, so it runs last: after the trainer let go of its groups.
+                stack.callback(_destroy_process_groups)
+                code = _main(recipe, config_class, argv, launch, stack)
+        except _Refusal as ex:
+            if launch is not None:
+                launch.fail(ex.message, exit_code=ex.exit_code)
+            print(f"error: {ex.message}", file=sys.stderr)
+            code = ex.exit_code
+        except LaunchRefused as ex:
+            log.error("Another rank could not start: %s", ex.reason, extra=_FILE_ONLY)
+            print(f"error: {ex.reason}", file=sys.stderr)
+            code = ex.exit_code
+        except BaseException as ex:
+            if launch is not None and not isinstance(ex, SystemExit):
+                launch.fail(f"{type(ex).__name__}: {_one_line(str(ex))}", exit_code=1)
+            raise
     sys.exit(code)
+
+
+@contextlib.contextmanager
+def _restored_root_logger() -> Iterator[None]:
+    """Close the handlers :func:`main` added to the root logger and put back the ones it had.
+
+    A handler left behind would keep the run's log file open, and its stderr handler would
+    write to whatever ``sys.stderr`` was during the run: a caller that goes on after ``main``
+    (a notebook, a test, a launcher calling it in-process) would then get "I/O operation on
+    closed file" errors from every later log line.
+    """
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        yield
+    finally:
+        for handler in root.handlers:
+            if handler not in handlers:
+                handler.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
 
 
 def _main(
