@@ -11,7 +11,7 @@ BENCH_ARGS ?=
 
 BIN := $(VENV)/bin
 
-.PHONY: train test test-all soak lint bench clean
+.PHONY: train test test-gpu test-all soak lint bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,16 @@ train: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# The CUDA suite (tests/cuda). Install a CUDA build of torch first: `make TORCH_SPEC=torch test-gpu`.
+# -rP shows the figures the tests print (checkpoint GB/s, blocking time).
+test-gpu: $(BIN)/.installed
+	@cuda=$$($(BIN)/python -c "import torch; print(int(torch.cuda.is_available()))") || exit 1; \
+	if [ "$$cuda" = 1 ]; then \
+		$(BIN)/python -m pytest -q -rP -m cuda tests/cuda; \
+	else \
+		echo "test-gpu: no CUDA device here; skipping the CUDA suite."; \
+	fi
 
 test-all: $(BIN)/.installed
 	$(BIN)/python -m pytest -q

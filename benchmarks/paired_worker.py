@@ -2,7 +2,8 @@
 steps each (W1 in one process; W3 under ``torchrun``, where every rank takes the same turns and
 the hand-written loop is DDP on the same process group).
 
-``python -m benchmarks.paired_worker [--quick] [--block-size N]``. Rank 0 prints
+``python -m benchmarks.paired_worker [--quick] [--block-size N] [--workload mlp|gpu_mlp]``
+(``gpu_mlp``: the GPU host-overhead case, on one GPU). Rank 0 prints
 ``BENCH_RESULT {"trainer_step_s": ..., "hand_step_s": ..., "extra_s": ..., "ratio": ...}``: over
 the blocks after warm-up, the medians of the Trainer's time per step, of the hand-written
 loop's, of their difference and of their ratio. Each Trainer block is compared with the mean of
@@ -23,6 +24,7 @@ import itertools
 import math
 import statistics
 import time
+from collections.abc import Callable
 from typing import final
 
 import torch
@@ -42,8 +44,13 @@ class BlockTurns(TrainerCallback):
     """After every ``block_size``-th Trainer step, takes ``block_size`` hand-written steps (its
     own model and optimizer, under DDP on several ranks); records each block's time per step."""
 
-    def __init__(self, workload: Workload, *, block_size: int) -> None:
+    def __init__(
+        self, workload: Workload, *, block_size: int, synchronize: Callable[[], None] | None = None
+    ) -> None:
         self._workload = workload
+        # On a GPU the clock is read with the device idle, so neither loop's block is charged
+        # for work the other queued.
+        self._synchronize = synchronize or (lambda: None)
         self._block_size = block_size
         self._num_ranks = world_size()
         self._starts = slice_starts(workload, num_ranks=self._num_ranks, rank=rank())
@@ -62,11 +69,13 @@ class BlockTurns(TrainerCallback):
     def on_step_end(self, *, step_nr: int) -> None:
         if step_nr % self._block_size != 0:
             return
+        self._synchronize()
         trainer_end = time.perf_counter()
         if self._trainer_start is not None:
             self.trainer_blocks.append((trainer_end - self._trainer_start) / self._block_size)
         for _ in range(self._block_size):
             hand_step(self._workload, self._model, self._optimizer, next(self._starts))
+        self._synchronize()
         self._trainer_start = time.perf_counter()
         self.hand_blocks.append((self._trainer_start - trainer_end) / self._block_size)
 
@@ -96,12 +105,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--block-size", type=int, help="steps per turn (default 50, 10 quick)")
+    parser.add_argument("--workload", choices=("mlp", "gpu_mlp"), default="mlp")
     args = parser.parse_args()
     use_one_thread()
-    workload = make_workload("mlp")
+    workload = make_workload(args.workload)
     plan = workload.plan(quick=args.quick)
     block_size = args.block_size or (10 if args.quick else 50)
-    turns = BlockTurns(workload, block_size=block_size)
+    synchronize = torch.cuda.synchronize if args.workload == "gpu_mlp" else None
+    turns = BlockTurns(workload, block_size=block_size, synchronize=synchronize)
     make_trainer(workload, plan, LoopOptions(), turns).run()
     emit(
         block_figures(

@@ -17,6 +17,10 @@ def format_value(value: float, unit: str) -> str:
         return f"{value / 1e6:.3f} M" if value >= 1e6 else f"{value / 1e3:.1f} k"
     if unit == "ratio":
         return f"{value:.3f}x"
+    if unit == "fraction":
+        return f"{value:.1%}"
+    if unit == "GB/s":
+        return f"{value:.2f} GB/s"
     if value < 1e-3:
         return f"{value * 1e6:.0f} us"
     if value < 1.0:

@@ -37,7 +37,7 @@ class Metric:
 
     key: str
     label: str
-    unit: Literal["s", "bytes", "count", "ratio"]
+    unit: Literal["s", "bytes", "count", "ratio", "fraction", "GB/s"]
     summary: Statistic = "median"
     """The statistic the ratio compares: the median, or the min for figures that noise only raises."""
     ratio: bool = True
@@ -182,6 +182,10 @@ def run_comparison(
             results[contender.name].note = contender.skip_reason
         else:
             active.append(contender)
+    if not active:
+        # One line for a comparison none of whose contenders can run (the GPU cases on a CPU).
+        reasons = sorted({str(results[c.name].note) for c in comparison.contenders})
+        log(f"  {comparison.key}: skipped: {'; '.join(reasons)}")
     num_failed = dict.fromkeys(results, 0)
     for run_nr in range(1, runs + 1):
         for contender in active:

@@ -7,14 +7,13 @@ download. Run it with ``torchrun --standalone --nproc-per-node 2 -m recipes.char
 from __future__ import annotations
 
 import logging
-import math
 import sysconfig
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal, cast
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -22,16 +21,23 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torcheval.metrics import Mean, Perplexity
 
-from checkpoint import CheckpointManager
 from checkpoint.arguments import check_not_negative, check_positive
 from gangs import Gangs, setup_gangs
+from recipes.common import (
+    FsdpSection,
+    GangSection,
+    OptimizerSection,
+    TrainerSection,
+    adamw_with_schedule,
+    data_parallel_kind,
+    dtype_of,
+    summed_nll_loss,
+    trainer_options,
+)
 from runtime import (
-    DataParallelKind,
     DataReader,
     MapDataReader,
-    PatienceEarlyStopper,
     SyncMode,
-    TorchProfiler,
     Trainer,
     apply_activation_checkpointing,
     apply_data_parallel,
@@ -47,14 +53,6 @@ log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------- config
-
-
-@dataclass
-class GangSection:
-    tp_size: int = 1
-    dp_shard_size: int | None = None
-    """HSDP: shard over this many DP ranks (a node), replicate across the groups of them."""
-    timeout_minutes: int = 15
 
 
 @dataclass
@@ -84,58 +82,6 @@ class ModelSection:
     """Recompute the blocks' activations in the backward pass: less memory, more compute."""
     activation_checkpointing_every_n: int = 1
     """With activation_checkpointing: checkpoint every n-th block only."""
-
-
-@dataclass
-class FsdpSection:
-    """FSDP2/HSDP mixed precision; ignored by DDP. None: the parameters' own dtype."""
-
-    param_dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    """The dtype the blocks' parameters are gathered and computed in."""
-    reduce_dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    """The dtype gradients are reduced in across the DP gang."""
-
-
-@dataclass
-class OptimizerSection:
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.95)
-    warmup_steps: int = 20
-
-
-@dataclass
-class TrainerSection:
-    max_num_steps: int = 300
-    max_num_data_epochs: int | None = None
-    publish_metrics_every_n_steps: int = 10
-    validate_every_n_steps: int = 100
-    checkpoint_every_n_steps: int = 100
-    keep_last_n_checkpoints: int | None = 2
-    keep_best_n_checkpoints: int | None = 1
-    async_checkpoint: bool = False
-    reshard_on_resume: bool = False
-    """Resume from checkpoints of another world layout (not bit-exact; see the README)."""
-    early_stop_patience: int | None = None
-    """Stop after this many validations in a row without a lower validation loss."""
-    early_stop_min_delta: float = 0.0
-    """How much lower the validation loss must be to count as an improvement."""
-    max_gradient_norm: float | None = 1.0
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """With ``amp``, the forward runs in this dtype; float16 also turns on loss scaling."""
-    amp: bool = False
-    seed: int = 2
-    profile: bool = False
-    """Trace ``profile_record_steps`` steps after ``profile_skip_steps`` to OUTPUT_DIR/profile."""
-    profile_skip_steps: int = 10
-    profile_record_steps: int = 3
-    nan_policy: Literal["error", "skip"] = "error"
-    """``error`` stops at a NaN or infinite loss or gradient norm; ``skip`` skips such steps."""
-    max_consecutive_skipped_steps: int = 10
-    gc_every_n_steps: int | None = 50
-    """Python's garbage collection runs on every rank after the same steps (None: automatic)."""
-    device_peak_flops: float | None = None
-    """The device's peak FLOP/s in the training dtype, to publish ``mfu`` (e.g. 312e12: A100 bf16)."""
 
 
 @dataclass
@@ -359,11 +305,6 @@ def tensor_parallel_plan(model: ByteTransformer) -> dict[str, ParallelStyle]:
 # ----------------------------------------------------------------------------- units
 
 
-def summed_nll_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """Cross entropy summed over the targets, computed in float32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-
-
 class CharLMTrainUnit(TrainUnit[LMBatch]):
     def __init__(
         self, model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor] = summed_nll_loss
@@ -416,8 +357,8 @@ def build_model(config: CharLMConfig, gangs: Gangs) -> nn.Module:
             gangs,
             kind=kind,
             fsdp_units=(Block,),
-            param_dtype=_dtype(config.fsdp.param_dtype),
-            reduce_dtype=_dtype(config.fsdp.reduce_dtype),
+            param_dtype=dtype_of(config.fsdp.param_dtype),
+            reduce_dtype=dtype_of(config.fsdp.reduce_dtype),
         )
     materialize_model(model, device=device, seed=config.trainer.seed)
     if kind == "ddp":
@@ -425,30 +366,6 @@ def build_model(config: CharLMConfig, gangs: Gangs) -> nn.Module:
     if config.compile:
         compile_blocks(model, block_types=(Block,))
     return model
-
-
-def data_parallel_kind(config: CharLMConfig, gangs: Gangs) -> DataParallelKind:
-    if config.data_parallel != "auto":
-        return config.data_parallel
-    if config.gang.dp_shard_size is not None:
-        return "hsdp"
-    return "fsdp" if gangs.tp.size > 1 else "ddp"
-
-
-def _dtype(name: str | None) -> torch.dtype | None:
-    return None if name is None else cast(torch.dtype, getattr(torch, name))
-
-
-def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
-    """Linear warmup, then cosine decay to a tenth of the peak learning rate."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-    return factor
 
 
 def recipe(config: CharLMConfig, output_dir: Path) -> Trainer[LMBatch]:
@@ -461,12 +378,8 @@ def recipe(config: CharLMConfig, output_dir: Path) -> Trainer[LMBatch]:
     log.info("Corpus: %d train bytes, %d valid bytes.", train_bytes.numel(), valid_bytes.numel())
 
     model = build_model(config, gangs)
-    opt = config.optimizer
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay
-    )
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(opt.warmup_steps, config.trainer.max_num_steps)
+    optimizer, lr_scheduler = adamw_with_schedule(
+        model, config.optimizer, max_num_steps=config.trainer.max_num_steps
     )
 
     data = config.data
@@ -487,59 +400,23 @@ def recipe(config: CharLMConfig, output_dir: Path) -> Trainer[LMBatch]:
         drop_remainder=False,
         sync_mode=SyncMode.UNTIL_LAST,
     )
-
-    t = config.trainer
-    early_stopper = (
-        PatienceEarlyStopper(
-            t.early_stop_patience, min_delta=t.early_stop_min_delta, lower_better=True
-        )
-        if t.early_stop_patience is not None
-        else None
-    )
     return Trainer(
         unit=CharLMTrainUnit(
             model, compile_loss(summed_nll_loss) if config.compile else summed_nll_loss
         ),
         data_reader=train_reader,
         optimizer=optimizer,
-        checkpoint_manager=CheckpointManager(output_dir / "checkpoints", gangs),
-        gangs=gangs,
-        dtype=getattr(torch, t.dtype),
         lr_scheduler=lr_scheduler,
-        max_num_steps=t.max_num_steps,
-        max_num_data_epochs=t.max_num_data_epochs,
         valid_units=[CharLMEvalUnit(model)],
         valid_data_readers=[valid_reader],
-        validate_every_n_steps=t.validate_every_n_steps,
-        checkpoint_every_n_steps=t.checkpoint_every_n_steps,
-        keep_last_n_checkpoints=t.keep_last_n_checkpoints,
-        keep_best_n_checkpoints=t.keep_best_n_checkpoints,
-        async_checkpoint=t.async_checkpoint,
-        reshard_on_resume=t.reshard_on_resume,
-        score_metric_name="nll_loss",
-        lower_better=True,
-        early_stopper=early_stopper,
-        publish_metrics_every_n_steps=t.publish_metrics_every_n_steps,
-        tb_dir=output_dir / "tb",
-        metrics_dir=output_dir / "metrics",
-        wandb_project=config.wandb_project,
-        wandb_dir=output_dir,
-        max_gradient_norm=t.max_gradient_norm,
-        amp=t.amp,
-        profiler=(
-            TorchProfiler(
-                t.profile_skip_steps, t.profile_record_steps, output_dir / "profile", gangs.root
-            )
-            if t.profile
-            else None
+        **trainer_options(
+            config.trainer,
+            output_dir=output_dir,
+            gangs=gangs,
+            wandb_project=config.wandb_project,
+            init_from=config.init_from,
+            flops_per_target=lambda: flops_per_target(model, config),
         ),
-        seed=t.seed,
-        init_from=config.init_from,
-        nan_policy=t.nan_policy,
-        max_consecutive_skipped_steps=t.max_consecutive_skipped_steps,
-        gc_every_n_steps=t.gc_every_n_steps,
-        flops_per_target=flops_per_target(model, config) if t.device_peak_flops else None,
-        device_peak_flops=t.device_peak_flops,
     )
 
 

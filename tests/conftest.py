@@ -106,23 +106,6 @@ def torchrun(
 RunTorch = Callable[..., subprocess.CompletedProcess[str]]
 
 
-@pytest.fixture(autouse=True)
-def no_logging_errors(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Fail the test in which a logging handler failed to write (``--- Logging error ---``),
-    typically a handler left on a logger after its stream or file was closed."""
-    errors: list[str] = []
-    handle_error = logging.Handler.handleError
-
-    def record_error(handler: logging.Handler, record: logging.LogRecord) -> None:
-        errors.append(f"{handler!r} could not log {record.getMessage()!r}: {sys.exc_info()[1]!r}")
-        handle_error(handler, record)
-
-    monkeypatch.setattr(logging.Handler, "handleError", record_error)
-    yield
-    if errors:
-        pytest.fail("Logging errors were reported:\n" + "\n".join(errors))
-
-
 @pytest.fixture
 def run_torchrun() -> RunTorch:
     """:func:`torchrun`, as a fixture."""
@@ -256,3 +239,19 @@ def make_tokenizer_dir(
     if config_file is not None:
         (directory / config_file).write_text(json.dumps(config))
     return directory
+
+
+@pytest.fixture(autouse=True)
+def fail_on_logging_errors(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A test fails when a log record could not be written ("--- Logging error ---"): a handler
+    whose stream was closed under it, or a message whose arguments do not format."""
+    errors: list[str] = []
+    original = logging.Handler.handleError
+
+    def record(handler: logging.Handler, log_record: logging.LogRecord) -> None:
+        errors.append(f"{type(handler).__name__}: {sys.exc_info()[1]!r} for {log_record.msg!r}")
+        original(handler, log_record)
+
+    monkeypatch.setattr(logging.Handler, "handleError", record)
+    yield
+    assert not errors, "logging errors:\n" + "\n".join(errors)

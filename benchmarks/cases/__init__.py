@@ -13,8 +13,12 @@ from types import ModuleType
 from benchmarks.cases import (
     checkpoint,
     data_bound,
+    gpu_checkpoint,
+    gpu_llama,
+    gpu_overhead,
     imports,
     large_models,
+    lm_recipe,
     w1_instructions,
     w1_mlp,
     w1_paired,
@@ -35,6 +39,10 @@ CASES: tuple[ModuleType, ...] = (
     checkpoint,
     imports,
     large_models,
+    lm_recipe,
+    gpu_overhead,
+    gpu_llama,
+    gpu_checkpoint,
 )
 CASE_KEYS: tuple[str, ...] = tuple(case.KEY for case in CASES)
 

@@ -55,11 +55,26 @@ def all_loops(
     )
 
 
+def no_cuda_reason() -> str | None:
+    """Why the GPU cases cannot run here, or None when they can."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return "no CUDA device here (torch.cuda.is_available() is False)"
+
+
 def paired_comparison(
-    *, key: str, title: str, settings: SuiteSettings, nproc: int = 1
+    *,
+    key: str,
+    title: str,
+    settings: SuiteSettings,
+    nproc: int = 1,
+    workload: str = "mlp",
+    skip_reason: str | None = None,
 ) -> Comparison:
-    """The Trainer and the hand-written loop taking turns on W1's workload in ``nproc``
-    processes (DDP over gloo when more than one)."""
+    """The Trainer and the hand-written loop taking turns on ``workload`` (W1's by default) in
+    ``nproc`` processes (DDP over gloo when more than one)."""
     notes = [
         "The loops alternate in blocks of 50 steps (10 with --quick); each Trainer block is "
         "compared with the mean of the hand-written blocks before and after it, so each pair "
@@ -85,8 +100,9 @@ def paired_comparison(
             Contender(
                 name=PAIRED,
                 module="benchmarks.paired_worker",
-                args=("--quick",) if settings.quick else (),
+                args=("--workload", workload, *(("--quick",) if settings.quick else ())),
                 nproc=nproc,
+                skip_reason=skip_reason,
             ),
         ),
         notes=tuple(notes),

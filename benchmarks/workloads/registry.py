@@ -6,13 +6,14 @@ from collections.abc import Callable
 
 from benchmarks.workloads.base import Workload
 from benchmarks.workloads.lm import LmWorkload
-from benchmarks.workloads.mlp import MlpWorkload
+from benchmarks.workloads.mlp import GpuMlpWorkload, MlpWorkload
 from benchmarks.workloads.slow_data import SlowDataWorkload
 
 _FACTORIES: dict[str, Callable[[], Workload]] = {
     "mlp": MlpWorkload,
     "lm": LmWorkload,
     "slow_data": SlowDataWorkload,
+    "gpu_mlp": GpuMlpWorkload,
 }
 WORKLOAD_NAMES = tuple(_FACTORIES)
 

@@ -47,13 +47,16 @@ if TYPE_CHECKING:
     from runtime.training.initial_weights import (
         InitialWeights,
         InitialWeightsError,
+        InitSource,
         load_initial_weights,
     )
     from runtime.training.loss_scale import LossScaler
+    from runtime.training.out_of_memory import StepOutOfMemoryError
     from runtime.training.schedule import Schedule
     from runtime.training.signals import PREEMPTED_EXIT_CODE
     from runtime.training.state import StopReason, TrainState
     from runtime.training.trainer import Trainer
+    from runtime.training.weight_reload import ReloadInitialWeights
 
 _MODULE_OF: dict[str, str] = {
     "CompositeMetricRecorder": "runtime.metrics.recorders",
@@ -66,6 +69,8 @@ _MODULE_OF: dict[str, str] = {
     "Evaluator": "runtime.training.evaluation",
     "InitFn": "runtime.parallel.materialize",
     "InitialWeights": "runtime.training.initial_weights",
+    "InitSource": "runtime.training.initial_weights",
+    "ReloadInitialWeights": "runtime.training.weight_reload",
     "InitialWeightsError": "runtime.training.initial_weights",
     "IterableDataReader": "runtime.data",
     "JsonlMetricRecorder": "runtime.metrics.recorders",
@@ -77,6 +82,7 @@ _MODULE_OF: dict[str, str] = {
     "PatienceEarlyStopper": "runtime.training.early_stop",
     "ProgressDisplay": "runtime.metrics.progress",
     "Schedule": "runtime.training.schedule",
+    "StepOutOfMemoryError": "runtime.training.out_of_memory",
     "StopReason": "runtime.training.state",
     "SyncMode": "runtime.data",
     "TensorBoardRecorder": "runtime.metrics.recorders",
@@ -128,6 +134,7 @@ __all__ = [
     "Evaluator",
     "InitFn",
     "InitialWeights",
+    "InitSource",
     "InitialWeightsError",
     "IterableDataReader",
     "JsonlMetricRecorder",
@@ -136,8 +143,10 @@ __all__ = [
     "MapDataReader",
     "MetricRecorder",
     "PatienceEarlyStopper",
+    "ReloadInitialWeights",
     "ProgressDisplay",
     "Schedule",
+    "StepOutOfMemoryError",
     "StopReason",
     "SyncMode",
     "TensorBoardRecorder",

@@ -73,3 +73,15 @@ def test_bad_runs_is_a_usage_error() -> None:
     result = run_python("-m", "benchmarks", "--runs", "0")
     assert result.returncode == 2
     assert "error: --runs must be at least 1, but is 0 instead." in result.stderr
+
+
+@pytest.mark.slow
+def test_the_lm_recipe_case_times_its_data_path_and_its_step(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    assert_ok(run_quick_benchmark("lm", tmp_path))
+    comparisons = json.loads((tmp_path / "results.json").read_text())["comparisons"]
+    assert [c["key"] for c in comparisons] == ["lm-data", "lm-step"]
+    for comparison in comparisons:
+        for contender in comparison["contenders"]:
+            assert contender["status"] == "ok", contender["note"]
+            assert contender["metrics"]["step_time_s"]["median"] > 0

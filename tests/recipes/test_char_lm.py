@@ -15,8 +15,8 @@ from recipes.char_lm import (
     DataSection,
     collate_windows,
     load_corpus,
-    warmup_cosine,
 )
+from recipes.common import warmup_cosine
 from tests.conftest import RunTorch, assert_ok, read_jsonl, run_python
 
 pytestmark = pytest.mark.distributed

@@ -97,47 +97,25 @@ def main(
     """
     launch = LaunchBarrier.from_environment()
     code = 1
-    with _restored_root_logger():
-        try:
-            with contextlib.ExitStack() as stack:
-                # Registered first, so it runs last: after the trainer let go of its groups.
-                stack.callback(_destroy_process_groups)
-                code = _main(recipe, config_class, argv, launch, stack)
-        except _Refusal as ex:
-            if launch is not None:
-                launch.fail(ex.message, exit_code=ex.exit_code)
-            print(f"error: {ex.message}", file=sys.stderr)
-            code = ex.exit_code
-        except LaunchRefused as ex:
-            log.error("Another rank could not start: %s", ex.reason, extra=_FILE_ONLY)
-            print(f"error: {ex.reason}", file=sys.stderr)
-            code = ex.exit_code
-        except BaseException as ex:
-            if launch is not None and not isinstance(ex, SystemExit):
-                launch.fail(f"{type(ex).__name__}: {_one_line(str(ex))}", exit_code=1)
-            raise
-    sys.exit(code)
-
-
-@contextlib.contextmanager
-def _restored_root_logger() -> Iterator[None]:
-    """Close the handlers :func:`main` added to the root logger and put back the ones it had.
-
-    A handler left behind would keep the run's log file open, and its stderr handler would
-    write to whatever ``sys.stderr`` was during the run: a caller that goes on after ``main``
-    (a notebook, a test, a launcher calling it in-process) would then get "I/O operation on
-    closed file" errors from every later log line.
-    """
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
     try:
-        yield
-    finally:
-        for handler in root.handlers:
-            if handler not in handlers:
-                handler.close()
-        root.handlers[:] = handlers
-        root.setLevel(level)
+        with contextlib.ExitStack() as stack:
+            # Registered first, so it runs last: after the trainer let go of its groups.
+            stack.callback(_destroy_process_groups)
+            code = _main(recipe, config_class, argv, launch, stack)
+    except _Refusal as ex:
+        if launch is not None:
+            launch.fail(ex.message, exit_code=ex.exit_code)
+        print(f"error: {ex.message}", file=sys.stderr)
+        code = ex.exit_code
+    except LaunchRefused as ex:
+        log.error("Another rank could not start: %s", ex.reason, extra=_FILE_ONLY)
+        print(f"error: {ex.reason}", file=sys.stderr)
+        code = ex.exit_code
+    except BaseException as ex:
+        if launch is not None and not isinstance(ex, SystemExit):
+            launch.fail(f"{type(ex).__name__}: {_one_line(str(ex))}", exit_code=1)
+        raise
+    sys.exit(code)
 
 
 def _main(
@@ -166,6 +144,7 @@ def _main(
         _fail(f"The output directory '{output_dir}' cannot be created: {ex}")
 
     logs = _RankLogs(output_dir, rank)
+    stack.callback(logs.close)
     startup_signals = stack.enter_context(StartupSignals())
     stack.enter_context(_exit_on_startup_signal())
     if rank == 0 and args.evaluate is None:
@@ -425,18 +404,15 @@ def _evaluate(runnable: Runnable, which: CheckpointChoice) -> None:
     log.info("The evaluation of checkpoint '%s' finished.", which)
 
 
-def setup_logging(output_dir: Path, rank: int) -> None:
-    """Log every rank to ``output_dir/logs/rank_N.log`` and rank 0 also to stderr, at INFO."""
-    logs = _RankLogs(output_dir, rank)
-    logs.attach()
-
-
 @final
 class _RankLogs:
     """The root logger of one rank: stderr (rank 0) at once; the rank's log file from attach().
 
     Records logged before :meth:`attach` wait in memory and reach the file when it is attached,
-    so a launch that stops before then writes nothing to OUTPUT_DIR.
+    so a launch that stops before then writes nothing to OUTPUT_DIR. :meth:`close` closes the
+    handlers and gives the root logger back the handlers and level it had: a handler left on the
+    root logger past :func:`main` would write to a stream its caller may since have closed (a
+    test's captured stderr).
     """
 
     def __init__(self, output_dir: Path, rank: int) -> None:
@@ -454,8 +430,25 @@ class _RankLogs:
             )
             console_handler.addFilter(_skip_file_only)
             handlers.append(console_handler)
-        # force: a library may have configured the root logger on import; ours must win.
-        logging.basicConfig(level=logging.INFO, handlers=handlers, force=True)
+        root = logging.getLogger()
+        # A library may have configured the root logger on import; ours win until close().
+        self._previous = (root.handlers[:], root.level)
+        for handler in self._previous[0]:
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        self._handlers = handlers
+
+    def close(self) -> None:
+        root = logging.getLogger()
+        for handler in self._handlers:
+            root.removeHandler(handler)
+            handler.close()
+        previous_handlers, previous_level = self._previous
+        for handler in previous_handlers:
+            root.addHandler(handler)
+        root.setLevel(previous_level)
 
     def attach(self) -> None:
         """Start writing ``logs/rank_N.log``, beginning with the records held so far."""
@@ -470,6 +463,7 @@ class _RankLogs:
         root = logging.getLogger()
         root.removeHandler(self._buffer)
         root.addHandler(file_handler)
+        self._handlers.append(file_handler)
 
 
 def _file_formatter(rank: int) -> logging.Formatter:

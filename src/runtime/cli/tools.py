@@ -6,12 +6,14 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from checkpoint import CheckpointChoice, CheckpointError, CheckpointManager
 from gangs import Gangs
+from runtime.cli.hf_export import write_hf_directory
 
 
 def list_checkpoints(output_dir: Path) -> str:
@@ -42,19 +44,28 @@ def list_checkpoints(output_dir: Path) -> str:
 
 
 def export_model(
-    output_dir: Path, destination: Path, *, step_nr: int | None, best: bool, lower_better: bool
+    output_dir: Path,
+    destination: Path,
+    *,
+    step_nr: int | None,
+    best: bool,
+    lower_better: bool,
+    format: Literal["pt", "hf"] = "pt",
 ) -> tuple[int, list[Path]]:
     """Write the model of a checkpoint as one ``state_dict`` file for plain ``torch.load``.
 
     When the ``safetensors`` package is importable, a ``.safetensors`` file (the format other
     tools read) is written beside it; a ``destination`` ending in ``.safetensors`` gets only
-    that. Returns the step exported (``step_nr``, the best scored one, or by default the last)
-    and the files written.
+    that. With ``format="hf"``, ``destination`` is a Hugging Face model directory instead (see
+    :mod:`runtime.cli.hf_export`). Returns the step exported (``step_nr``, the best scored one,
+    or by default the last) and the files written.
     """
     manager = CheckpointManager(output_dir / "checkpoints", Gangs.single())
     which: CheckpointChoice = step_nr if step_nr is not None else "best" if best else "last"
     step_nr = manager.select_checkpoint(which, lower_better=lower_better)
     state = manager.read_model_state(step_nr)
+    if format == "hf":
+        return step_nr, write_hf_directory(state, output_dir, destination)
     destination.parent.mkdir(parents=True, exist_ok=True)
     save_file = _safetensors_writer(required=destination.suffix == ".safetensors")
     torch_file = destination.with_name(destination.name + ".partial")
@@ -97,9 +108,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     listing = commands.add_parser("checkpoints", help="list the checkpoints of OUTPUT_DIR")
     listing.add_argument("output_dir", type=Path, metavar="OUTPUT_DIR")
 
-    export = commands.add_parser("export", help="write a checkpoint's model as one state_dict file")
+    export = commands.add_parser(
+        "export", help="write a checkpoint's model as one state_dict file or a Hugging Face dir"
+    )
     export.add_argument("output_dir", type=Path, metavar="OUTPUT_DIR")
-    export.add_argument("destination", type=Path, metavar="FILE")
+    export.add_argument("destination", type=Path, metavar="DEST")
+    export.add_argument(
+        "--format",
+        choices=("pt", "hf"),
+        default="pt",
+        help="pt: a state_dict file (and .safetensors); hf: a Hugging Face model directory",
+    )
     which = export.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, help="the step to export (default: the last)")
     which.add_argument("--best", action="store_true", help="the best scored checkpoint")
@@ -118,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 step_nr=args.step,
                 best=args.best,
                 lower_better=not args.higher_better,
+                format=args.format,
             )
             files = " and ".join(str(path) for path in written)
             print(f"Exported the model of step {step_nr} to {files}.")

@@ -123,6 +123,23 @@ class IterableDataReader(DataReader[BatchT]):
         return batches
 
     @override
+    def for_evaluation(self) -> IterableDataReader[BatchT]:
+        if (
+            not self._drop_remainder
+            and self._num_accumulate == 1
+            and self._sync_mode is SyncMode.UNTIL_LAST
+        ):
+            return self
+        return IterableDataReader(
+            make_iterator=self._make_iterator,
+            batch_size=self._batch_size,
+            gang=self._gang,
+            collate=self._collate,
+            drop_remainder=False,
+            sync_mode=SyncMode.UNTIL_LAST,
+        )
+
+    @override
     def reset(self) -> None:
         self._epoch += 1
         self._step_nr = 0
@@ -172,11 +189,6 @@ class IterableDataReader(DataReader[BatchT]):
     def epoch(self) -> int:
         """The number of the current data epoch, from 0."""
         return self._epoch
-
-    @override
-    def read_every_example(self) -> None:
-        self._drop_remainder = False
-        self._sync_mode = SyncMode.UNTIL_LAST
 
     @override
     def close(self) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from typing import Any, Generic, Protocol, TypeVar, final, overload
 
 import torch
@@ -145,6 +144,27 @@ class MapDataReader(DataReader[BatchT]):
         return batches
 
     @override
+    def for_evaluation(self) -> MapDataReader[BatchT]:
+        layout = self._layout
+        if (
+            not layout.drop_remainder
+            and layout.num_accumulate == 1
+            and self._sync_mode is SyncMode.UNTIL_LAST
+        ):
+            return self
+        return MapDataReader(
+            dataset=self._dataset,
+            batch_size=layout.batch_size,
+            gang=self._gang,
+            collate=self._collate,
+            shuffle=self._shuffle,
+            seed=self._seed,
+            drop_remainder=False,
+            sync_mode=SyncMode.UNTIL_LAST,
+            num_prefetch=self._num_prefetch,
+        )
+
+    @override
     def reset(self) -> None:
         self._go_to(epoch=self._epoch + 1, offset=0, step_nr=0)
 
@@ -208,12 +228,6 @@ class MapDataReader(DataReader[BatchT]):
     def num_steps(self) -> int:
         """The number of steps in a data epoch, the same on every rank."""
         return self._num_steps
-
-    @override
-    def read_every_example(self) -> None:
-        self._layout = replace(self._layout, drop_remainder=False)
-        self._sync_mode = SyncMode.UNTIL_LAST
-        self._go_to(epoch=self._epoch, offset=self._offset, step_nr=self._step_nr)
 
     @override
     def close(self) -> None:

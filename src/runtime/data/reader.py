@@ -73,17 +73,16 @@ class DataReader(ABC, Generic[BatchT]):
     def close(self) -> None:
         """Release background resources; iterating again acquires them anew."""
 
-    def read_every_example(self) -> None:
-        """Read every example from now on (call it before reading): keep a partial last
-        micro-batch and step, and go on until the last rank of the gang runs out
-        (:attr:`SyncMode.UNTIL_LAST`).
+    def for_evaluation(self) -> DataReader[BatchT]:
+        """This data read the way validation and evaluation read it: every example once, the
+        last partial micro-batch kept, one micro-batch a step, and ``[]`` on a rank whose shard
+        ran out until the last rank is done (:attr:`SyncMode.UNTIL_LAST`), so a score is the
+        mean over the whole set whatever the batch size and the number of ranks.
 
-        The Trainer and the :class:`~runtime.Evaluator` call it on their readers, so a score is
-        the mean over the whole set whatever the batch size and the number of ranks, with the
-        same reader arguments as for training. The built-in map and iterable readers switch;
-        this default, for a reader of your own, keeps the reader as it is: such a reader must
-        read every example by itself.
+        The Trainer calls it on its valid readers. The default is the reader itself: a reader of
+        your own must read its whole set this way, or raise ``ValueError`` saying how to.
         """
+        return self
 
 
 def int_entry(state: Mapping[str, Any], key: str) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import resource
 import time
@@ -19,6 +20,8 @@ from runtime.training.state import check_state_keys
 from runtime.training.step import StepOutput
 from units import MetricBag
 
+log = logging.getLogger(__name__)
+
 _WINDOW_KEYS = (
     "loss_sum",
     "grad_norm_sum",
@@ -29,6 +32,29 @@ _WINDOW_KEYS = (
     "num_steps",
     "num_skipped_steps",
 )
+
+
+# Dense (not sparse) bf16 tensor-core peaks from the data sheets, by a part of the name CUDA
+# gives the device; the first match wins, so a variant comes before its family.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+)
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    """The dense bf16 peak FLOP/s of the device CUDA names ``device_name``; None if unknown."""
+    for part, flops in PEAK_BF16_FLOPS:
+        if part in device_name:
+            return flops
+    return None
 
 
 @final
@@ -52,6 +78,35 @@ class Throughput:
             raise ValueError(
                 "mfu needs both flops_per_target and device_peak_flops; give both or neither."
             )
+
+    @staticmethod
+    def for_device(
+        flops_per_target: float | None,
+        device_peak_flops: float | None,
+        *,
+        device_name: str | None,
+        num_parameters: int,
+    ) -> Throughput:
+        """What ``mfu`` needs, with the gaps filled where the device is known.
+
+        On a device of :data:`PEAK_BF16_FLOPS` (``device_name``, None for a CPU), a missing
+        ``device_peak_flops`` is its dense bf16 peak, and a missing ``flops_per_target`` is
+        ``6 * num_parameters`` (forward and backward of a dense transformer, attention left
+        out). On a CUDA device of unknown peak, ``mfu`` is not published unless
+        ``device_peak_flops`` is given; on a CPU both are the caller's to give.
+        """
+        if device_peak_flops is None and device_name is not None:
+            device_peak_flops = peak_bf16_flops(device_name)
+            if device_peak_flops is None:
+                log.warning(
+                    "mfu is not published: the peak FLOP/s of a %s is not known. Give the "
+                    "Trainer device_peak_flops (its dense bf16 peak) to publish it.",
+                    device_name,
+                )
+                return Throughput()
+            if flops_per_target is None:
+                flops_per_target = 6.0 * num_parameters
+        return Throughput(flops_per_target, device_peak_flops)
 
     def mfu(self, targets_per_second_per_device: float) -> float | None:
         if self.flops_per_target is None or self.device_peak_flops is None:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, final
+from typing import TYPE_CHECKING, Any, final
 
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -14,6 +13,9 @@ from checkpoint import AbstractCheckpointManager, LoadedCheckpoint, RetentionPol
 from gangs import Gangs
 from runtime.training.callbacks import TrainerCallback
 from runtime.training.validation import Scoring
+
+if TYPE_CHECKING:
+    from runtime.training.initial_weights import InitFrom
 
 
 @final
@@ -24,7 +26,7 @@ class CheckpointOptions:
     retention: RetentionPolicy = field(default_factory=RetentionPolicy)
     async_checkpoint: bool = False
     reshard_on_resume: bool = False
-    init_from: Path | None = None
+    init_from: InitFrom | None = None
 
 
 @final

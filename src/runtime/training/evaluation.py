@@ -52,17 +52,18 @@ def evaluate_units(
 ) -> dict[str, dict[str, Any]]:
     """Run each unit over its reader to the end, publish and return the values by run name.
 
-    The model is in eval mode under ``torch.no_grad()`` meanwhile, and is put back in the
-    mode it was in. Each reader is reset afterwards, ready for the next evaluation.
+    The model is in eval mode under ``torch.no_grad()`` meanwhile, and is put back in the mode
+    it was in. Each reader is reset afterwards, ready for the next evaluation.
+
+    Not ``inference_mode``: tensors made under it can never be updated in place outside it, and
+    a forward allocates state that training later updates in place (FSDP2's unsharded
+    parameter buffers, caches of compiled or user modules), which would then fail at the first
+    training step.
     """
     was_training = model.training
     model.eval()
     results: dict[str, dict[str, Any]] = {}
     try:
-        # Not inference_mode: tensors a wrapper allocates during the forward and keeps (FSDP2's
-        # unsharded parameter buffers, caches of compiled code) would be inference tensors, and
-        # the training that follows could never update them in place. no_grad saves the same
-        # autograd work and leaves ordinary tensors behind.
         with torch.no_grad():
             for unit, reader in zip(units, data_readers, strict=True):
                 unit.set_step_nr(step_nr)
@@ -137,10 +138,6 @@ class Evaluator:
             raise ValueError("units must hold at least one EvalUnit.")
         check_same_length("units", units, "data_readers", data_readers)
         check_run_names(units)
-        # A score is the mean over the whole set, whatever the batch size and the number of
-        # ranks, even when the readers were built with the arguments used for training.
-        for reader in data_readers:
-            reader.read_every_example()
         self._model = model
         self._units = list(units)
         self._data_readers = list(data_readers)

@@ -4,6 +4,8 @@ The source is one of:
 
 - a file written by ``python -m runtime export`` (``torch.load`` format, read memory-mapped so
   each rank pages in only the slices it keeps), or a ``.safetensors`` file;
+- a Hugging Face model directory: ``model.safetensors``, or shards listed by
+  ``model.safetensors.index.json``, each tensor read when it is copied;
 - a run directory (its last checkpoint), its ``checkpoints/`` directory (the last one), or one
   ``step_N`` directory: read with ``torch.distributed.checkpoint``, each rank reading only its
   own shards, whatever layout saved it.
@@ -19,8 +21,8 @@ from __future__ import annotations
 import fnmatch
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, final
 
@@ -43,49 +45,123 @@ class InitialWeightsError(ValueError):
 
 @final
 @dataclass(frozen=True)
-class InitialWeights:
-    """What :func:`load_initial_weights` loaded: the source and the model keys it set."""
+class InitSource:
+    """One source of initial weights with its own key mapping: ``rename`` (source prefix ->
+    model prefix) and ``skip`` (glob patterns of model keys this source does not set)."""
 
-    source: Path
+    path: Path
+    rename: Mapping[str, str] = field(default_factory=dict)
+    skip: Sequence[str] = ()
+
+
+InitFrom = Path | str | InitSource | Sequence[Path | str | InitSource]
+"""What ``init_from`` accepts: one source, or several that together set the model's weights."""
+
+
+def init_sources(init_from: InitFrom) -> list[InitSource]:
+    """``init_from`` as a list of sources."""
+    items = [init_from] if isinstance(init_from, (Path, str, InitSource)) else list(init_from)
+    if not items:
+        raise InitialWeightsError("init_from is an empty list. Give at least one source.")
+    return [item if isinstance(item, InitSource) else InitSource(Path(item)) for item in items]
+
+
+@final
+@dataclass(frozen=True)
+class InitialWeights:
+    """What :func:`load_initial_weights` loaded: the sources and the model keys it set."""
+
+    sources: tuple[Path, ...]
     loaded_keys: tuple[str, ...]
     skipped_keys: tuple[str, ...]
+
+    @property
+    def source(self) -> Path:
+        """The first source (the only one, usually)."""
+        return self.sources[0]
 
 
 def load_initial_weights(
     model: Module,
-    path: Path,
+    init_from: InitFrom,
     *,
     gangs: Gangs,
     rename: Mapping[str, str] | None = None,
     skip: Sequence[str] = (),
 ) -> InitialWeights:
-    """Load the weights at ``path`` into ``model`` (DDP, FSDP2, TP or none); every rank calls it."""
+    """Load the weights of ``init_from`` into ``model`` (DDP, FSDP2, TP or none); every rank
+    calls it. ``rename`` and ``skip`` apply to a source given as a plain path.
+
+    With one source, every model key must come from it unless skipped. With several, each sets
+    the keys it has (after its renames and skips): a key two sources set, a source key the model
+    lacks, and a model key no source sets (and no source skips) are errors.
+    """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    path = Path(path)
+    sources = init_sources(init_from)
+    if rename or skip:
+        if len(sources) > 1 or isinstance(init_from, InitSource):
+            raise InitialWeightsError(
+                "rename and skip apply to init_from given as one path; give each source its own "
+                "as InitSource(path, rename={...}, skip=[...])."
+            )
+        sources = [InitSource(sources[0].path, rename or {}, skip)]
     model_state = get_model_state_dict(model)
-    if path.is_file():
-        source_keys, loader = _file_source(path)
-    elif path.is_dir():
-        path = _step_dir(path)
-        source_keys, loader = _dcp_source(path, gangs)
-    else:
-        raise InitialWeightsError(
-            f"init_from must be an exported weights file or a checkpoint directory, but {path} "
-            "does not exist."
+    loaded: dict[str, Path] = {}
+    paths = []
+    for source in sources:
+        path, source_keys, loader = _open_source(Path(source.path), gangs)
+        plan = _match_keys(
+            path, source_keys, model_state, source.rename, source.skip, whole=len(sources) == 1
         )
-    plan = _match_keys(path, source_keys, model_state.keys(), rename or {}, skip)
-    loader({source: _tensor(model_state[target]) for target, source in plan.sources.items()})
+        twice = sorted(loaded.keys() & plan.sources.keys())
+        if twice:
+            raise InitialWeightsError(
+                f"{_listed('model', twice)} come from both {loaded[twice[0]]} and {path}. Skip "
+                "them in one of the two sources (InitSource(path, skip=[...]))."
+            )
+        loader({src: _tensor(model_state[target]) for target, src in plan.sources.items()})
+        loaded.update(dict.fromkeys(plan.sources, path))
+        paths.append(path)
+    skipped = [key for key in model_state if key not in loaded]
+    if len(sources) > 1:
+        _check_covered(skipped, sources)
     set_model_state_dict(model, model_state)
     log.info(
         "Initialized %d model tensors from %s (%d skipped).",
-        len(plan.sources),
-        path,
-        len(plan.skipped),
+        len(loaded),
+        ", ".join(map(str, paths)),
+        len(skipped),
     )
     return InitialWeights(
-        source=path, loaded_keys=tuple(plan.sources), skipped_keys=tuple(plan.skipped)
+        sources=tuple(paths), loaded_keys=tuple(loaded), skipped_keys=tuple(skipped)
     )
+
+
+def _open_source(path: Path, gangs: Gangs) -> tuple[Path, list[str], _Loader]:
+    if path.is_file():
+        return path, *_file_source(path)
+    if _is_hf_model_dir(path):
+        return path, *_hf_model_source(path)
+    if path.is_dir():
+        path = resolve_step_dir(path)
+        return path, *_dcp_source(path, gangs)
+    raise InitialWeightsError(
+        f"init_from must be an exported weights file or a checkpoint directory, but {path} "
+        "does not exist."
+    )
+
+
+def _check_covered(unset: Sequence[str], sources: Sequence[InitSource]) -> None:
+    def skipped(key: str) -> bool:
+        return any(fnmatch.fnmatchcase(key, p) for source in sources for p in source.skip)
+
+    missing = [key for key in unset if not skipped(key)]
+    if missing:
+        raise InitialWeightsError(
+            f"No source of init_from sets {_listed('model', missing)}. Add a source that has "
+            "them, or skip them (InitSource(path, skip=[...])) to keep their initialization."
+        )
 
 
 # ---------------------------------------------------------------------------------- sources
@@ -160,9 +236,57 @@ def _file_source(path: Path) -> tuple[list[str], _Loader]:
     return list(tensors), _FileLoader(path, tensors)
 
 
-def _step_dir(path: Path) -> Path:
-    """The ``step_N`` directory ``path`` names: itself, or the last checkpoint under it."""
-    if (path / "model").is_dir():
+_HF_INDEX = "model.safetensors.index.json"
+_HF_SINGLE = "model.safetensors"
+
+
+def _is_hf_model_dir(path: Path) -> bool:
+    return path.is_dir() and ((path / _HF_INDEX).is_file() or (path / _HF_SINGLE).is_file())
+
+
+@final
+class _SafetensorsFiles(Mapping[str, Tensor]):
+    """The tensors of one or more safetensors files by name, each read when it is asked for, so
+    that a rank holds one full tensor at a time however large the model."""
+
+    def __init__(self, files_by_key: Mapping[str, Path]) -> None:
+        from safetensors import safe_open  # type: ignore[import-not-found,unused-ignore]
+
+        self._files_by_key = dict(files_by_key)
+        self._open = {
+            file: safe_open(str(file), framework="pt", device="cpu")
+            for file in set(self._files_by_key.values())
+        }
+
+    def __getitem__(self, key: str) -> Tensor:
+        tensor: Tensor = self._open[self._files_by_key[key]].get_tensor(key)  # type: ignore[no-untyped-call,unused-ignore]
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files_by_key)
+
+    def __len__(self) -> int:
+        return len(self._files_by_key)
+
+
+def _hf_model_source(path: Path) -> tuple[list[str], _Loader]:
+    import json
+
+    if (path / _HF_INDEX).is_file():
+        weight_map = json.loads((path / _HF_INDEX).read_text())["weight_map"]
+        files_by_key = {key: path / name for key, name in weight_map.items()}
+    else:
+        from safetensors import safe_open
+
+        with safe_open(str(path / _HF_SINGLE), framework="pt", device="cpu") as file:
+            files_by_key = {key: path / _HF_SINGLE for key in file.keys()}  # noqa: SIM118
+    return list(files_by_key), _FileLoader(path, _SafetensorsFiles(files_by_key))
+
+
+def resolve_step_dir(path: Path) -> Path:
+    """The ``step_N`` directory ``path`` names: itself, or the last checkpoint under it (a
+    Hugging Face model directory stays itself)."""
+    if (path / "model").is_dir() or _is_hf_model_dir(path):
         return path
     checkpoint_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     manager = CheckpointManager(checkpoint_dir, Gangs.single())
@@ -200,14 +324,19 @@ def _match_keys(
     model_keys: Iterable[str],
     rename: Mapping[str, str],
     skip: Sequence[str],
+    *,
+    whole: bool = True,
 ) -> _KeyPlan:
+    """Which model key each source key sets. ``whole``: every model key must be set or skipped
+    (one source); otherwise the source may set part of the model."""
+
     def skipped(key: str) -> bool:
         return any(fnmatch.fnmatchcase(key, pattern) for pattern in skip)
 
     by_model_key = {_renamed(key, rename): key for key in source_keys}
     model_keys = list(model_keys)
     known = set(model_keys)
-    missing = [k for k in model_keys if k not in by_model_key and not skipped(k)]
+    missing = [k for k in model_keys if k not in by_model_key and not skipped(k)] if whole else []
     unexpected = [k for k in by_model_key if k not in known and not skipped(k)]
     if missing or unexpected:
         raise InitialWeightsError(

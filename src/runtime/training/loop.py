@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, final
 
+import torch
+
 from checkpoint import CheckpointLayoutError
 from checkpoint.arguments import check_positive
 from gangs import Gangs
@@ -28,6 +30,7 @@ from runtime.metrics.train_metrics import TrainMetrics, describe_devices
 from runtime.training.callbacks import CallbackList, overrides
 from runtime.training.checkpointing import Checkpointer
 from runtime.training.garbage_collection import GarbageCollection
+from runtime.training.out_of_memory import MemoryFigures, step_out_of_memory_error
 from runtime.training.rng import rng_state, seed_rngs, set_rng_state
 from runtime.training.schedule import Schedule
 from runtime.training.signals import StopSignals
@@ -259,12 +262,18 @@ class TrainLoop(Generic[BatchT]):
         """Take one optimizer step; return whether any rank asked to stop."""
         self.state.step_nr += 1
         step_nr = self.state.step_nr
-        output = self._train_step.take(
-            batches,
-            step_nr=step_nr,
-            stop_requested=self.stop_signals.requested,
-            measure_grad_norm=measure_grad_norm,
-        )
+        try:
+            output = self._train_step.take(
+                batches,
+                step_nr=step_nr,
+                stop_requested=self.stop_signals.requested,
+                measure_grad_norm=measure_grad_norm,
+            )
+        except torch.OutOfMemoryError as ex:
+            device = self._gangs.root.device
+            raise step_out_of_memory_error(
+                step_nr, device=device, rank=self._gangs.root.rank, figures=MemoryFigures.of(device)
+            ) from ex
         self._metrics.add_step(output)
         for hook in self._step_end_hooks:
             hook(step_nr=step_nr)

@@ -12,7 +12,7 @@ import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Generic, TypeVar, final
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
 
 import torch
 from torch.optim import Optimizer
@@ -41,6 +41,9 @@ from units import EvalUnit, TrainUnit
 log = logging.getLogger(__name__)
 
 BatchT = TypeVar("BatchT")
+
+if TYPE_CHECKING:
+    from runtime.training.initial_weights import InitFrom
 
 
 @final
@@ -106,7 +109,7 @@ class Trainer(Generic[BatchT]):
         gc_every_n_steps: int | None = None,
         flops_per_target: float | None = None,
         device_peak_flops: float | None = None,
-        init_from: Path | None = None,
+        init_from: InitFrom | None = None,
     ) -> None:
         gangs = _resolve_gangs(gangs, root_gang, dp_gang, tp_gang)
         # The keywords above, each turned into the option group that uses it; from here on only
@@ -144,7 +147,12 @@ class Trainer(Generic[BatchT]):
         self._anomaly_detection = anomaly_detection
         self._callbacks = CallbackList(callbacks)
         self._checkpoint_manager, self._scoring = checkpoint_manager, scoring
-        self._data_readers = [data_reader, *(valid_data_readers or [])]
+        # Validation reads every example once, so a score is the mean over the whole valid set.
+        given_valid_readers = list(valid_data_readers or [])
+        valid_data_readers = [reader.for_evaluation() for reader in given_valid_readers]
+        self._data_readers = list(
+            {id(r): r for r in [data_reader, *given_valid_readers, *valid_data_readers]}.values()
+        )
         self._closed = False
         self._train_step = TrainStep(
             unit=unit,
@@ -162,7 +170,9 @@ class Trainer(Generic[BatchT]):
         self._loop = TrainLoop(
             data_reader=data_reader,
             train_step=self._train_step,
-            metrics=self._make_metrics(Throughput(flops_per_target, device_peak_flops)),
+            metrics=self._make_metrics(
+                _throughput(unit, gangs, flops_per_target, device_peak_flops)
+            ),
             validator=self._validator,
             checkpointer=self._make_checkpointer(optimizer, checkpointing),
             schedules=schedules,
@@ -294,6 +304,22 @@ class Trainer(Generic[BatchT]):
             stack.callback(self._loop.observers.progress.close)
             stack.callback(self._checkpoint_manager.close)
             stack.callback(self._recorder.close)
+
+
+def _throughput(
+    unit: TrainUnit[Any],
+    gangs: Gangs,
+    flops_per_target: float | None,
+    device_peak_flops: float | None,
+) -> Throughput:
+    device = gangs.root.device
+    # numel() of a DTensor (FSDP2, TP) is that of the whole parameter, not of this rank's shard.
+    return Throughput.for_device(
+        flops_per_target,
+        device_peak_flops,
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        num_parameters=sum(p.numel() for p in unit.model.parameters()),
+    )
 
 
 def _resolve_gangs(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -209,3 +211,22 @@ def test_torchrun_logs_every_rank_and_writes_config_once(
     assert "Wrote the effective config" in logs[0]
     assert "Wrote the effective config" not in logs[1]
     assert sorted(p.name for p in (out / "logs").iterdir()) == ["rank_0.log", "rank_1.log"]
+
+
+def test_main_gives_the_root_logger_back_as_it_found_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handler left on the root logger would write to a stream its caller has since closed."""
+    from runtime import main
+    from tests.runtime.cli.cli_recipe import CliRecipeConfig, recipe
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    stderr = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    with pytest.raises(SystemExit) as exit_info:
+        main(recipe, CliRecipeConfig, [str(tmp_path / "run"), "--config", "max_num_steps=0"])
+    assert exit_info.value.code == 2
+    assert root.handlers == handlers and root.level == level
+    stderr.close()
+    logging.getLogger("runtime").warning("logged after main() returned")

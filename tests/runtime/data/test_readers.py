@@ -6,12 +6,14 @@ import io
 import json
 import threading
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any, final
 
 import pytest
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.utils.data import TensorDataset
 from typing_extensions import override
 
 from gangs import FakeGang, Gang, ReduceOperation
@@ -774,3 +776,37 @@ def test_a_read_error_on_one_rank_stops_every_rank(reports: list[dict[str, Any]]
     assert [report["iterable_failure_steps"] for report in reports] == [1, 1]
     assert "Another rank of the data-parallel gang failed" in reports[0]["iterable_failure_error"]
     assert "failed on rank 1: OSError" in reports[1]["iterable_failure_error"]
+
+
+def test_for_evaluation_reads_every_example_once_with_the_remainder() -> None:
+    gang = FakeGang()
+    examples = torch.arange(23)
+    reader = MapDataReader(
+        dataset=TensorDataset(examples), batch_size=4, gang=gang, num_accumulate=2
+    )
+    evaluation = reader.for_evaluation()
+    seen = torch.cat([batch[0] for batches in evaluation for batch in batches])
+    assert sorted(seen.tolist()) == list(range(23))
+    assert evaluation.num_accumulate == 1
+    assert evaluation.for_evaluation() is evaluation
+
+    iterable = IterableDataReader(
+        make_iterator=lambda epoch: iter(range(7)), batch_size=3, gang=gang
+    )
+    read = [int(x) for batches in iterable.for_evaluation() for batch in batches for x in batch]
+    assert read == list(range(7))
+
+
+def test_a_text_reader_is_refused_as_a_valid_reader(tmp_path: Path) -> None:
+    from runtime.data.text import TextDataReader, load_tokenizer
+
+    (tmp_path / "valid.txt").write_text("some text\n" * 50)
+    reader = TextDataReader(
+        sources=tmp_path / "valid.txt",
+        tokenizer=load_tokenizer(None),
+        seq_len=8,
+        batch_size=2,
+        gang=FakeGang(),
+    )
+    with pytest.raises(ValueError, match="read it with MapDataReader"):
+        reader.for_evaluation()

@@ -15,7 +15,7 @@ import torch
 
 from gangs import Gangs
 from runtime import TrainerCallback, TrainerError
-from runtime.metrics.train_metrics import TrainMetrics
+from runtime.metrics.train_metrics import Throughput, TrainMetrics, peak_bf16_flops
 from runtime.training.non_finite import NonFiniteGuard
 from runtime.training.step import StepOutput
 from tests.conftest import make_toy_trainer, read_jsonl
@@ -119,6 +119,47 @@ def test_memory_and_throughput_are_published(
         assert "num_skipped_steps" not in record  # only with nan_policy="skip"
     assert "Training from step 0 on CPU" in caplog.text
     assert "1 processes (dp_size 1 x tp_size 1)" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("device_name", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA L4", 121e12),
+        ("Tesla V100-SXM2-32GB", None),
+    ],
+)
+def test_the_peak_of_common_cuda_devices_is_known(device_name: str, peak: float | None) -> None:
+    assert peak_bf16_flops(device_name) == peak
+
+
+def test_mfu_on_a_known_cuda_device_needs_no_arguments() -> None:
+    # 6 FLOPs per parameter and target, over the device's dense bf16 peak.
+    throughput = Throughput.for_device(
+        None, None, device_name="NVIDIA H100 80GB HBM3", num_parameters=1_000_000
+    )
+    assert throughput.mfu(1e5) == pytest.approx(1e5 * 6e6 / 989e12)
+    # A unit's own FLOPs count and a given peak win over the defaults.
+    given = Throughput.for_device(
+        8e6, 500e12, device_name="NVIDIA H100 80GB HBM3", num_parameters=1_000_000
+    )
+    assert given.mfu(1e5) == pytest.approx(1e5 * 8e6 / 500e12)
+
+
+def test_mfu_on_an_unknown_device_is_not_published_unless_its_peak_is_given(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING):
+        unknown = Throughput.for_device(
+            8e6, None, device_name="Tesla V100-SXM2-32GB", num_parameters=10
+        )
+    assert unknown.mfu(1e5) is None
+    assert "the peak FLOP/s of a Tesla V100-SXM2-32GB is not known" in caplog.text
+    # On a CPU nothing is guessed: no arguments, no mfu.
+    assert Throughput.for_device(None, None, device_name=None, num_parameters=10).mfu(1.0) is None
 
 
 class GcProbe(TrainerCallback):

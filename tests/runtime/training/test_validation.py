@@ -18,17 +18,16 @@ from torch import Tensor, nn
 
 from checkpoint import CheckpointManager
 from gangs import FakeGang, Gangs
-from runtime import Evaluator, MapDataReader, PatienceEarlyStopper, Trainer, TrainerCallback
+from runtime import PatienceEarlyStopper, Trainer, TrainerCallback
 from tests.conftest import (
-    ListRecorder,
     RunTorch,
     assert_ok,
     make_toy_trainer,
     read_jsonl,
     read_scalars,
+    torchrun,
 )
-from tests.workers import valid_score
-from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit, collate
+from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit
 from tests.workers.valid_toy import ScriptedEvalUnit, ToyEvalUnit, make_valid_reader
 from units import EvalUnit
 
@@ -171,8 +170,8 @@ def test_validation_runs_in_eval_mode_without_grad_and_training_resumes(tmp_path
         validate_at_start=True,
     )
     assert trainer.run() == 0
-    # 10 examples in batches of 4 = 3 batches, at steps 0, 2, 4 and 6. Never inference mode:
-    # tensors allocated in it could not be updated by the training that follows.
+    # 10 examples in batches of 4 = 3 batches, at steps 0, 2, 4 and 6. Not inference mode: its
+    # tensors could not be updated in place by the training after it.
     assert eval_unit.modes == [(False, False, False)] * 12
     assert train_unit.modes == [(True, False)] * 6
     assert model.training
@@ -696,6 +695,24 @@ def test_a_failing_early_stopper_fails_every_rank(tmp_path: Path, run_torchrun: 
     )
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("num_ranks", [1, 2, 3])
+def test_the_score_is_the_mean_over_the_whole_valid_set_at_any_dp_size(
+    tmp_path: Path, num_ranks: int
+) -> None:
+    from tests.runtime.training import valid_score_worker as worker
+
+    result = torchrun(num_ranks, str(Path(worker.__file__)), str(tmp_path), timeout=300)
+    assert_ok(result)
+    data = worker.dataset()
+    x, y = data.datasets["x"], data.datasets["y"]  # type: ignore[index]
+    with torch.no_grad():
+        expected = (worker.model()(x) - y).square().mean().item()
+    first = read_jsonl(tmp_path / "metrics" / "valid.jsonl")[0]
+    assert first["step_nr"] == 0
+    assert first["squared_error"] == pytest.approx(expected, rel=1e-6)
+
+
 # ------------------------------------------- validation and evaluation before training, sharded
 
 HF_WORKER = "tests/workers/hf_validation.py"
@@ -735,37 +752,3 @@ def test_a_sharded_llama_trains_after_an_evaluation_in_the_same_process(
     assert result["evaluated"] == [["eval", 0]]
     assert result["steps"] == [1, 2]
     assert all(math.isfinite(norm) and norm > 0 for norm in result["grad_norms"])
-
-
-# ------------------------------------------------------------- the score covers the whole set
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("nproc", [1, 2, 3])
-def test_the_score_is_the_mean_over_the_whole_valid_set_at_any_dp_size(
-    tmp_path: Path, run_torchrun: RunTorch, nproc: int
-) -> None:
-    # 11 examples in batches of 3 with the training defaults (drop_remainder, until the first
-    # rank): neither the batch size nor 2 or 3 ranks divide the set, and at 3 ranks the third
-    # one has no data for the last step.
-    assert_ok(run_torchrun(nproc, "tests/workers/valid_score.py", str(tmp_path)))
-    model, (x, y) = valid_score.make_model(), valid_score.make_dataset().tensors
-    with torch.no_grad():
-        expected = (model(x) - y).pow(2).mean().item()
-    for rank in range(nproc):
-        values = json.loads((tmp_path / f"score_rank_{rank}.json").read_text())
-        assert values["num_examples"] == valid_score.NUM_EXAMPLES
-        assert values["mse"] == pytest.approx(expected, rel=1e-6)
-
-
-def test_a_valid_reader_built_for_training_reads_every_example() -> None:
-    reader = MapDataReader(dataset=ToyDataset(11), batch_size=3, collate=collate, gang=FakeGang())
-    model = ToyModel()
-    Evaluator(
-        model=model,
-        units=[ToyEvalUnit(model)],
-        data_readers=[reader],
-        gangs=Gangs.single(),
-        recorder=ListRecorder(),
-    )
-    assert [len(batch.x) for batches in reader for batch in batches] == [3, 3, 3, 2]

@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 from runtime.data.text.files import FORMATS, TextDataError, find_files
+from runtime.data.text.instructions import (
+    IGNORE_INDEX,
+    InstructionBatch,
+    InstructionDataset,
+    InstructionFields,
+    collate_instructions,
+)
 from runtime.data.text.mixture import MixtureSampler, TextSource, parse_mixture
 from runtime.data.text.packing import TextBatch
 from runtime.data.text.reader import TextDataReader
@@ -15,6 +22,11 @@ from runtime.data.text.tokenizer import (
 
 __all__ = [
     "FORMATS",
+    "IGNORE_INDEX",
+    "InstructionBatch",
+    "InstructionDataset",
+    "InstructionFields",
+    "collate_instructions",
     "ByteTokenizer",
     "HuggingFaceTokenizer",
     "MixtureSampler",

@@ -25,6 +25,13 @@ class TextBatch:
     num_targets: int
     document_ids: Tensor | None = None  # [batch_size, seq_len], int64
     positions: Tensor | None = None  # [batch_size, seq_len], int64
+    num_bad_lines: int = 0
+    """Lines the reader had skipped (``skip_bad_lines``) when it made this batch, so a unit can
+    publish the count."""
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.size(0)
 
 
 def make_batch(rows: Sequence[Sequence[Tensor]], *, with_documents: bool) -> TextBatch:

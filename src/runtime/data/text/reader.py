@@ -128,10 +128,21 @@ class TextDataReader(DataReader[TextBatch]):
         self._sequence_nr += self._batch_size * self._num_accumulate * gang_size
         self._step_nr += 1
         size = self._batch_size
-        return [
+        batches = [
             make_batch(rows[start : start + size], with_documents=self._document_ids)
             for start in range(0, len(rows), size)
         ]
+        for batch in batches:
+            batch.num_bad_lines = self.num_bad_lines
+        return batches
+
+    @override
+    def for_evaluation(self) -> TextDataReader:
+        raise ValueError(
+            "A TextDataReader packs a stream and drops its last partial step, so a score over it "
+            "would leave out the end of the valid set. Tokenize the valid set and read it with "
+            "MapDataReader (it keeps every example) as valid_data_readers."
+        )
 
     @override
     def reset(self) -> None:

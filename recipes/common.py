@@ -1,0 +1,206 @@
+"""What the recipes share: the config sections every recipe has, and how they become a Trainer.
+
+A recipe owns its model and data; the gang, optimizer, FSDP2 and trainer sections, the learning
+rate schedule and the Trainer's keyword arguments are the same for all of them, so they live here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from checkpoint import CheckpointManager
+from gangs import Gangs
+from runtime import DataParallelKind, PatienceEarlyStopper, TorchProfiler
+from runtime.data.text import IGNORE_INDEX
+
+
+@dataclass
+class GangSection:
+    tp_size: int = 1
+    dp_shard_size: int | None = None
+    """HSDP: shard over this many DP ranks (a node), replicate across the groups of them."""
+    timeout_minutes: int = 15
+
+
+@dataclass
+class FsdpSection:
+    """FSDP2/HSDP mixed precision; ignored by DDP. None: the parameters' own dtype."""
+
+    param_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """The dtype the blocks' parameters are gathered and computed in."""
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """The dtype gradients are reduced in across the DP gang."""
+
+
+@dataclass
+class OptimizerSection:
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 20
+
+
+@dataclass
+class TrainerSection:
+    max_num_steps: int = 300
+    max_num_data_epochs: int | None = None
+    publish_metrics_every_n_steps: int = 10
+    validate_every_n_steps: int = 100
+    validate_at_start: bool = False
+    """Validate once before the first step too (a baseline score)."""
+    checkpoint_every_n_steps: int = 100
+    keep_last_n_checkpoints: int | None = 2
+    keep_best_n_checkpoints: int | None = 1
+    async_checkpoint: bool = False
+    reshard_on_resume: bool = False
+    """Resume from checkpoints of another world layout (not bit-exact; see the README)."""
+    early_stop_patience: int | None = None
+    """Stop after this many validations in a row without a lower validation loss."""
+    early_stop_min_delta: float = 0.0
+    """How much lower the validation loss must be to count as an improvement."""
+    max_gradient_norm: float | None = 1.0
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """With ``amp``, the forward runs in this dtype; float16 also turns on loss scaling."""
+    amp: bool = False
+    seed: int = 2
+    profile: bool = False
+    """Trace ``profile_record_steps`` steps after ``profile_skip_steps`` to OUTPUT_DIR/profile."""
+    profile_skip_steps: int = 10
+    profile_record_steps: int = 3
+    nan_policy: Literal["error", "skip"] = "error"
+    """``error`` stops at a NaN or infinite loss or gradient norm; ``skip`` skips such steps."""
+    max_consecutive_skipped_steps: int = 10
+    gc_every_n_steps: int | None = 50
+    """Python's garbage collection runs on every rank after the same steps (None: automatic)."""
+    device_peak_flops: float | None = None
+    """The device's peak FLOP/s in the training dtype, to publish ``mfu`` (e.g. 312e12: A100 bf16);
+    on CUDA, None means the Trainer's table of common devices (H100, A100, ...)."""
+
+
+class ParallelConfig(Protocol):
+    """The parts of a recipe's config that choose its data-parallel layout."""
+
+    gang: GangSection
+    data_parallel: Literal["auto", "ddp", "fsdp", "hsdp"]
+
+
+def data_parallel_kind(config: ParallelConfig, gangs: Gangs) -> DataParallelKind:
+    """``auto``: HSDP with gang.dp_shard_size, else FSDP2 with TP, else DDP."""
+    if config.data_parallel != "auto":
+        return config.data_parallel
+    if config.gang.dp_shard_size is not None:
+        return "hsdp"
+    return "fsdp" if gangs.tp.size > 1 else "ddp"
+
+
+def dtype_of(name: str | None) -> torch.dtype | None:
+    return None if name is None else cast(torch.dtype, getattr(torch, name))
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """Linear warmup, then cosine decay to a tenth of the peak learning rate."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+    return factor
+
+
+def summed_nll_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Cross entropy summed over the targets, computed in float32; ``IGNORE_INDEX`` targets
+    (prompts, padding) count for nothing."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(),
+        targets.flatten(),
+        reduction="sum",
+        ignore_index=IGNORE_INDEX,
+    )
+
+
+def adamw_with_schedule(
+    model: nn.Module, config: OptimizerSection, *, max_num_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_cosine(config.warmup_steps, max_num_steps)
+    )
+    return optimizer, scheduler
+
+
+def trainer_options(
+    t: TrainerSection,
+    *,
+    output_dir: Path,
+    gangs: Gangs,
+    wandb_project: str | None,
+    init_from: Path | None,
+    flops_per_target: Callable[[], float],
+    validates: bool = True,
+) -> dict[str, Any]:
+    """The Trainer's keyword arguments that come from the trainer section and OUTPUT_DIR.
+
+    Without validation (``validates=False``) nothing ranks checkpoints or stops early.
+    """
+    early_stopper = (
+        PatienceEarlyStopper(
+            t.early_stop_patience, min_delta=t.early_stop_min_delta, lower_better=True
+        )
+        if t.early_stop_patience is not None and validates
+        else None
+    )
+    profiler = (
+        TorchProfiler(
+            t.profile_skip_steps, t.profile_record_steps, output_dir / "profile", gangs.root
+        )
+        if t.profile
+        else None
+    )
+    options: dict[str, Any] = {
+        "checkpoint_manager": CheckpointManager(output_dir / "checkpoints", gangs),
+        "gangs": gangs,
+        "dtype": getattr(torch, t.dtype),
+        "max_num_steps": t.max_num_steps,
+        "max_num_data_epochs": t.max_num_data_epochs,
+        "validate_every_n_steps": t.validate_every_n_steps,
+        "validate_at_start": t.validate_at_start and validates,
+        "checkpoint_every_n_steps": t.checkpoint_every_n_steps,
+        "keep_last_n_checkpoints": t.keep_last_n_checkpoints,
+        "keep_best_n_checkpoints": t.keep_best_n_checkpoints if validates else None,
+        "async_checkpoint": t.async_checkpoint,
+        "reshard_on_resume": t.reshard_on_resume,
+        "score_metric_name": "nll_loss" if validates else None,
+        "lower_better": True,
+        "early_stopper": early_stopper,
+        "publish_metrics_every_n_steps": t.publish_metrics_every_n_steps,
+        "tb_dir": output_dir / "tb",
+        "metrics_dir": output_dir / "metrics",
+        "wandb_project": wandb_project,
+        "wandb_dir": output_dir,
+        "max_gradient_norm": t.max_gradient_norm,
+        "amp": t.amp,
+        "profiler": profiler,
+        "seed": t.seed,
+        "init_from": init_from,
+        "nan_policy": t.nan_policy,
+        "max_consecutive_skipped_steps": t.max_consecutive_skipped_steps,
+        "gc_every_n_steps": t.gc_every_n_steps,
+        # On CUDA the Trainer knows the peak of common devices, so mfu needs only the FLOPs.
+        "flops_per_target": (
+            flops_per_target() if t.device_peak_flops or gangs.root.device.type == "cuda" else None
+        ),
+        "device_peak_flops": t.device_peak_flops,
+    }
+    return options

@@ -1,0 +1,506 @@
+"""Train or fine-tune a causal language model on your text files.
+
+The model is a Hugging Face causal LM from a local directory (``model.hf_path=DIR``: its
+``config.json``, safetensors and ``tokenizer.json``) or the project's own Llama-style model
+(``model.name=llama_debug|llama_125m|llama_1b|llama_8b``). The data is JSONL, plain text or Parquet
+(``data.train=``, ``data.valid=``, or ``data.mixture=[{path: ..., weight: ...}]``), tokenized in
+worker processes and packed into sequences (``task=pretrain``), or prompt/response pairs with the loss
+on the responses only (``task=sft``). Run it with
+``torchrun --standalone --nproc-per-node 8 -m recipes.lm OUTPUT_DIR --config model.hf_path=DIR
+data.train=train.jsonl``; ``python -m runtime export OUTPUT_DIR DEST --format hf`` writes a
+Hugging Face directory of the result.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass, field
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torcheval.metrics import Max, Mean
+
+from checkpoint.arguments import check_positive
+from gangs import Gangs, setup_gangs
+from recipes.common import (
+    FsdpSection,
+    GangSection,
+    OptimizerSection,
+    TrainerSection,
+    adamw_with_schedule,
+    data_parallel_kind,
+    dtype_of,
+    summed_nll_loss,
+    trainer_options,
+)
+from recipes.llama import Llama, hf_config, llama_args, tensor_parallel_plan
+from runtime import (
+    DataReader,
+    MapDataReader,
+    SyncMode,
+    Trainer,
+    apply_activation_checkpointing,
+    apply_data_parallel,
+    apply_tensor_parallel,
+    compile_blocks,
+    main,
+    materialize_model,
+)
+from runtime.cli.hf_export import HF_FILES_DIR
+from runtime.data.text import (
+    InstructionDataset,
+    InstructionFields,
+    TextBatch,
+    TextDataReader,
+    Tokenizer,
+    collate_instructions,
+    load_tokenizer,
+    parse_mixture,
+)
+from units import EvalUnit, TrainUnit
+
+log = logging.getLogger(__name__)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+# ---------------------------------------------------------------------------- config
+
+
+@dataclass
+class ModelSection:
+    hf_path: Path | None = None
+    """A Hugging Face causal LM directory: built from its config.json, loaded from its weights."""
+    name: str | None = None
+    """The project's Llama-style model: llama_debug, llama_125m, llama_1b or llama_8b."""
+    from_scratch: bool = False
+    """With hf_path: train from the model's own initialization instead of the directory's weights."""
+    activation_checkpointing: bool = False
+    activation_checkpointing_every_n: int = 1
+
+
+@dataclass
+class TokenizerSection:
+    path: Path | None = None
+    """A tokenizer.json (or its directory); default: model.hf_path's, else UTF-8 bytes."""
+
+
+@dataclass
+class DataSection:
+    train: str | None = None
+    """Training files: a path, directory or glob of .jsonl, .txt or .parquet files."""
+    valid: str | None = None
+    mixture: list[dict[str, Any]] | None = None
+    """Instead of train: [{path: ..., weight: ...}, ...], sampled by weight."""
+    text_field: str = "text"
+    seq_len: int = 512
+    batch_size: int = 8
+    """Sequences per micro-batch on each DP rank."""
+    num_accumulate: int = 1
+    num_workers: int = 2
+    """Processes that read and tokenize the training files (0: in the training process)."""
+    document_mask: bool = False
+    """Keep attention inside each packed document (the project's Llama model only)."""
+    skip_bad_lines: bool = False
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    messages_field: str | None = None
+    """task=sft: a chat messages field, rendered with the tokenizer's chat template."""
+    bucket_size: int = 1024
+    """task=sft: examples sorted by length within windows of this many, to pad little."""
+
+
+@dataclass
+class LMConfig:
+    task: Literal["pretrain", "sft"] = "pretrain"
+    """pretrain: packed text, every token a target; sft: prompt/response pairs, responses only."""
+    gang: GangSection = field(default_factory=GangSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
+    data: DataSection = field(default_factory=DataSection)
+    optimizer: OptimizerSection = field(default_factory=lambda: OptimizerSection(lr=3e-4))
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    fsdp: FsdpSection = field(default_factory=FsdpSection)
+    data_parallel: Literal["auto", "ddp", "fsdp", "hsdp"] = "auto"
+    """auto: HSDP with gang.dp_shard_size, else FSDP2 with TP, else DDP."""
+    compile: bool = False
+    """torch.compile each decoder layer."""
+    init_from: Path | None = None
+    """Start from these weights instead (an export file, a run, or a step_N directory)."""
+    wandb_project: str | None = None
+
+    def validate(self) -> None:
+        model = self.model
+        if (model.hf_path is None) == (model.name is None):
+            raise ValueError(
+                "Give exactly one of model.hf_path (a Hugging Face model directory) and "
+                f"model.name (llama_debug, ...), but model.hf_path is {model.hf_path} and "
+                f"model.name is {model.name}."
+            )
+        if model.hf_path is not None and not (model.hf_path / "config.json").is_file():
+            raise ValueError(
+                f"model.hf_path must be a Hugging Face model directory with a config.json, but "
+                f"{model.hf_path} has none."
+            )
+        if (self.data.train is None) == (self.data.mixture is None):
+            raise ValueError(
+                "Give exactly one of data.train (files to train on) and data.mixture "
+                "([{path: ..., weight: ...}]), but "
+                + ("both are set." if self.data.train else "neither is set.")
+            )
+        if self.task == "sft" and self.data.mixture is not None:
+            raise ValueError("task=sft reads one dataset: give data.train, not data.mixture.")
+        for name, value in (
+            ("data.seq_len", self.data.seq_len),
+            ("data.batch_size", self.data.batch_size),
+            ("gang.tp_size", self.gang.tp_size),
+        ):
+            check_positive(name, value)
+        if self.data.document_mask and (model.hf_path is not None or self.task == "sft"):
+            raise ValueError(
+                "data.document_mask needs the project's model (model.name) and task=pretrain: a "
+                "Hugging Face model gets no per-document mask here. Leave document_mask false."
+            )
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def load_recipe_tokenizer(config: LMConfig) -> Tokenizer:
+    path = config.tokenizer.path
+    hf_path = config.model.hf_path
+    if path is None and hf_path is not None and (hf_path / "tokenizer.json").is_file():
+        path = hf_path
+    return load_tokenizer(path)
+
+
+def build_readers(
+    config: LMConfig, tokenizer: Tokenizer, gangs: Gangs
+) -> tuple[DataReader[Any], DataReader[Any] | None]:
+    data, seed = config.data, config.trainer.seed
+    if config.task == "sft":
+        return _sft_reader(config, tokenizer, gangs, data.train, train=True), (
+            _sft_reader(config, tokenizer, gangs, data.valid, train=False) if data.valid else None
+        )
+    sources = parse_mixture(data.mixture) if data.mixture is not None else data.train
+    assert sources is not None
+    train = TextDataReader(
+        sources=sources,
+        tokenizer=tokenizer,
+        seq_len=data.seq_len,
+        batch_size=data.batch_size,
+        gang=gangs.dp,
+        num_accumulate=data.num_accumulate,
+        seed=seed,
+        num_workers=data.num_workers,
+        text_field=data.text_field,
+        skip_bad_lines=data.skip_bad_lines,
+        document_ids=data.document_mask,
+    )
+    valid = None
+    if data.valid is not None:
+        valid = MapDataReader(
+            dataset=packed_valid_set(config, tokenizer),
+            batch_size=data.batch_size,
+            collate=collate_text_batches,
+            gang=gangs.dp,
+            shuffle=False,
+            drop_remainder=False,
+            sync_mode=SyncMode.UNTIL_LAST,
+        )
+    return train, valid
+
+
+def packed_valid_set(config: LMConfig, tokenizer: Tokenizer) -> list[TextBatch]:
+    """The valid files packed once, in file order, into sequences of one row each: every rank
+    holds them all and the reader shards them, so the score covers every full sequence (only
+    the tokens after the last one are left out)."""
+    data = config.data
+    assert data.valid is not None
+    reader = TextDataReader(
+        sources=data.valid,
+        tokenizer=tokenizer,
+        seq_len=data.seq_len,
+        batch_size=1,
+        gang=Gangs.single().dp,
+        text_field=data.text_field,
+        skip_bad_lines=data.skip_bad_lines,
+        document_ids=data.document_mask,
+        shuffle_files=False,
+    )
+    try:
+        rows = [batch for batches in reader for batch in batches]
+    finally:
+        reader.close()
+    if not rows:
+        raise ValueError(
+            f"data.valid ({data.valid}) holds fewer than data.seq_len + 1 ({data.seq_len + 1}) "
+            "tokens: not one sequence to validate on."
+        )
+    return rows
+
+
+def collate_text_batches(rows: list[TextBatch]) -> TextBatch:
+    def cat(name: str) -> Tensor | None:
+        parts = [getattr(row, name) for row in rows]
+        return None if parts[0] is None else torch.cat(parts)
+
+    input_ids, target_ids = cat("input_ids"), cat("target_ids")
+    assert input_ids is not None and target_ids is not None
+    return TextBatch(
+        input_ids=input_ids,
+        target_ids=target_ids,
+        num_targets=sum(row.num_targets for row in rows),
+        document_ids=cat("document_ids"),
+        positions=cat("positions"),
+    )
+
+
+def _sft_reader(
+    config: LMConfig, tokenizer: Tokenizer, gangs: Gangs, path: str | None, *, train: bool
+) -> DataReader[Any]:
+    data = config.data
+    assert path is not None
+    dataset = InstructionDataset(
+        path,
+        tokenizer=tokenizer,
+        max_len=data.seq_len,
+        fields=InstructionFields(
+            prompt=data.prompt_field, response=data.response_field, messages=data.messages_field
+        ),
+        seed=config.trainer.seed,
+        bucket_size=data.bucket_size,
+        skip_bad_lines=data.skip_bad_lines,
+    )
+    # The dataset's own order already groups similar lengths; a reader shuffle would undo it.
+    return MapDataReader(
+        dataset=dataset,
+        batch_size=data.batch_size,
+        collate=partial(collate_instructions, pad_id=tokenizer.eos_id),
+        gang=gangs.dp,
+        num_accumulate=data.num_accumulate if train else 1,
+        shuffle=False,
+        drop_remainder=train,
+        sync_mode=SyncMode.UNTIL_FIRST if train else SyncMode.UNTIL_LAST,
+    )
+
+
+# ----------------------------------------------------------------------------- units
+
+
+class TokenBatch(Protocol):
+    input_ids: Tensor
+    target_ids: Tensor
+    num_targets: int
+
+
+def logits_of(model: nn.Module, batch: Any) -> Tensor:
+    """The logits of a batch, from the project's model or from a Hugging Face model's output."""
+    document_ids = getattr(batch, "document_ids", None)
+    if document_ids is not None:
+        output = model(batch.input_ids, document_ids=document_ids, positions=batch.positions)
+    else:
+        output = model(input_ids=batch.input_ids)
+    logits: Tensor = output if isinstance(output, Tensor) else output.logits
+    return logits
+
+
+class LMTrainUnit(TrainUnit[TokenBatch]):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.metric_bag.register_metric("nll_loss", Mean(), persistent=False)
+        self.metric_bag.register_metric("num_bad_lines", Max(), persistent=False)
+
+    def __call__(self, batch: TokenBatch) -> tuple[Tensor, int | None]:
+        # The reader's count of skipped lines (data.skip_bad_lines), published with the metrics.
+        self.metric_bag.num_bad_lines.update(torch.tensor(getattr(batch, "num_bad_lines", 0)))
+        loss = summed_nll_loss(logits_of(self.model, batch), batch.target_ids)
+        # A micro-batch of an SFT run may hold no response token; its mean is left out.
+        weight = max(batch.num_targets, 1)
+        self.metric_bag.nll_loss.update(loss.detach() / weight, weight=batch.num_targets)
+        return loss, batch.num_targets
+
+
+class LMEvalUnit(EvalUnit[TokenBatch]):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.metric_bag.register_metric("nll_loss", Mean())
+
+    def __call__(self, batch: TokenBatch) -> None:
+        if batch.num_targets == 0:
+            return
+        loss = summed_nll_loss(logits_of(self.model, batch), batch.target_ids)
+        self.metric_bag.nll_loss.update(loss / batch.num_targets, weight=batch.num_targets)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+@dataclass
+class BuiltModel:
+    model: nn.Module
+    block_types: tuple[type[nn.Module], ...]
+    flops_per_token: float
+    hf_config: dict[str, Any]
+
+
+def build_model(config: LMConfig, gangs: Gangs, tokenizer: Tokenizer) -> BuiltModel:
+    """Build on meta, then TP, activation checkpointing, FSDP2/HSDP, materialize, DDP, compile."""
+    if config.model.hf_path is not None:
+        model, init_fn, plan, hf = _hf_model(config.model.hf_path)
+    else:
+        assert config.model.name is not None
+        args = llama_args(
+            config.model.name, vocab_size=tokenizer.vocab_size, max_seq_len=config.data.seq_len
+        )
+        with torch.device("meta"):
+            model = Llama(args)
+        init_fn, plan = model.init_module, tensor_parallel_plan(model)
+        hf = hf_config(args, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
+    block_types = _block_types(model)
+    kind = data_parallel_kind(config, gangs)
+    if hf.get("tie_word_embeddings") and (kind != "ddp" or gangs.tp.size > 1):
+        raise ValueError(
+            f"{config.model.hf_path} ties its input and output embeddings, which this recipe "
+            "trains with DDP only. Use data_parallel=ddp and gang.tp_size=1."
+        )
+    model = apply_tensor_parallel(model, gangs, plan)
+    if config.model.activation_checkpointing:
+        apply_activation_checkpointing(
+            model, block_types=block_types, every_n=config.model.activation_checkpointing_every_n
+        )
+    if kind != "ddp":
+        model = apply_data_parallel(
+            model,
+            gangs,
+            kind=kind,
+            fsdp_units=block_types,
+            param_dtype=dtype_of(config.fsdp.param_dtype),
+            reduce_dtype=dtype_of(config.fsdp.reduce_dtype),
+        )
+    materialize_model(model, device=gangs.root.device, seed=config.trainer.seed, init_fn=init_fn)
+    if hf.get("tie_word_embeddings"):
+        model.tie_weights()  # type: ignore[operator]
+    if kind == "ddp":
+        model = apply_data_parallel(model, gangs, kind="ddp")
+    if config.compile:
+        compile_blocks(model, block_types=block_types)
+    num_params = sum(p.numel() for p in model.parameters())
+    return BuiltModel(model, block_types, 6.0 * num_params, hf)
+
+
+def _hf_model(path: Path) -> tuple[nn.Module, Any, dict[str, ParallelStyle], dict[str, Any]]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config_object = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config_object, attn_implementation="sdpa")
+
+    def init_fn(name: str, module: nn.Module) -> None:
+        model._init_weights(module)
+
+    plan = _hf_tensor_parallel_plan(model, hf_config_object)
+    return model, init_fn, plan, json.loads((path / "config.json").read_text())
+
+
+def _hf_tensor_parallel_plan(model: nn.Module, hf_config_object: Any) -> dict[str, ParallelStyle]:
+    """The config's ``base_model_tp_plan`` (Llama-family models), as torch's parallel styles."""
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan: dict[str, ParallelStyle] = {}
+    prefix = getattr(model, "base_model_prefix", "model")
+    for pattern, style in (getattr(hf_config_object, "base_model_tp_plan", None) or {}).items():
+        if style not in styles:
+            continue  # e.g. the embedding's replicated input: fine unsplit
+        num_layers = hf_config_object.num_hidden_layers
+        for i in range(num_layers):
+            plan[f"{prefix}.{pattern.replace('*', str(i))}"] = styles[style]()
+    return plan
+
+
+def _block_types(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    """The decoder layer class: FSDP2's unit, checkpointed and compiled one at a time."""
+    if isinstance(model, Llama):
+        from recipes.llama import DecoderLayer
+
+        return (DecoderLayer,)
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    types = tuple({type(m) for m in model.modules() if type(m).__name__ in names})
+    if not types:
+        raise ValueError(
+            f"{type(model).__name__} names no decoder layer class (_no_split_modules), so it "
+            "cannot be sharded layer by layer."
+        )
+    return types
+
+
+def write_hf_files(config: LMConfig, hf: dict[str, Any], tokenizer: Tokenizer, out: Path) -> None:
+    """Rank 0 keeps the model's config.json and tokenizer files under OUTPUT_DIR, for export."""
+    target = out / HF_FILES_DIR
+    partial_dir = out / f"{HF_FILES_DIR}.partial"
+    shutil.rmtree(partial_dir, ignore_errors=True)
+    partial_dir.mkdir(parents=True)
+    (partial_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    tokenizer_path = getattr(tokenizer, "path", None)
+    if tokenizer_path is not None:
+        for name in _TOKENIZER_FILES:
+            source = Path(tokenizer_path).parent / name
+            if source.is_file():
+                shutil.copy2(source, partial_dir / name)
+    if config.model.hf_path is not None:
+        source = config.model.hf_path / "generation_config.json"
+        if source.is_file():
+            shutil.copy2(source, partial_dir / source.name)
+    shutil.rmtree(target, ignore_errors=True)
+    partial_dir.replace(target)
+
+
+# ---------------------------------------------------------------------------- recipe
+
+
+def recipe(config: LMConfig, output_dir: Path) -> Trainer[Any]:
+    gangs = setup_gangs(
+        tp_size=config.gang.tp_size,
+        dp_shard_size=config.gang.dp_shard_size,
+        timeout=timedelta(minutes=config.gang.timeout_minutes),
+    )
+    tokenizer = load_recipe_tokenizer(config)
+    built = build_model(config, gangs, tokenizer)
+    log.info("Model: %s, %d parameters.", type(built.model).__name__, built.flops_per_token / 6)
+    if gangs.root.rank == 0:
+        write_hf_files(config, built.hf_config, tokenizer, output_dir)
+    train_reader, valid_reader = build_readers(config, tokenizer, gangs)
+    optimizer, lr_scheduler = adamw_with_schedule(
+        built.model, config.optimizer, max_num_steps=config.trainer.max_num_steps
+    )
+    init_from = config.init_from
+    if init_from is None and config.model.hf_path is not None and not config.model.from_scratch:
+        init_from = config.model.hf_path
+    return Trainer(
+        unit=LMTrainUnit(built.model),
+        data_reader=train_reader,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        valid_units=[LMEvalUnit(built.model)] if valid_reader is not None else [],
+        valid_data_readers=[valid_reader] if valid_reader is not None else [],
+        **trainer_options(
+            config.trainer,
+            output_dir=output_dir,
+            gangs=gangs,
+            wandb_project=config.wandb_project,
+            init_from=init_from,
+            flops_per_target=lambda: built.flops_per_token,
+            validates=valid_reader is not None,
+        ),
+    )
+
+
+if __name__ == "__main__":
+    main(recipe, LMConfig)

@@ -1,0 +1,88 @@
+"""``python -m runtime export OUTPUT_DIR DEST --format hf``: a Hugging Face model directory.
+
+A recipe that trains a Hugging Face-compatible model keeps the model's ``config.json`` and its
+tokenizer files in ``OUTPUT_DIR/hf/`` (``recipes.lm`` does); export writes them beside the
+checkpoint's weights as safetensors, one file or shards of at most ``max_shard_bytes`` with the
+``model.safetensors.index.json`` that ``from_pretrained`` reads. The directory is written under a
+temporary name and renamed when complete, so DEST is either whole or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+from torch import Tensor
+
+HF_FILES_DIR = "hf"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+
+def write_hf_directory(
+    state: Mapping[str, object],
+    output_dir: Path,
+    destination: Path,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[Path]:
+    """Write ``state`` with the run's ``hf/`` files as a Hugging Face directory; the files written."""
+    from safetensors.torch import save_file  # type: ignore[import-not-found,unused-ignore]
+
+    source = output_dir / HF_FILES_DIR
+    if not (source / "config.json").is_file():
+        raise ValueError(
+            f"{output_dir} has no {HF_FILES_DIR}/config.json, so its model cannot be written as a "
+            "Hugging Face directory. --format hf needs a run of a recipe that keeps one "
+            "(recipes.lm does); export to a .pt file instead."
+        )
+    if destination.exists() and any(destination.iterdir()):
+        raise ValueError(f"{destination} exists and is not empty. Give a new directory.")
+    tensors = {
+        key: value.detach().contiguous().clone()
+        for key, value in state.items()
+        if isinstance(value, Tensor)
+    }
+    shards = _shards(tensors, max_shard_bytes)
+    partial = destination.with_name(destination.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    for name, shard in zip(names, shards, strict=True):
+        save_file(shard, str(partial / name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())},
+            "weight_map": {
+                key: name for name, shard in zip(names, shards, strict=True) for key in shard
+            },
+        }
+        (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    for file in sorted(source.iterdir()):
+        if file.is_file():
+            shutil.copy2(file, partial / file.name)
+    if destination.exists():
+        destination.rmdir()
+    partial.replace(destination)
+    return sorted(destination.iterdir())
+
+
+def _shards(tensors: Mapping[str, Tensor], max_shard_bytes: int) -> list[dict[str, Tensor]]:
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for key, tensor in tensors.items():
+        if shards[-1] and size + _nbytes(tensor) > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor
+        size += _nbytes(tensor)
+    return shards
+
+
+def _nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
