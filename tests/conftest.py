@@ -241,6 +241,16 @@ def make_tokenizer_dir(
     return directory
 
 
+@pytest.fixture(params=["fast", "public"])
+def checkpoint_io(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test on each of the checkpoint package's two ways through DCP (the fast path for
+    the tested torch versions, and public DCP); torchrun children inherit the choice."""
+    from checkpoint.dcp_io import IO_ENV_VAR
+
+    monkeypatch.setenv(IO_ENV_VAR, request.param)
+    return str(request.param)
+
+
 @pytest.fixture(autouse=True)
 def fail_on_logging_errors(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A test fails when a log record could not be written ("--- Logging error ---"): a handler

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from checkpoint.base import AbstractCheckpointManager, LoadedCheckpoint
-from checkpoint.catalog import CheckpointChoice
 from checkpoint.errors import (
     CheckpointDirectoryError,
     CheckpointError,
@@ -13,6 +12,7 @@ from checkpoint.errors import (
 )
 from checkpoint.layout import WorldLayout
 from checkpoint.manager import CheckpointManager
+from checkpoint.manifest import CheckpointChoice
 from checkpoint.retention import (
     CheckpointInfo,
     RetentionPlan,

@@ -8,7 +8,7 @@ methods below; the others have defaults that fit a storage without background wr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ from typing import Any
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from checkpoint.catalog import CheckpointChoice, choose_checkpoint
+from checkpoint.manifest import CheckpointChoice, choose_checkpoint
 from checkpoint.retention import CheckpointInfo, RetentionPolicy
 
 
@@ -43,12 +43,17 @@ class AbstractCheckpointManager(ABC):
         step_nr: int,
         *,
         model: Module,
-        optimizer: Optimizer,
+        optimizer: Optimizer | Sequence[Optimizer],
         trainer_state: Mapping[str, Any],
         score: float | None = None,
         async_checkpoint: bool = False,
+        exclude: Sequence[str] = (),
     ) -> None:
         """Save model, optimizer and trainer state of ``step_nr`` with its validation ``score``.
+
+        ``optimizer`` is the Trainer's one optimizer, or the sequence of its several.
+        The model entries that a pattern of ``exclude`` matches (``fnmatch``) are left out, and
+        a load keeps what the model holds for them (see :mod:`checkpoint.exclusion`).
 
         Returns once committed; an implementation that writes in the background may return
         earlier when ``async_checkpoint`` is set, with :attr:`pending_step_nr` set until
@@ -57,7 +62,7 @@ class AbstractCheckpointManager(ABC):
 
     @abstractmethod
     def load_last_checkpoint(
-        self, *, model: Module, optimizer: Optimizer, reshard: bool = False
+        self, *, model: Module, optimizer: Optimizer | Sequence[Optimizer], reshard: bool = False
     ) -> LoadedCheckpoint | None:
         """Load the newest full checkpoint into ``model`` and ``optimizer``; None if none."""
 

@@ -1,27 +1,38 @@
-"""The checkpoint directory on disk: what is in it, and the moves that keep it consistent.
+"""The checkpoint directory on disk: what is in it, the moves that keep it consistent, the
+writes that survive a crash, and whether every rank sees it.
 
 ``step_N/`` with a manifest is a committed checkpoint; ``step_N.tmp/`` (or a ``step_N/`` without
 a manifest, left by an interrupted delete) is incomplete; ``step_N.damaged[K]/`` was found damaged
 by a resume and moved aside. Every function here runs on one rank; the manager coordinates.
+
+A durable write leaves a reader the old file or the whole new one, never half. The shared-directory
+check runs before any training: ranks that name different directories (a per-rank temp dir, nodes
+without a shared filesystem) would otherwise fail at the first save, after a whole checkpoint
+interval of training is lost.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import os
 import re
+import secrets
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final, cast
 
-from checkpoint.durable import fsync_dir
+from checkpoint.errors import CheckpointDirectoryError
+from gangs import Gang
 
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME: Final = "manifest.json"
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+STEP_DIR_PATTERN: Final = re.compile(r"^step_(\d+)$")
 _DAMAGED_DIR = re.compile(r"^step_\d+\.damaged\d*$")
 
 
@@ -44,7 +55,7 @@ def scan(checkpoint_dir: Path) -> DirectoryListing:
     damaged: list[Path] = []
     if checkpoint_dir.is_dir():
         for path in checkpoint_dir.iterdir():
-            match = _STEP_DIR.match(path.name)
+            match = STEP_DIR_PATTERN.match(path.name)
             if match is not None:
                 if (path / MANIFEST_NAME).is_file():
                     committed[int(match.group(1))] = path
@@ -85,3 +96,121 @@ def remove_incomplete(checkpoint_dir: Path) -> None:
     for path in scan(checkpoint_dir).incomplete:
         log.warning("Removing %s, left by an interrupted save or delete.", path)
         shutil.rmtree(path, ignore_errors=True)
+
+
+_SYNC_FILE_RANGE_WRITE: Final = 2
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` in one step (no fsync: for files a crash may lose)."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)
+
+
+def write_json_durably(obj: Any, file: Path) -> None:
+    """Replace ``file`` with ``obj`` as JSON, flushed to disk with its directory entry."""
+    tmp = file.with_name(file.name + ".partial")
+    with tmp.open("w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, file)
+    fsync_dir(file.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of ``path`` (new, renamed or removed files) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Have the kernel start writing ``length`` bytes of ``fd`` from ``offset`` to disk, and
+    return without waiting for them (Linux's ``sync_file_range(SYNC_FILE_RANGE_WRITE)``).
+
+    Only a head start for the ``fsync`` that must follow: it makes nothing durable by itself. A
+    large file written in full and then fsynced keeps the disk idle while it is written and the
+    CPU idle while it is flushed; started as the bytes arrive, the two overlap. Where the call is
+    missing (not Linux) this does nothing, and the ``fsync`` does all the writing as before.
+    """
+    import ctypes  # on first use: the CLI imports this module, and ctypes is not free to load
+
+    sync_file_range = libc_function(
+        "sync_file_range", (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    )
+    if sync_file_range is not None:
+        sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
+@functools.cache
+def libc_function(name: str, argtypes: tuple[Any, ...]) -> Callable[..., int] | None:
+    """The C library's function ``name``, taking ``argtypes`` (ctypes types) and returning an
+    int; None where the library has none (not Linux, or a Linux too old for it)."""
+    import ctypes
+
+    try:
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = list(argtypes)
+    function.restype = ctypes.c_int
+    return function  # type: ignore[no-any-return]
+
+
+_PROBE_PREFIX = ".shared-directory-probe-"
+
+
+def check_shared_directory(gang: Gang, checkpoint_dir: Path) -> None:
+    """Raise :class:`CheckpointDirectoryError` on every rank unless all see rank 0's directory.
+
+    Rank 0 writes a probe file with a random token into ``checkpoint_dir``; every rank must find
+    it under the same resolved path. Three collectives of small objects; nothing on one process.
+    """
+    if gang.size == 1:
+        return
+    probe: list[object] = [None]
+    if gang.rank == 0:
+        probe[0] = _write_probe(checkpoint_dir)
+    gang.broadcast_objects(probe)
+    if isinstance(probe[0], str):  # rank 0 could not write; no rank may wait for it
+        raise CheckpointDirectoryError(probe[0])
+    resolved, name, token = cast(tuple[str, str, str], probe[0])
+    problems = gang.all_gather_objects(_problem(checkpoint_dir, resolved, name, token))
+    if gang.rank == 0:
+        (checkpoint_dir / name).unlink(missing_ok=True)
+    bad = [(rank, problem) for rank, problem in enumerate(problems) if problem is not None]
+    if bad:
+        details = "; ".join(f"rank {rank} {problem}" for rank, problem in bad)
+        raise CheckpointDirectoryError(
+            f"Every rank must see the checkpoint directory of rank 0 ({resolved}), but {details}. "
+            "Checkpoints need a filesystem shared by all ranks: give every rank the same output "
+            "directory, on storage that all nodes mount."
+        )
+
+
+def _problem(checkpoint_dir: Path, resolved: str, name: str, token: str) -> str | None:
+    mine = os.path.realpath(checkpoint_dir)
+    if mine != resolved:
+        return f"uses {mine}"
+    try:
+        if (checkpoint_dir / name).read_text() == token:
+            return None
+    except OSError:
+        pass
+    return f"does not see the file {name} that rank 0 wrote there"
+
+
+def _write_probe(checkpoint_dir: Path) -> tuple[str, str, str] | str:
+    """Rank 0's probe (resolved directory, file name, token), or why it cannot write one."""
+    token = secrets.token_hex(16)
+    file = checkpoint_dir / f"{_PROBE_PREFIX}{token}"
+    try:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        file.write_text(token)
+    except OSError as ex:
+        return f"Rank 0 cannot write into the checkpoint directory {checkpoint_dir}: {ex}"
+    return (str(checkpoint_dir.resolve()), file.name, token)

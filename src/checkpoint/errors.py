@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 
@@ -34,11 +36,15 @@ def caused_by_the_machine(error: BaseException) -> bool:
     """Whether ``error`` or what it came of (``__cause__``, else ``__context__``) is a failure of
     the machine rather than of a checkpoint's content (a refused pickle, a shape that does not
     fit)."""
+    return any(isinstance(cause, _MACHINE_ERRORS) for cause in exception_chain(error))
+
+
+def exception_chain(error: BaseException) -> Iterator[BaseException]:
+    """``error``, then what it came of: its ``__cause__``, else its ``__context__``, and so on
+    (each once: a chain may loop back)."""
     seen: set[int] = set()
     cause: BaseException | None = error
     while cause is not None and id(cause) not in seen:
-        if isinstance(cause, _MACHINE_ERRORS):
-            return True
+        yield cause
         seen.add(id(cause))
         cause = cause.__cause__ if cause.__cause__ is not None else cause.__context__
-    return False

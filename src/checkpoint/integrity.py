@@ -4,7 +4,7 @@ A checkpoint of format 2 records the xxh3-128 digest of every file. Each rank co
 digests of the files it writes as it writes them (:class:`HashingStream`), so a commit reads
 nothing back. A resume hashes the files as DCP reads them to load (:class:`HashingReader`), and
 reads only the others, once, for their digest (:func:`digest_file`); the ranks split that work
-between them (:func:`share_of`). Format 1 (sha256) still verifies.
+between them (:func:`share_of`).
 
 Why xxh3-128: the digests guard against damage (a torn write, a truncated copy, a flipped bit),
 not against an attacker, who could rewrite the manifest too; ``torch.load(weights_only=True)`` is
@@ -16,7 +16,6 @@ make an accidental match of a damaged file impossible in practice (crc32's 32 bi
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Final, Protocol, final
 
-from checkpoint.durable import start_writeback
+from checkpoint.directory import start_writeback
 from checkpoint.errors import CheckpointError
 
 ALGORITHM: Final = "xxh3_128"
@@ -49,15 +48,13 @@ class Hasher(Protocol):
 
 
 def new_hasher(algorithm: str) -> Hasher:
-    """A streaming hasher of ``algorithm`` (``xxh3_128``, or ``sha256`` of format 1)."""
-    if algorithm == "xxh3_128":
+    """A streaming hasher of ``algorithm`` (``xxh3_128``, the only one manifests name)."""
+    if algorithm == ALGORITHM:
         import xxhash
 
         return xxhash.xxh3_128()
-    if algorithm == "sha256":
-        return hashlib.sha256()
     raise CheckpointError(
-        f"The checkpoint digest algorithm must be 'xxh3_128' or 'sha256', but is {algorithm!r}: "
+        f"The checkpoint digest algorithm must be {ALGORITHM!r}, but is {algorithm!r}: "
         "the checkpoint was written by a newer version of this project; upgrade it to load it."
     )
 
@@ -77,7 +74,7 @@ class HashingStream(io.RawIOBase):
 
     hashlib and xxhash release the GIL on large buffers, so a writer thread hashing here does not
     hold up the training loop. With ``write_behind``, the disk write of the bytes starts as they
-    arrive (see :func:`~checkpoint.durable.start_writeback`), for a large file that is fsynced
+    arrive (see :func:`~checkpoint.directory.start_writeback`), for a large file that is fsynced
     once written.
     """
 

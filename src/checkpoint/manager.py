@@ -19,7 +19,7 @@ happens in :meth:`CheckpointManager.finish_pending_save`, once every rank's writ
 Until then the checkpoint is only a ``.tmp`` directory, so a crash loses it but never exposes it.
 
 Verification is shared, and a resume reads no byte for it alone: the ranks hash the files as DCP
-reads them to load (see :mod:`checkpoint.verification`), and all agree on the verdict. A committed
+reads them to load (see :mod:`checkpoint.manifest`), and all agree on the verdict. A committed
 checkpoint that fails verification when the run resumes is skipped in favour of the one before it
 and renamed to ``step_N.damaged`` (kept for inspection, never loaded), so that the resumed run can
 write ``step_N`` again.
@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar, final
@@ -40,22 +40,31 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from checkpoint import catalog, directory
+from checkpoint import directory
 from checkpoint.base import AbstractCheckpointManager, LoadedCheckpoint
-from checkpoint.catalog import CheckpointChoice
-from checkpoint.durable import fsync_dir
+from checkpoint.directory import check_shared_directory, fsync_dir
 from checkpoint.errors import (
     CheckpointError,
     CheckpointLayoutError,
     CheckpointLoadError,
     caused_by_the_machine,
 )
+from checkpoint.exclusion import excluded_names, pop_entries
 from checkpoint.integrity import FileDigest
 from checkpoint.layout import WorldLayout, needs_reshard
-from checkpoint.manifest import make_manifest, prune_to_model, write_manifest
+from checkpoint.manifest import (
+    CheckpointChoice,
+    LoadCheck,
+    list_checkpoints,
+    make_manifest,
+    prune_to_model,
+    resume_candidates,
+    select_checkpoint,
+    verify_share,
+    write_manifest,
+)
 from checkpoint.pending import PendingSave, removing_on_failure
 from checkpoint.retention import CheckpointInfo, RetentionPolicy, plan_retention
-from checkpoint.shared import check_shared_directory
 from checkpoint.storage import (
     DcpStorage,
     get_model_state,
@@ -63,8 +72,7 @@ from checkpoint.storage import (
     set_model_state,
     set_state_dicts,
 )
-from checkpoint.verification import LoadCheck, verify_share
-from gangs import Gangs, agree, run_on_all_ranks
+from gangs import Gang, Gangs, agree, run_on_all_ranks
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +108,16 @@ class CheckpointManager(AbstractCheckpointManager):
         step_nr: int,
         *,
         model: Module,
-        optimizer: Optimizer,
+        optimizer: Optimizer | Sequence[Optimizer],
         trainer_state: Mapping[str, Any],
         score: float | None = None,
         async_checkpoint: bool = False,
+        exclude: Sequence[str] = (),
     ) -> None:
         """Write a full checkpoint of ``step_nr`` and commit it once every rank has finished.
+
+        Model entries matched by a pattern of ``exclude`` are left out and listed in the
+        manifest under ``excluded``.
 
         With ``async_checkpoint`` this returns once the model and optimizer are staged in CPU
         memory; they are written in the background and committed by :meth:`finish_pending_save`
@@ -125,6 +137,8 @@ class CheckpointManager(AbstractCheckpointManager):
         pending = PendingSave(step_nr, tmp_dir, final_dir, score, layout)
         with removing_on_failure(self._root, pending):
             model_state, optim_state = get_state_dicts(model, optimizer)
+            pending.excluded = excluded_names(model_state, exclude)
+            pop_entries(model_state, pending.excluded)
             if async_checkpoint:
                 self._on_all_ranks(
                     "stage the checkpoint",
@@ -183,6 +197,7 @@ class CheckpointManager(AbstractCheckpointManager):
                 step_nr=pending.step_nr,
                 score=pending.score,
                 layout=pending.layout,
+                excluded=pending.excluded,
             )
             write_manifest(pending.tmp_dir, manifest)
             os.replace(pending.tmp_dir, pending.final_dir)
@@ -196,12 +211,12 @@ class CheckpointManager(AbstractCheckpointManager):
     @override
     def list_checkpoints(self) -> list[CheckpointInfo]:
         """The committed checkpoints (those with a readable manifest), oldest first."""
-        return catalog.list_checkpoints(self._dir)
+        return list_checkpoints(self._dir)
 
     @override
     def select_checkpoint(self, which: CheckpointChoice, *, lower_better: bool) -> int:
         """The step of the committed checkpoint ``which`` names (see :func:`select_checkpoint`)."""
-        return catalog.select_checkpoint(self._dir, which, lower_better=lower_better)
+        return select_checkpoint(self._dir, which, lower_better=lower_better)
 
     def damaged_dirs(self) -> list[Path]:
         """Checkpoints a resume found damaged and moved aside to ``step_N.damaged``."""
@@ -215,7 +230,7 @@ class CheckpointManager(AbstractCheckpointManager):
 
     @override
     def load_last_checkpoint(
-        self, *, model: Module, optimizer: Optimizer, reshard: bool = False
+        self, *, model: Module, optimizer: Optimizer | Sequence[Optimizer], reshard: bool = False
     ) -> LoadedCheckpoint | None:
         """Load the newest intact full checkpoint into ``model`` and ``optimizer``.
 
@@ -226,7 +241,7 @@ class CheckpointManager(AbstractCheckpointManager):
         :meth:`load_checkpoint`). Nor is a failure of the machine while an intact checkpoint
         loads (out of memory, an import, a read error): :class:`CheckpointLoadError` propagates.
         """
-        candidates = catalog.resume_candidates(self._dir)
+        candidates = resume_candidates(self._dir)
         damaged: list[int] = []
         for step_nr in reversed(candidates):
             try:
@@ -245,7 +260,7 @@ class CheckpointManager(AbstractCheckpointManager):
                 damaged.append(step_nr)
                 continue
             if damaged:
-                self._move_aside(damaged)
+                _move_aside(self._root, self._dir, damaged)
                 log.warning(
                     "Resumed from the checkpoint of step %d instead of the damaged one of step %d.",
                     step_nr,
@@ -259,20 +274,13 @@ class CheckpointManager(AbstractCheckpointManager):
             )
         return None
 
-    def _move_aside(self, step_nrs: list[int]) -> None:
-        if self._root.rank == 0:
-            for step_nr in step_nrs:
-                target = directory.move_aside(directory.step_dir(self._dir, step_nr))
-                log.warning(
-                    "Moved the damaged checkpoint of step %d to %s; delete it once you no longer "
-                    "need it for inspection.",
-                    step_nr,
-                    target,
-                )
-        self._root.barrier()
-
     def load_checkpoint(
-        self, step_nr: int, *, model: Module, optimizer: Optimizer, reshard: bool = False
+        self,
+        step_nr: int,
+        *,
+        model: Module,
+        optimizer: Optimizer | Sequence[Optimizer],
+        reshard: bool = False,
     ) -> LoadedCheckpoint:
         """Verify and load the full checkpoint of ``step_nr``; raise CheckpointError if damaged.
 
@@ -300,6 +308,8 @@ class CheckpointManager(AbstractCheckpointManager):
         )
 
         model_state, optim_state = get_state_dicts(model, optimizer)
+        # What the checkpoint left out keeps the model's own values.
+        kept = pop_entries(model_state, manifest.get("excluded", []))
         trainer_file = path / "trainer" / ("rank_0.pt" if resharded else self._rank_file)
         try:
             for subdir, state in (("model", model_state), ("optimizer", optim_state)):
@@ -310,42 +320,30 @@ class CheckpointManager(AbstractCheckpointManager):
             )
         except CheckpointError as ex:
             self.verify(step_nr)  # a damaged file that failed to load, named by its digest
-            self._raise_if_the_machine_failed(step_nr, ex)
+            _raise_if_the_machine_failed(self._root, step_nr, ex)
             raise
-        # The digests: a damaged file (of the right size) has loaded by now; see verification.py.
+        # The digests: a damaged file (of the right size) has loaded by now; see checkpoint.manifest.
         self._verdict(f"verify the checkpoint of step {step_nr}", check.finish)
-        set_state_dicts(model, optimizer, model_state, optim_state)
+        set_state_dicts(model, optimizer, {**model_state, **kept}, optim_state)
         log.info("Loaded the checkpoint of step %d from %s.", step_nr, path)
         return LoadedCheckpoint(
             step_nr=step_nr, trainer_state=trainer_state, manifest=manifest, resharded=resharded
         )
 
-    def _raise_if_the_machine_failed(self, step_nr: int, error: CheckpointError) -> None:
-        """Raise CheckpointLoadError on every rank if the intact checkpoint of ``step_nr`` failed
-        to load on some rank for a reason of the machine: falling back to an older checkpoint
-        would give up its steps for nothing."""
-        machine_failed, _ = agree(self._root, failed=caused_by_the_machine(error))
-        if machine_failed:
-            raise CheckpointLoadError(
-                f"The checkpoint of step {step_nr} is intact (every file matches its digest), but "
-                f"loading it failed ({error}). That is not damage, so the run does not fall back "
-                "to an older checkpoint: fix the cause (memory, the installation, the filesystem) "
-                "and resume again."
-            ) from error
-
     @override
     def load_model(self, step_nr: int, *, model: Module) -> None:
         """Load only the model of the checkpoint of ``step_nr`` (full or model-only)."""
         path = directory.step_dir(self._dir, step_nr)
-        self.verify(step_nr)
+        manifest = self.verify(step_nr)
         state = get_model_state(model)
+        kept = pop_entries(state, manifest.get("excluded", []))
         self._on_all_ranks("load the model", lambda: self._storage.load(state, path / "model"))
-        set_model_state(model, state)
+        set_model_state(model, {**state, **kept})
 
     def read_model_state(self, step_nr: int) -> dict[str, Any]:
         """The verified model of the checkpoint of ``step_nr`` as a plain state dict (one process;
         for export)."""
-        from checkpoint.dcp_files import load_whole
+        from checkpoint.dcp_io import load_whole
 
         self.verify(step_nr)
         return load_whole(directory.step_dir(self._dir, step_nr) / "model")
@@ -433,3 +431,31 @@ class CheckpointManager(AbstractCheckpointManager):
     @property
     def _rank_file(self) -> str:
         return f"rank_{self._root.rank}.pt"
+
+
+def _move_aside(root: Gang, checkpoint_dir: Path, step_nrs: list[int]) -> None:
+    """Rank 0 moves the damaged checkpoints of ``step_nrs`` aside; every rank waits for it."""
+    if root.rank == 0:
+        for step_nr in step_nrs:
+            target = directory.move_aside(directory.step_dir(checkpoint_dir, step_nr))
+            log.warning(
+                "Moved the damaged checkpoint of step %d to %s; delete it once you no longer "
+                "need it for inspection.",
+                step_nr,
+                target,
+            )
+    root.barrier()
+
+
+def _raise_if_the_machine_failed(root: Gang, step_nr: int, error: CheckpointError) -> None:
+    """Raise CheckpointLoadError on every rank if the intact checkpoint of ``step_nr`` failed
+    to load on some rank for a reason of the machine: falling back to an older checkpoint
+    would give up its steps for nothing."""
+    machine_failed, _ = agree(root, failed=caused_by_the_machine(error))
+    if machine_failed:
+        raise CheckpointLoadError(
+            f"The checkpoint of step {step_nr} is intact (every file matches its digest), but "
+            f"loading it failed ({error}). That is not damage, so the run does not fall back "
+            "to an older checkpoint: fix the cause (memory, the installation, the filesystem) "
+            "and resume again."
+        ) from error

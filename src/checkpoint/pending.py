@@ -14,7 +14,7 @@ from typing import Any, final
 
 import torch
 
-from checkpoint.errors import CheckpointError
+from checkpoint.errors import CheckpointError, exception_chain
 from checkpoint.integrity import FileDigest, write_hashed
 from checkpoint.storage import DcpStorage
 from gangs import Gang
@@ -31,6 +31,8 @@ class PendingSave:
     score: float | None
     layout: dict[str, int]
     """The world layout of the saving run, for the manifest (:class:`WorldLayout`)."""
+    excluded: list[str] = field(default_factory=list)
+    """The model entries left out (``checkpoint_exclude``), for the manifest."""
     digests: dict[str, FileDigest] = field(default_factory=dict)
     """What this rank wrote, by path below the step directory."""
     uploads: list[Future[dict[str, FileDigest]]] = field(default_factory=list)
@@ -113,12 +115,10 @@ def removing_on_failure(gang: Gang, pending: PendingSave) -> Iterator[None]:
 
 
 def _disk_full_hint(error: BaseException) -> str:
-    cause: BaseException | None = error
-    while cause is not None:
+    for cause in exception_chain(error):
         if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             return (
                 ". The disk (or a file size or quota limit) is full: free space, then run again "
                 "to resume from the last checkpoint"
             )
-        cause = cause.__cause__ or cause.__context__
     return ""

@@ -7,8 +7,9 @@ checkpoint is first written or read, not when the package is.
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
@@ -20,27 +21,64 @@ from gangs import Gang
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.nn import Module
     from torch.optim import Optimizer
 
-    from checkpoint.dcp_files import StagingWriter
-
 StateDict = dict[str, Any]
 
+log = logging.getLogger(__name__)
 
-def get_state_dicts(model: Module, optimizer: Optimizer) -> tuple[StateDict, StateDict]:
+
+def get_state_dicts(
+    model: Module, optimizer: Optimizer | Sequence[Optimizer]
+) -> tuple[StateDict, StateDict]:
     """The model's and optimizer's state dicts, by parameter name, for any DDP/FSDP2/TP layout."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    _init_sparse_optimizer_state(optimizer)
     return get_state_dict(model, optimizer)
 
 
 def set_state_dicts(
-    model: Module, optimizer: Optimizer, model_state: StateDict, optim_state: StateDict
+    model: Module,
+    optimizer: Optimizer | Sequence[Optimizer],
+    model_state: StateDict,
+    optim_state: StateDict,
 ) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    _init_sparse_optimizer_state(optimizer)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+
+
+def _init_sparse_optimizer_state(optimizer: Optimizer | Sequence[Optimizer]) -> None:
+    """Create the state of a ``SparseAdam`` that has none yet, by a step on empty sparse
+    gradients (which touches no row).
+
+    The state-dict helpers create a missing optimizer state by a step on dense zero gradients,
+    which ``SparseAdam`` refuses; once it has a state, they leave it alone.
+    """
+    import torch
+
+    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+    for sparse in optimizers:
+        if not isinstance(sparse, torch.optim.SparseAdam) or sparse.state:
+            continue
+        params = [p for group in sparse.param_groups for p in group["params"] if p.requires_grad]
+        if any(p.grad is not None for p in params):
+            continue
+        for param in params:
+            param.grad = torch.sparse_coo_tensor(
+                torch.empty((1, 0), dtype=torch.int64, device=param.device),
+                param.new_empty((0, *param.shape[1:])),
+                param.shape,
+                check_invariants=False,
+            )
+        # SparseAdam.step is untyped.
+        step: Callable[[], object] = sparse.step
+        step()
+        sparse.zero_grad(set_to_none=True)
 
 
 def get_model_state(model: Module) -> StateDict:
@@ -62,25 +100,44 @@ class DcpStorage:
     def __init__(self, gang: Gang) -> None:
         self._gang = gang
         self._async_groups: list[ProcessGroup] = []
-        self._staging: dict[int, tuple[StagingWriter, list[Any]]] = {}
+        self._staging: dict[int, tuple[FileSystemWriter, list[Any]]] = {}
+        self._path_logged = False
+
+    def _log_path(self) -> None:
+        """Say once which way through DCP this process takes, if it is not the fast one."""
+        from checkpoint.dcp_io import IO_ENV_VAR, fast_io_supported
+
+        if self._path_logged or fast_io_supported():
+            return
+        self._path_logged = True
+        import torch
+
+        log.info(
+            "Checkpoints go through the public API of torch.distributed.checkpoint (torch %s; "
+            "the fast path is used on the torch versions it is tested with, or with %s=fast).",
+            torch.__version__,
+            IO_ENV_VAR,
+        )
 
     def save(self, state: StateDict, path: Path) -> dict[str, FileDigest]:
         """Write ``state`` to ``path``; return the digest of each file this rank wrote there."""
         from torch.distributed.checkpoint.state_dict_saver import save
 
-        from checkpoint.dcp_files import hashing_writer
+        from checkpoint.dcp_io import hashing_writer
 
+        self._log_path()
         writer, digests = hashing_writer(path)
         self._run(save, state, storage_writer=writer)
         return digests
 
     def load(self, state: StateDict, path: Path, digests: ReadDigests | None = None) -> None:
         """Read ``path`` into ``state``; with ``digests``, hash this rank's share of the files as
-        they are read (see :func:`checkpoint.dcp_files.safe_reader`)."""
+        they are read (see :func:`checkpoint.dcp_io.safe_reader`)."""
         from torch.distributed.checkpoint.state_dict_loader import load
 
-        from checkpoint.dcp_files import SafeLoadPlanner, safe_reader
+        from checkpoint.dcp_io import SafeLoadPlanner, safe_reader
 
+        self._log_path()
         reader = safe_reader(path, digests)
         self._run(load, state, storage_reader=reader, planner=SafeLoadPlanner())
 
@@ -91,10 +148,11 @@ class DcpStorage:
         Stage everything before the first :meth:`async_save` starts: a writer thread running
         meanwhile would take the GIL from the copy between its tensors.
         """
-        from checkpoint.dcp_files import own_entries
+        from checkpoint.dcp_io import StagingWriter, own_entries
 
+        self._log_path()
         staging = self._staging_writer(writer_nr, state)
-        if self._gang.size > 1:
+        if self._gang.size > 1 and isinstance(staging, StagingWriter):
             staging.own_entries = own_entries(
                 state, rank=self._gang.rank, gather=partial(self._gather, writer_nr)
             )
@@ -110,7 +168,7 @@ class DcpStorage:
         """
         from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
 
-        from checkpoint.dcp_files import STAGED, hashing_writer
+        from checkpoint.dcp_io import STAGED, hashing_writer
 
         writer, digests = hashing_writer(path, reuse=self._staging[writer_nr][0])
         if self._gang.size == 1:
@@ -139,12 +197,12 @@ class DcpStorage:
         result.add_done_callback(pass_on)
         return done
 
-    def _staging_writer(self, writer_nr: int, state: StateDict) -> StagingWriter:
+    def _staging_writer(self, writer_nr: int, state: StateDict) -> FileSystemWriter:
         """The ``writer_nr``-th writer of asynchronous saves, whose staging buffers fit ``state``.
 
         The caller must have waited for that writer's previous save: its buffers are reused.
         """
-        from checkpoint.dcp_files import staging_writer
+        from checkpoint.dcp_io import staging_writer
 
         layout = _layout_of(state)
         cached = self._staging.get(writer_nr)

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
         MapDataReader,
         SyncMode,
     )
-    from runtime.errors import TrainerError
+    from runtime.errors import NonFiniteError, TrainerError
     from runtime.metrics.profiler import TorchProfiler
     from runtime.metrics.progress import ProgressDisplay, make_progress_display
     from runtime.metrics.recorders import (
@@ -91,6 +91,7 @@ _MODULE_OF: dict[str, str] = {
     "Trainer": "runtime.training.trainer",
     "TrainerCallback": "runtime.training.callbacks",
     "TrainerError": "runtime.errors",
+    "NonFiniteError": "runtime.errors",
     "WandbRecorder": "runtime.metrics.recorders",
     "apply_activation_checkpointing": "runtime.parallel.activation_checkpoint",
     "apply_data_parallel": "runtime.parallel.wrapping",
@@ -155,6 +156,7 @@ __all__ = [
     "TrainerCallback",
     "TrainState",
     "TrainerError",
+    "NonFiniteError",
     "WandbRecorder",
     "apply_activation_checkpointing",
     "apply_data_parallel",

@@ -38,6 +38,7 @@ def async_save(
     )
 
 
+@pytest.mark.usefixtures("checkpoint_io")
 def test_async_save_is_invisible_until_committed_and_holds_the_staged_values(
     manager: CheckpointManager,
 ) -> None:
@@ -66,6 +67,7 @@ def test_async_save_is_invisible_until_committed_and_holds_the_staged_values(
         assert torch.equal(value, saved[name]), name
 
 
+@pytest.mark.usefixtures("checkpoint_io")
 def test_next_save_commits_the_pending_one_first(manager: CheckpointManager) -> None:
     model, optimizer = make_model(1)
     async_save(manager, 1, model, optimizer)

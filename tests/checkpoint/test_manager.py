@@ -38,6 +38,7 @@ def manager(tmp_path: Path) -> CheckpointManager:
     return CheckpointManager(tmp_path / "checkpoints", Gangs.single())
 
 
+@pytest.mark.usefixtures("checkpoint_io")
 def test_round_trip_restores_model_optimizer_and_trainer_state(manager: CheckpointManager) -> None:
     saved = save(manager, 10)
     _, saved_optimizer = make_model(10)
@@ -53,6 +54,7 @@ def test_round_trip_restores_model_optimizer_and_trainer_state(manager: Checkpoi
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.usefixtures("checkpoint_io")
 def test_tensors_of_any_layout_and_dtype_round_trip(manager: CheckpointManager) -> None:
     # Whole contiguous tensors are read straight into the model's; the rest as DCP reads them.
     def make(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -81,18 +83,6 @@ def test_tensors_of_any_layout_and_dtype_round_trip(manager: CheckpointManager) 
     ):
         for key, value in expected_state.items():
             assert torch.equal(state[key], value), key
-
-
-def test_without_the_in_place_reads_dcp_reads_the_checkpoint_as_it_always_does(
-    manager: CheckpointManager, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # As on a torch whose DCP internals the in-place reads cannot import.
-    monkeypatch.setitem(sys.modules, "checkpoint.dcp_reads", None)
-    saved = save(manager, 1)
-    model, optimizer = make_model(2)
-    manager.load_checkpoint(1, model=model, optimizer=optimizer)
-    for expected, actual in zip(saved.parameters(), model.parameters(), strict=True):
-        assert torch.equal(actual, expected)
 
 
 def test_manifest_describes_the_checkpoint(manager: CheckpointManager) -> None:
@@ -128,6 +118,7 @@ def test_leftover_temporary_directory_is_ignored_then_removed(manager: Checkpoin
 
 
 @pytest.mark.parametrize("damage", ["truncate", "alter", "remove"])
+@pytest.mark.usefixtures("checkpoint_io")
 def test_damaged_checkpoint_is_detected_and_the_previous_one_loads(
     manager: CheckpointManager, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -212,6 +203,7 @@ def test_cli_lists_checkpoints_with_their_state(tmp_path: Path) -> None:
     assert lines[4].startswith("step_5.damaged") and "moved aside by a resume" in lines[4]
 
 
+@pytest.mark.usefixtures("checkpoint_io")
 def test_cli_exports_a_plain_state_dict(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path / "checkpoints", Gangs.single())
     save(manager, 10, score=3.0)
@@ -270,3 +262,25 @@ def test_unreadable_manifest_is_damage_and_is_moved_aside_after_the_fallback(
     assert (manager.checkpoint_dir / "step_20.damaged" / "model").is_dir()
     save(manager, 20)
     manager.verify(20)
+
+
+@pytest.mark.parametrize(
+    ("version", "fast"),
+    [("2.13.0+cpu", True), ("2.13.2", True), ("2.12.1", False), ("2.14.0.dev20260101", False)],
+)
+def test_the_fast_path_is_taken_only_on_the_tested_torch_versions(
+    version: str, fast: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from checkpoint.dcp_io import IO_ENV_VAR, fast_io_supported
+
+    monkeypatch.delenv(IO_ENV_VAR, raising=False)
+    monkeypatch.setattr(torch, "__version__", version)
+    assert fast_io_supported() is fast
+
+
+def test_an_unknown_checkpoint_io_choice_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from checkpoint.dcp_io import IO_ENV_VAR, fast_io_supported
+
+    monkeypatch.setenv(IO_ENV_VAR, "quick")
+    with pytest.raises(CheckpointError, match="must be 'fast', 'public' or unset, but is 'quick'"):
+        fast_io_supported()

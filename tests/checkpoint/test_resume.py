@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from checkpoint import CheckpointManager
+from checkpoint.dcp_io import IO_ENV_VAR
 from gangs import Gangs
 from tests.conftest import REPO_ROOT, assert_ok, child_env, run_python, torchrun, torchrun_command
 
@@ -508,4 +509,21 @@ def test_async_checkpoint_of_replicated_shards_resumes_exactly(
     assert_ok(second)
     assert "Resumed from the checkpoint of step 2." in rank_log(tmp_path, 0)
     assert_identical_params(load_params(tmp_path), load_params(resumed_run("hsdp2x2").reference))
+    assert assert_committed_checkpoints_verify(tmp_path) == [2, 4, 6, 8, 10]
+
+
+def test_public_dcp_path_on_two_ranks_resumes_exactly(resumed_run: Any, tmp_path: Path) -> None:
+    # The path a torch outside the fast path's tested versions takes: public DCP only, the
+    # staging of asynchronous saves included. Killed mid step 5, resumed from step 2.
+    env = {IO_ENV_VAR: "public"}
+    first = launch("dp2", tmp_path, "async_checkpoint=true", "sigkill_at_step=5", env=env)
+    assert first.returncode != 0, output(first)
+    assert committed_steps(tmp_path) == [2]
+
+    second = launch("dp2", tmp_path, "async_checkpoint=true", env=env)
+    assert_ok(second)
+    log_text = rank_log(tmp_path, 1)
+    assert "Checkpoints go through the public API of torch.distributed.checkpoint" in log_text
+    assert "Resumed from the checkpoint of step 2." in rank_log(tmp_path, 0)
+    assert_identical_params(load_params(tmp_path), load_params(resumed_run("dp2").reference))
     assert assert_committed_checkpoints_verify(tmp_path) == [2, 4, 6, 8, 10]

@@ -120,7 +120,7 @@ class _Observer(TrainerCallback):
         self._rank = rank
         self.allocator_peaks: dict[int, int] = {}
 
-    def on_step_end(self, *, step_nr: int) -> None:
+    def on_step_end(self, *, step_nr: int, metrics: object = None) -> None:
         if self._config.step_sleep:
             time.sleep(self._config.step_sleep)
         # On a CPU (a smoke run of this worker) there is no allocator to read.

@@ -198,7 +198,7 @@ def test_damage_is_found_with_a_clear_error_and_the_previous_checkpoint_loads(
 
 
 def _fail_reading_the_model(monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
-    from checkpoint.dcp_files import _SafeReader
+    from checkpoint.dcp_io import _SafeReader
 
     read_data = _SafeReader.read_data
 

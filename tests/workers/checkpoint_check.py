@@ -106,7 +106,7 @@ def staging(output_dir: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from checkpoint.dcp_files import own_entries
+    from checkpoint.dcp_io import own_entries
 
     gangs = setup_gangs()
     model, optimizer = make_model(1)  # the same on both ranks, as DDP's

@@ -125,7 +125,7 @@ class CountSteps(TrainerCallback):
     def on_train_begin(self, *, step_nr: int) -> None:
         self._root.counting = True
 
-    def on_step_end(self, *, step_nr: int) -> None:
+    def on_step_end(self, *, step_nr: int, metrics: object = None) -> None:
         self.per_step.append(dict(self._root.counts))
         self._root.counts.clear()
 

@@ -106,7 +106,7 @@ class _Faults(TrainerCallback):
         self._is_fault_rank = self._rank == fault_rank
         self.trainer: Trainer[Any] | None = None
 
-    def on_step_end(self, *, step_nr: int) -> None:
+    def on_step_end(self, *, step_nr: int, metrics: object = None) -> None:
         config = self._config
         if config.step_sleep:
             time.sleep(config.step_sleep)

@@ -148,7 +148,7 @@ class ParamSnapshots(TrainerCallback):
         self._file = output_dir / "snapshots.pt"
         self._by_step: dict[int, dict[str, Tensor]] = {}
 
-    def on_step_end(self, *, step_nr: int) -> None:
+    def on_step_end(self, *, step_nr: int, metrics: object = None) -> None:
         state = get_model_state_dict(
             self._model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )

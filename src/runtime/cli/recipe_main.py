@@ -30,7 +30,8 @@ from checkpoint import (
     CheckpointError,
     CheckpointLayoutError,
 )
-from checkpoint.durable import write_text_atomically
+from checkpoint.directory import write_text_atomically
+from checkpoint.errors import exception_chain
 from gangs import (
     GangError,
     LaunchBarrier,
@@ -160,7 +161,7 @@ def _main(
         watchdog.start()
         stack.callback(watchdog.stop)
     run = _Run(config, output_dir, rank, logs, launch)
-    return run.execute(recipe, args.evaluate, startup_signals)
+    return run.execute(recipe, args.evaluate, startup_signals, args.resume_from)
 
 
 _LAUNCH_TIMEOUT = timedelta(minutes=15)
@@ -193,10 +194,13 @@ class _Run:
         recipe: Callable[[Any, Path], Runnable],
         evaluate: CheckpointChoice | None,
         startup_signals: StartupSignals,
+        resume_from: Path | None = None,
     ) -> int:
         """Build the recipe's runnable, train or evaluate with it, and close it on every path."""
         runnable = self.build(recipe)
         try:
+            if resume_from is not None:
+                _set_resume_from(runnable, resume_from)
             if evaluate is not None:
                 _evaluate(runnable, evaluate)
                 return 0
@@ -295,6 +299,19 @@ class _Run:
         _fail(message)
 
 
+def _set_resume_from(runnable: Runnable, path: Path) -> None:
+    """Hand ``--resume-from`` to the trainer the recipe built; a bad path exits with status 2."""
+    if not hasattr(runnable, "resume_from"):
+        _fail(
+            f"--resume-from is given, but the recipe returned a {type(runnable).__name__}, which "
+            "has no resume_from. Return a Trainer, or drop --resume-from."
+        )
+    try:
+        runnable.resume_from = path  # type: ignore[attr-defined]
+    except ValueError as ex:
+        _fail(str(ex))
+
+
 @contextlib.contextmanager
 def _exit_on_startup_signal() -> Iterator[None]:
     try:
@@ -333,14 +350,12 @@ def _let_the_launcher_see_the_vanished_peer(ex: BaseException) -> None:
     """
     if not LauncherWatchdog.wanted():
         return
-    chain: BaseException | None = ex
-    while chain is not None:
-        text = str(chain).lower()
+    for cause in exception_chain(ex):
+        text = str(cause).lower()
         if "closed by peer" in text or "reset by peer" in text:
             log.warning("A peer rank vanished; waiting for the launcher to notice it first.")
             time.sleep(_PEER_FAILURE_GRACE)
             return
-        chain = chain.__cause__ or chain.__context__
 
 
 def _world_group() -> dist.ProcessGroup:
@@ -527,6 +542,15 @@ def _make_parser() -> argparse.ArgumentParser:
         help="instead of training, evaluate the last, the best (by validation score) or the "
         "given step's checkpoint of OUTPUT_DIR with the recipe's valid units; the values go to "
         "metrics/eval.jsonl",
+    )
+    parser.add_argument(
+        "--resume-from",
+        metavar="PATH",
+        type=Path,
+        default=None,
+        help="start this run (in a new OUTPUT_DIR) from the full state of PATH, a step_N "
+        "checkpoint directory of any run: model, optimizer, schedulers, data position, RNG, "
+        "step, scores",
     )
     parser.add_argument(
         "--dump-config",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from runtime.data.device import DeviceDataReader, move_to_device, pin_memory
 from runtime.data.iterable_reader import IterableDataReader
 from runtime.data.map_reader import MapDataReader, MapDataset
 from runtime.data.reader import DataReader, DataReaderError, SyncMode
@@ -9,8 +10,11 @@ from runtime.data.reader import DataReader, DataReaderError, SyncMode
 __all__ = [
     "DataReader",
     "DataReaderError",
+    "DeviceDataReader",
     "IterableDataReader",
     "MapDataReader",
     "MapDataset",
     "SyncMode",
+    "move_to_device",
+    "pin_memory",
 ]

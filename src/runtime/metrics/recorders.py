@@ -22,7 +22,7 @@ from typing import IO, Any, final
 
 from typing_extensions import override
 
-from checkpoint.durable import write_text_atomically
+from checkpoint.directory import write_text_atomically
 from gangs import Gang
 
 

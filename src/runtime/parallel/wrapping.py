@@ -10,6 +10,8 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gangs import Gangs
+from runtime.parallel.materialize import has_meta_tensors
+from runtime.training.sparse_gradients import sparse_parameters
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -37,8 +39,14 @@ def apply_data_parallel(
     fsdp_units: tuple[type[Module], ...] = (),
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    find_unused_parameters: bool = False,
+    static_graph: bool = False,
+    gradient_as_bucket_view: bool = False,
 ) -> Module:
     """Replicate (DDP), shard (FSDP2) or shard-and-replicate (HSDP) ``model`` over the DP gang.
+
+    A model that is not on the meta device is moved to ``gangs.root.device`` first, on one
+    process too.
 
     A no-op when DP is off. With FSDP2 and HSDP, each submodule whose type is in ``fsdp_units``
     becomes its own shard unit (its parameters are gathered only around its own forward and
@@ -49,6 +57,11 @@ def apply_data_parallel(
     ``param_dtype`` and ``reduce_dtype`` are FSDP2's mixed precision (``MixedPrecisionPolicy``):
     the dtype parameters are gathered in and the forward and backward compute in, and the dtype
     gradients are reduced in. The sharded parameters and the optimizer stay in their own dtype.
+
+    ``find_unused_parameters``, ``static_graph`` and ``gradient_as_bucket_view`` are passed to
+    DDP. DDP leaves out the weights of embeddings with ``sparse=True`` (it sums sparse gradients
+    where it averages dense ones): they are broadcast from DP rank 0 here, and the Trainer
+    reduces their gradients (see :mod:`runtime.training.sparse_gradients`).
     """
     if kind not in ("ddp", "fsdp", "hsdp"):
         raise ValueError(f"kind must be 'ddp', 'fsdp' or 'hsdp', but is '{kind}' instead.")
@@ -57,6 +70,19 @@ def apply_data_parallel(
             f"param_dtype ({param_dtype}) and reduce_dtype ({reduce_dtype}) are FSDP2 options, "
             "but kind is 'ddp'. Use kind='fsdp' or 'hsdp', or autocast (Trainer amp=True)."
         )
+    ddp_options = {
+        "find_unused_parameters": find_unused_parameters,
+        "static_graph": static_graph,
+        "gradient_as_bucket_view": gradient_as_bucket_view,
+    }
+    if kind != "ddp" and any(ddp_options.values()):
+        raise ValueError(
+            f"{', '.join(k for k, v in ddp_options.items() if v)} are DDP options, but kind is "
+            f"'{kind}'. Leave them out, or use kind='ddp'."
+        )
+    if not has_meta_tensors(model):
+        # The model leaves on the gangs' device whatever the layout (a no-op when it is there).
+        model.to(gangs.root.device)
     if gangs.dp.size == 1:
         return model
     if kind != "ddp":
@@ -69,14 +95,45 @@ def apply_data_parallel(
                 fully_shard(module, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
+    return _wrap_ddp(model, gangs, ddp_options)
+
+
+def _wrap_ddp(model: Module, gangs: Gangs, options: dict[str, bool]) -> Module:
     if gangs.tp.size > 1:
         # DDP does not handle DTensor parameters (their state dict entries are lost).
         raise ValueError(
             "DDP does not compose with tensor parallelism. Use kind='fsdp' (FSDP2) when the TP "
             f"gang has more than one process (it has {gangs.tp.size})."
         )
+    _leave_sparse_out_of_ddp(model, gangs)
     device_ids = [gangs.dp.device.index] if gangs.dp.device.type == "cuda" else None
-    return DDP(model, device_ids=device_ids, process_group=gangs.dp.as_process_group())
+    return DDP(
+        model,
+        device_ids=device_ids,
+        process_group=gangs.dp.as_process_group(),
+        find_unused_parameters=options["find_unused_parameters"],
+        static_graph=options["static_graph"],
+        gradient_as_bucket_view=options["gradient_as_bucket_view"],
+    )
+
+
+def _leave_sparse_out_of_ddp(model: Module, gangs: Gangs) -> None:
+    """Have DDP ignore the sparse embeddings of ``model``, and start them equal on every DP rank
+    (DDP's own broadcast skips what it ignores)."""
+    sparse = sparse_parameters(model)
+    if not sparse:
+        return
+    # The setter DDP has offered since torch 1.8; no public way to say this exists.
+    ignore = getattr(DDP, "_set_params_and_buffers_to_ignore_for_model", None)
+    if ignore is None:
+        raise ValueError(
+            f"This torch version cannot leave the sparse embeddings {', '.join(sparse)} out of "
+            "DDP. Use sparse=False for them, or a torch version of 2.0 or newer."
+        )
+    ignore(model, list(sparse))
+    with torch.no_grad():
+        for param in sparse.values():
+            gangs.dp.broadcast(param.data, source_rank=0)
 
 
 def unwrap_model(model: Module) -> Module:

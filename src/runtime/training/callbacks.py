@@ -4,22 +4,31 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, final
+from typing import Any, final
+
+from torch.nn import Module
+
+from runtime.training.early_stop import Stateful
 
 
 class TrainerCallback:
     """Override the moments you need; each default does nothing.
 
     The Trainer calls them on every rank, with values it has at that moment anyway: a callback
-    never causes a synchronization of its own. Values are the same on every rank. The order in
-    one launch of ``Trainer.run()``:
+    never causes a synchronization of its own. Values are the same on every rank (the batches
+    of ``on_step_begin`` are this rank's). The order in one launch of ``Trainer.run()``:
 
-    1. ``on_train_begin`` (``step_nr`` is the resumed step, or 0).
+    1. ``on_train_begin`` (``step_nr`` is the resumed step, or 0); on a fresh run then
+       ``on_epoch_begin`` of data epoch 1.
     2. With ``validate_at_start`` on a fresh run, a validation at step 0 (see 4).
-    3. For each step: ``on_step_end``; then, when due, ``on_metrics_published(run="train")``; then a
-       validation (4) on the step schedule; then ``on_checkpoint_saved`` when a checkpoint is due.
-       A data epoch that ends after step N validates and checkpoints on the epoch schedules
-       before step N + 1 starts, in the same order.
+    3. For each step: ``on_step_begin`` (with the step's micro-batches), the forward and backward
+       passes, ``on_before_optimizer_step`` (gradients final: normalized, unscaled, clipped;
+       not called on a step that is skipped), the optimizer step; then, when due,
+       ``on_metrics_published(run="train")``; then ``on_step_end`` (with the published values,
+       or None); then a validation (4) on the step schedule; then ``on_checkpoint_saved`` when a
+       checkpoint is due. When the reader runs out of data after step N: ``on_out_of_data``,
+       the validation and checkpoint of the epoch schedules (same order), ``on_epoch_end``, and,
+       unless the training ends there, ``on_epoch_begin`` of the next data epoch.
     4. A validation: ``on_metrics_published`` once per valid unit in the order of ``valid_units``
        (``run`` is ``valid`` or ``valid/<display_name>``), then ``on_validation_end``, then
        ``on_early_stop`` if the early stopper decided to stop (never at step 0).
@@ -32,13 +41,35 @@ class TrainerCallback:
     ``on_train_end``). A preemption (SIGTERM/SIGUSR1) ends with ``on_checkpoint_saved`` and no
     ``on_train_end``. A launch that finds the run finished already calls nothing. An exception
     raised by a callback propagates out of ``run()``.
+
+    A callback that also has ``state_dict()`` and ``load_state_dict(state)`` is saved with the
+    trainer state of every checkpoint and restored on resume (see :class:`CallbackList`).
     """
 
     def on_train_begin(self, *, step_nr: int) -> None:
         """Before the first step of this launch (``step_nr`` is the resumed step, or 0)."""
 
-    def on_step_end(self, *, step_nr: int) -> None:
-        """After each optimizer step. No values: reading them would sync the device."""
+    def on_epoch_begin(self, *, epoch_nr: int, step_nr: int) -> None:
+        """Before the first step of data epoch ``epoch_nr`` (after step ``step_nr``)."""
+
+    def on_step_begin(self, *, step_nr: int, batches: Sequence[Any]) -> None:
+        """Before the forward pass of step ``step_nr``, with its micro-batches on this rank."""
+
+    def on_before_optimizer_step(self, *, step_nr: int, model: Module) -> None:
+        """After the gradients of ``model`` are final (normalized over the step's targets,
+        reduced over the data-parallel gang, unscaled and clipped), before the optimizer
+        steps. Changing them here (a custom clipping, say) changes the update."""
+
+    def on_step_end(self, *, step_nr: int, metrics: Mapping[str, Any] | None) -> None:
+        """After each optimizer step. ``metrics`` are the train values published after this step
+        (on the steps that publish), None otherwise: reading values on the other steps would
+        sync the device."""
+
+    def on_out_of_data(self, *, step_nr: int, epoch_nr: int) -> None:
+        """When the data reader ran out of data epoch ``epoch_nr`` after step ``step_nr``."""
+
+    def on_epoch_end(self, *, epoch_nr: int, step_nr: int) -> None:
+        """After data epoch ``epoch_nr`` ended and its validation and checkpoint (when due) ran."""
 
     def on_metrics_published(self, *, run: str, step_nr: int, values: Mapping[str, Any]) -> None:
         """After ``values`` of ``run`` (``train``, ``valid``, ``valid/<name>``) were recorded."""
@@ -60,38 +91,60 @@ class TrainerCallback:
         """After training finished (not after a preemption stop)."""
 
 
-class StepEndHook(Protocol):
-    """What the loop calls after each step: a callback's ``on_step_end``."""
-
-    def __call__(self, *, step_nr: int) -> None: ...
-
-
-def overrides(instance: object, base: type, name: str) -> bool:
-    """Whether the class of ``instance`` overrides the method ``name`` of ``base``."""
-    return getattr(type(instance), name) is not getattr(base, name)
-
-
 @final
 class CallbackList(TrainerCallback):
-    """Calls each of ``callbacks`` in order, one moment at a time."""
+    """Calls each of ``callbacks`` in order, one moment at a time; :meth:`add` appends one."""
 
     def __init__(self, callbacks: Sequence[TrainerCallback]) -> None:
-        self._callbacks = list(callbacks)
-        self.step_end_hooks: list[StepEndHook] = [
-            callback.on_step_end
-            for callback in self._callbacks
-            if overrides(callback, TrainerCallback, "on_step_end")
-        ]
-        """The ``on_step_end`` of the callbacks that override it, in order: the loop calls
-        these itself, so a step costs nothing for the callbacks that do nothing after it."""
+        self._callbacks: list[TrainerCallback] = []
+        for callback in callbacks:
+            self.add(callback)
+
+    def add(self, callback: TrainerCallback) -> None:
+        if not isinstance(callback, TrainerCallback):
+            raise TypeError(
+                f"callbacks must be TrainerCallback objects, but got {type(callback).__name__}."
+            )
+        self._callbacks.append(callback)
+
+    def stateful(self) -> dict[str, Stateful]:
+        """The callbacks with a state, by a name that stays the same across launches of the
+        same code: ``callbacks.<ClassName>`` (``.<K>`` from the second of a class on)."""
+        named: dict[str, Stateful] = {}
+        for callback in self._callbacks:
+            if isinstance(callback, Stateful):
+                name = f"callbacks.{type(callback).__name__}"
+                count = sum(1 for key in named if key.split(".")[1] == type(callback).__name__)
+                named[name if count == 0 else f"{name}.{count}"] = callback
+        return named
 
     def on_train_begin(self, *, step_nr: int) -> None:
         for callback in self._callbacks:
             callback.on_train_begin(step_nr=step_nr)
 
-    def on_step_end(self, *, step_nr: int) -> None:
-        for hook in self.step_end_hooks:
-            hook(step_nr=step_nr)
+    def on_epoch_begin(self, *, epoch_nr: int, step_nr: int) -> None:
+        for callback in self._callbacks:
+            callback.on_epoch_begin(epoch_nr=epoch_nr, step_nr=step_nr)
+
+    def on_step_begin(self, *, step_nr: int, batches: Sequence[Any]) -> None:
+        for callback in self._callbacks:
+            callback.on_step_begin(step_nr=step_nr, batches=batches)
+
+    def on_before_optimizer_step(self, *, step_nr: int, model: Module) -> None:
+        for callback in self._callbacks:
+            callback.on_before_optimizer_step(step_nr=step_nr, model=model)
+
+    def on_step_end(self, *, step_nr: int, metrics: Mapping[str, Any] | None) -> None:
+        for callback in self._callbacks:
+            callback.on_step_end(step_nr=step_nr, metrics=metrics)
+
+    def on_out_of_data(self, *, step_nr: int, epoch_nr: int) -> None:
+        for callback in self._callbacks:
+            callback.on_out_of_data(step_nr=step_nr, epoch_nr=epoch_nr)
+
+    def on_epoch_end(self, *, epoch_nr: int, step_nr: int) -> None:
+        for callback in self._callbacks:
+            callback.on_epoch_end(epoch_nr=epoch_nr, step_nr=step_nr)
 
     def on_metrics_published(self, *, run: str, step_nr: int, values: Mapping[str, Any]) -> None:
         for callback in self._callbacks:

@@ -49,8 +49,13 @@ def evaluate_units(
     recorder: MetricRecorder,
     run_prefix: str = "valid",
     autocast: AutocastFactory = contextlib.nullcontext,
+    max_num_steps: int | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Run each unit over its reader to the end, publish and return the values by run name.
+
+    With ``max_num_steps``, each unit reads at most that many steps of its reader: every rank
+    stops after the same number, so the values cover the first ``max_num_steps`` batches of
+    every rank's shard.
 
     The model is in eval mode under ``torch.no_grad()`` meanwhile, and is put back in the mode
     it was in. Each reader is reset afterwards, ready for the next evaluation.
@@ -67,7 +72,9 @@ def evaluate_units(
         with torch.no_grad():
             for unit, reader in zip(units, data_readers, strict=True):
                 unit.set_step_nr(step_nr)
-                for batches in reader:
+                for num_steps, batches in enumerate(reader):
+                    if max_num_steps is not None and num_steps == max_num_steps:
+                        break
                     # A rank whose shard ran out gets [] until the last rank is done.
                     for batch in batches:
                         with autocast():
@@ -133,6 +140,7 @@ class Evaluator:
         recorder: MetricRecorder,
         run_prefix: str = "eval",
         autocast: AutocastFactory = contextlib.nullcontext,
+        max_num_steps: int | None = None,
     ) -> None:
         if not units:
             raise ValueError("units must hold at least one EvalUnit.")
@@ -145,6 +153,7 @@ class Evaluator:
         self._recorder = recorder
         self._run_prefix = run_prefix
         self._autocast = autocast
+        self._max_num_steps = max_num_steps
 
     def with_run_prefix(self, run_prefix: str) -> Evaluator:
         """The same evaluation, published under ``run_prefix``."""
@@ -156,6 +165,7 @@ class Evaluator:
             recorder=self._recorder,
             run_prefix=run_prefix,
             autocast=self._autocast,
+            max_num_steps=self._max_num_steps,
         )
 
     def run(self, step_nr: int) -> dict[str, dict[str, Any]]:
@@ -169,6 +179,7 @@ class Evaluator:
             recorder=self._recorder,
             run_prefix=self._run_prefix,
             autocast=self._autocast,
+            max_num_steps=self._max_num_steps,
         )
 
     def evaluate_checkpoint(

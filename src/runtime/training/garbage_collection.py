@@ -11,19 +11,18 @@ import gc
 from types import TracebackType
 from typing import final
 
-from runtime.training.schedule import Schedule
-
 
 @final
 class GarbageCollection:
-    def __init__(self, every_n_steps: int | None) -> None:
-        self.schedule = Schedule("gc", every_n_steps=every_n_steps)
-        """The steps to collect after: the loop looks ahead to them, and :meth:`after_step`
-        collects on them."""
+    """While entered with ``scheduled``, Python's automatic collection is off: the loop collects
+    on the schedule instead (``Schedules.collect_garbage``)."""
+
+    def __init__(self, *, scheduled: bool) -> None:
+        self._scheduled = scheduled
         self._was_enabled = False
 
     def __enter__(self) -> GarbageCollection:
-        if self.schedule.is_set:
+        if self._scheduled:
             self._was_enabled = gc.isenabled()
             gc.disable()
         return self
@@ -34,9 +33,5 @@ class GarbageCollection:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self.schedule.is_set and self._was_enabled:
+        if self._scheduled and self._was_enabled:
             gc.enable()
-
-    def after_step(self, step_nr: int) -> None:
-        if self.schedule.due_after_step(step_nr):
-            gc.collect()

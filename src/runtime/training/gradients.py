@@ -1,67 +1,75 @@
 """Gradients across DP and TP: deferring their sync, normalizing them, their norm, clipping.
 
-DDP, FSDP2 and DTensor are looked up only once something imported them: a model that uses none
-of them never needs them, and importing them costs a second.
+DDP, FSDP2 and DTensor are imported only where a process group exists: without one nothing can
+be any of them, and a single-process run spares importing them (seconds).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import TYPE_CHECKING, Final, final
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 from typing_extensions import TypeIs
+
+from gangs import Gang
+from runtime.training.sparse_gradients import SparseGradients, sparse_parameters
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 
-def loaded_class(module: str, name: str) -> Any:
-    """``module.name`` if ``module`` was imported already, else None: nothing is an instance of
-    a class that was never imported."""
-    loaded = sys.modules.get(module)
-    return getattr(loaded, name, None) if loaded is not None else None
+def process_group_exists() -> bool:
+    """Whether the default process group exists (DDP, FSDP2 and DTensor all need one)."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def _is_dtensor(tensor: object) -> TypeIs[DTensor]:
-    dtensor = loaded_class("torch.distributed.tensor", "DTensor")
-    return dtensor is not None and isinstance(tensor, dtensor)
+    if not process_group_exists():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def gradient_sync_switch(model: Module) -> Callable[[bool], None] | None:
     """A switch for DP gradient reduction in ``model``'s next backwards: off while micro-batches
     accumulate, on for the last. None for a model that reduces nothing (neither DDP nor FSDP2).
 
-    A switch, not a context manager around each micro-batch: a ``with`` costs more Python than
-    the rest of a small step's bookkeeping.
+    A switch, not a context manager: FSDP2 offers only the switch
+    (``set_requires_gradient_sync``), so DDP gets one too (the flag its ``no_sync()`` sets).
     """
-    ddp = loaded_class("torch.nn.parallel", "DistributedDataParallel")
-    if ddp is not None and isinstance(model, ddp):
+    if not process_group_exists():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
 
         def switch_ddp(enabled: bool) -> None:
-            # The flag DistributedDataParallel.no_sync() sets; its forward reads it.
             model.require_backward_grad_sync = enabled
 
         return switch_ddp
-    fsdp = loaded_class("torch.distributed.fsdp", "FSDPModule")
-    if fsdp is not None and isinstance(model, fsdp):
+    if isinstance(model, FSDPModule):
         switch_fsdp: Callable[[bool], None] = model.set_requires_gradient_sync
         return switch_fsdp
     return None
 
 
-def _parameter_groups(model: Module) -> list[list[torch.nn.Parameter]]:
-    """The trainable parameters of ``model``, grouped so that each group lives on one device mesh.
+def _parameter_groups(model: Module, sparse: list[Tensor]) -> list[list[torch.nn.Parameter]]:
+    """The trainable parameters of ``model`` but the ``sparse`` ones, grouped so that each group
+    lives on one device mesh.
 
     DTensor ops need operands on one mesh: with FSDP2 x TP, TP-sharded parameters live on the
     2-D mesh and the others on the DP mesh, and with TP alone, plain tensors sit beside DTensors.
     """
     groups: dict[object, list[torch.nn.Parameter]] = {}
+    sparse_ids = {id(p) for p in sparse}
     for param in model.parameters():
-        if param.requires_grad:
+        if param.requires_grad and id(param) not in sparse_ids:
             mesh = param.device_mesh if _is_dtensor(param) else None
             groups.setdefault(mesh, []).append(param)
     return list(groups.values())
@@ -102,11 +110,15 @@ class Gradients:
     and clipped.
 
     The groups are found on the first step and kept: a step only collects the ``.grad`` of each
-    group's parameters, without walking the module tree.
+    group's parameters, without walking the module tree. The sparse gradients of embeddings
+    with ``sparse=True`` are handled apart (:mod:`runtime.training.sparse_gradients`), reduced
+    over ``dp_gang`` on :meth:`normalize`, and counted in the norm and clipping like the others.
     """
 
-    def __init__(self, model: Module) -> None:
+    def __init__(self, model: Module, *, dp_gang: Gang | None = None) -> None:
         self._model = model
+        self._sparse = SparseGradients(dp_gang)
+        self._sparse_params: list[Tensor] = []
         # Each group's parameters, whether the group is plain, and whether its local tensors
         # take the fused unscale kernel: found on the first step.
         self._groups: list[tuple[list[torch.nn.Parameter], bool, bool]] | None = None
@@ -119,8 +131,12 @@ class Gradients:
         """Each group's gradients (groups without any left out), whether the group is plain, and
         whether its local tensors take the fused unscale kernel."""
         if self._groups is None:
-            groups = _parameter_groups(self._model)
-            self._device = _local(groups[0][0]).device if groups else None
+            self._sparse_params = [
+                p for p in sparse_parameters(self._model).values() if p.requires_grad
+            ]
+            groups = _parameter_groups(self._model, self._sparse_params)
+            firsts = [group[0] for group in groups] + self._sparse_params
+            self._device = _local(firsts[0]).device if firsts else None
             self._groups = [
                 (group, _is_plain(group), _is_fusable(group, self._device)) for group in groups
             ]
@@ -130,6 +146,10 @@ class Gradients:
             if grads:
                 grouped.append((grads, plain, fused))
         return grouped
+
+    def _sparse_grads(self) -> list[Tensor]:
+        """The sparse parameters that have a gradient this step (after :meth:`_grads`)."""
+        return [p for p in self._sparse_params if p.grad is not None]
 
     def normalize(self, factor: float) -> Tensor | None:
         """Multiply the gradients by ``factor``; return this rank's non-finite flag (None if
@@ -142,7 +162,8 @@ class Gradients:
         factor changed, where ``_foreach_mul_`` and a norm would dispatch once per tensor each.
         """
         grouped = self._grads()
-        if not grouped:
+        sparse = self._sparse_grads()
+        if not grouped and not sparse:
             return None
         if self._non_finite is None or self._inverse is None:
             self._non_finite = torch.zeros((), device=self._device)
@@ -163,15 +184,18 @@ class Gradients:
                 # Rare layouts only (float64, or mixed devices): a check per tensor.
                 bad = torch.isfinite(tensor).logical_not().any()
                 self._non_finite.add_(bad.to(self._non_finite.device, torch.float32))
+        if sparse:
+            self._sparse.normalize(sparse, factor, self._non_finite)
         return self._non_finite
 
     def norm(self) -> Tensor:
         """The total 2-norm of the gradients, in float32 or wider (a collective for sharded
         gradients, none for plain and DDP ones)."""
         grouped = self._grads()
-        if not grouped:
+        norms = [_group_norm(grads) for grads, _, _ in grouped]
+        norms += self._sparse.norms(self._sparse_grads())
+        if not norms:
             return torch.zeros(())
-        norms = [_group_norm(grads, plain) for grads, plain, _ in grouped]
         # With one group, sqrt(norm ** 2) is norm exactly (binary floating point), so skip the ops.
         if len(norms) == 1:
             return norms[0]
@@ -183,6 +207,7 @@ class Gradients:
         clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         for grads, _, _ in self._grads():
             torch._foreach_mul_(grads, clip_coef.to(grads[0].dtype))
+        self._sparse.clip(self._sparse_grads(), clip_coef)
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -196,14 +221,8 @@ def _is_fusable(group: list[torch.nn.Parameter], device: torch.device | None) ->
     return all(_local(p).device == device and p.dtype in _FUSED_DTYPES for p in group)
 
 
-def _group_norm(grads: list[Tensor], plain: bool) -> Tensor:
-    """The 2-norm of one group's gradients, in float32 or wider."""
-    if plain:
-        # The ops get_total_norm runs for tensors of one device and dtype, so the same bits,
-        # without its grouping and checks: these cost more than the norm on a small model.
-        norm: Tensor = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
-        # .float() of a float32 tensor is the tensor itself, but its dispatch costs more than this.
-        return norm if norm.dtype == torch.float32 else norm.float()
+def _group_norm(grads: list[Tensor]) -> Tensor:
+    """The 2-norm of one group's gradients, in float32."""
     norm = torch.nn.utils.get_total_norm(grads)
     full: Tensor = norm.full_tensor() if _is_dtensor(norm) else norm
     return full.float()

@@ -144,7 +144,7 @@ def _open_source(path: Path, gangs: Gangs) -> tuple[Path, list[str], _Loader]:
     if _is_hf_model_dir(path):
         return path, *_hf_model_source(path)
     if path.is_dir():
-        path = resolve_step_dir(path)
+        path = find_step_dir(path)
         return path, *_dcp_source(path, gangs)
     raise InitialWeightsError(
         f"init_from must be an exported weights file or a checkpoint directory, but {path} "
@@ -202,7 +202,7 @@ class _DcpLoader(_Loader):
     def __call__(self, targets: dict[str, Tensor]) -> None:
         from torch.distributed.checkpoint.state_dict_loader import load
 
-        from checkpoint.dcp_files import SafeLoadPlanner, safe_reader
+        from checkpoint.dcp_io import SafeLoadPlanner, safe_reader
 
         # DCP's own reader and planner unpickle its metadata and non-tensor entries with plain
         # pickle; an init_from directory may come from anywhere.
@@ -283,7 +283,7 @@ def _hf_model_source(path: Path) -> tuple[list[str], _Loader]:
     return list(files_by_key), _FileLoader(path, _SafetensorsFiles(files_by_key))
 
 
-def resolve_step_dir(path: Path) -> Path:
+def find_step_dir(path: Path) -> Path:
     """The ``step_N`` directory ``path`` names: itself, or the last checkpoint under it (a
     Hugging Face model directory stays itself)."""
     if (path / "model").is_dir() or _is_hf_model_dir(path):

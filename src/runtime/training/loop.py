@@ -8,8 +8,9 @@ stopped is one value, ``state.stop_reason``.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,18 +28,20 @@ from runtime.metrics.progress import ProgressDisplay
 from runtime.metrics.recorders import MetricRecorder
 from runtime.metrics.tracing import CHECKPOINT, DATA_WAIT, trace_range, traced
 from runtime.metrics.train_metrics import TrainMetrics, describe_devices
-from runtime.training.callbacks import CallbackList, overrides
+from runtime.training.callbacks import CallbackList
 from runtime.training.checkpointing import Checkpointer
+from runtime.training.early_stop import Stateful
 from runtime.training.garbage_collection import GarbageCollection
 from runtime.training.out_of_memory import MemoryFigures, step_out_of_memory_error
 from runtime.training.rng import rng_state, seed_rngs, set_rng_state
-from runtime.training.schedule import Schedule
+from runtime.training.schedule import Due, Schedules
 from runtime.training.signals import StopSignals
 from runtime.training.state import (
+    STATEFUL_SECTION,
     TRAINER_STATE_VERSION,
     StopReason,
     TrainState,
-    upgrade_trainer_state,
+    check_trainer_state,
 )
 from runtime.training.step import TrainStep
 from runtime.training.validation import Validator
@@ -47,15 +50,6 @@ from runtime.training.validation import Validator
 log = logging.getLogger("runtime.training.trainer")
 
 BatchT = TypeVar("BatchT")
-
-
-@final
-@dataclass(frozen=True)
-class Schedules:
-    publish: Schedule
-    validate: Schedule
-    checkpoint: Schedule
-    validate_at_start: bool = False
 
 
 @final
@@ -98,31 +92,26 @@ class TrainLoop(Generic[BatchT]):
         observers: Observers,
         gangs: Gangs,
         seed: int,
-        garbage_collection: GarbageCollection,
     ) -> None:
         self.state = TrainState()
         self._data_reader = data_reader
         self._train_step = train_step
         self._metrics = metrics
         self._validator = validator
-        self.checkpointer = checkpointer
+        self._checkpointer = checkpointer
         self._schedules = schedules
-        self.limits = limits
-        self.observers = observers
+        self._limits = limits
         self._gangs = gangs
         self._seed = seed
         self._callbacks = observers.callbacks
-        # What runs after every step: only the callbacks that do something then, and the
-        # progress display if it shows one.
-        self._step_end_hooks = list(observers.callbacks.step_end_hooks)
-        if overrides(observers.progress, ProgressDisplay, "advance"):
-            self._step_end_hooks.insert(0, observers.progress.advance)
+        self.stateful: dict[str, Stateful] = {}
+        """Objects the user registered (``Trainer.register_stateful``), saved with the state."""
         self._recorder = observers.recorder
-        self.stop_signals = StopSignals()
+        self._progress: ProgressDisplay = observers.progress
         self._profiler = observers.profiler
+        self.stop_signals = StopSignals()
         self._trace = observers.profiler is not None
         self._next_batches = traced(DATA_WAIT, data_reader.__next__, enabled=self._trace)
-        self._garbage_collection = garbage_collection
         self._run_start = time.perf_counter()
         # Whether the data epoch being read gave a batch; a resumed position may be at its end.
         self._epoch_had_batches = True
@@ -135,9 +124,9 @@ class TrainLoop(Generic[BatchT]):
         A fresh run (no checkpoint) starts from the Trainer's ``init_from`` weights, if given.
         """
         self._seed_rngs(step_nr=0)
-        loaded = self.checkpointer.load_last()
+        loaded = self._checkpointer.load_last()
         if loaded is None:
-            self.checkpointer.load_initial_weights()
+            self._checkpointer.load_initial_weights()
             return
         self.load_state_dict(loaded.trainer_state, resharded=loaded.resharded)
         log.info("Resumed from the checkpoint of step %d.", self.state.step_nr)
@@ -147,14 +136,14 @@ class TrainLoop(Generic[BatchT]):
                 "The run finished at step %d, but max_num_steps (%s) and max_num_data_epochs "
                 "(%s) now allow more: training on.",
                 self.state.step_nr,
-                self.limits.max_num_steps,
-                self.limits.max_num_data_epochs,
+                self._limits.max_num_steps,
+                self._limits.max_num_data_epochs,
             )
             self.state.stop_reason = None
 
     def _limit_reached(self) -> bool:
         """Whether ``max_num_steps`` or ``max_num_data_epochs`` ends the training here."""
-        max_steps, max_epochs = self.limits.max_num_steps, self.limits.max_num_data_epochs
+        max_steps, max_epochs = self._limits.max_num_steps, self._limits.max_num_data_epochs
         if max_steps is not None and self.state.step_nr >= max_steps:
             return True
         return (
@@ -170,76 +159,51 @@ class TrainLoop(Generic[BatchT]):
     # -------------------------------------------------------------------- run
 
     def run(self) -> None:
-        """Train until a stop reason; at the end of the run, finish it (not after a preemption)."""
+        """Train until a stop reason; at the end of the run, finish it (not after a preemption).
+
+        An asynchronous save of the last step commits before this returns; after an exception
+        it never does.
+        """
+        with contextlib.ExitStack() as stack:
+            if self._profiler is not None:
+                stack.enter_context(self._profiler)
+            self._begin()
+            with GarbageCollection(scheduled=self._schedules.collect_garbage.is_set):
+                self._train_until_stop()
+            if self.state.stop_reason is StopReason.PREEMPTED:
+                # The unpublished metric window is in the checkpoint, so after the resume the
+                # published values are those of an uninterrupted run.
+                log.warning("Stopped at step %d as requested by a signal.", self.state.step_nr)
+            else:
+                self._finish()
+            self._checkpointer.finish_pending_save()
+
+    def _begin(self) -> None:
         state = self.state
+        self._progress.start(total_steps=self._limits.max_num_steps, initial_step=state.step_nr)
         self._callbacks.on_train_begin(step_nr=state.step_nr)
+        if state.step_nr == 0:
+            self._callbacks.on_epoch_begin(epoch_nr=state.data_epoch_nr, step_nr=0)
         if self._schedules.validate_at_start and state.step_nr == 0 and self._validator.has_units:
             self._validator.validate(0, baseline=True)
-
         log.info("Training from step %d on %s.", state.step_nr, describe_devices(self._gangs))
         self._run_start = time.perf_counter()
         self._metrics.restart_clock()
-        max_steps = self.limits.max_num_steps
+        max_steps = self._limits.max_num_steps
         if max_steps is not None and state.step_nr >= max_steps:
             state.stop_reason = StopReason.MAX_NUM_STEPS
-        # The next step after which something falls due: between two such steps, a step only
-        # compares its number with this one.
-        due_step = self._next_due_step()
-        with self._garbage_collection:
-            while state.stop_reason is None:
-                batches = self._read_step()
-                if batches is None:
-                    self._end_data_epoch()
-                    continue
-                due = state.step_nr + 1 >= due_step
-                stop_requested = self._take_step(
-                    batches, measure_grad_norm=due and self._measures_grad_norm(state.step_nr + 1)
-                )
-                if due or stop_requested:
-                    self._after_step(stop_requested=stop_requested)
-                    due_step = self._next_due_step()
 
-        if state.stop_reason is StopReason.PREEMPTED:
-            # The unpublished metric window is in the checkpoint, so after the resume the
-            # published values are those of an uninterrupted run.
-            log.warning("Stopped at step %d as requested by a signal.", state.step_nr)
-        else:
-            self._finish()
-
-    def _next_due_step(self) -> int:
-        """The next step after which :meth:`_after_step` has work: the first that a schedule,
-        garbage collection or the step limit falls due after; with a profiler, every step
-        (``sys.maxsize`` when nothing ever falls due)."""
-        step_nr = self.state.step_nr
-        if self._profiler is not None:
-            return step_nr + 1
-        schedules = self._schedules
-        due_steps = [
-            schedule.next_step_due(step_nr)
-            for schedule in (
-                schedules.publish,
-                schedules.validate,
-                schedules.checkpoint,
-                self._garbage_collection.schedule,
-            )
-        ]
-        due_steps.append(self.limits.max_num_steps)
-        return min((due for due in due_steps if due is not None), default=sys.maxsize)
-
-    def _measures_grad_norm(self, step_nr: int) -> bool:
-        """Whether step ``step_nr`` measures the gradient norm: where it is published, that is
-        on the publishing steps and on those after which the run may end (a validation may stop
-        it early, and the end publishes what is left)."""
-        schedules = self._schedules
-        return (
-            schedules.publish.due_after_step(step_nr)
-            or schedules.validate.due_after_step(step_nr)
-            or step_nr == self.limits.max_num_steps
-        )
-
-    def finish_pending_save(self) -> None:
-        """Commit an asynchronous save still in flight (every rank must call it)."""
-        self.checkpointer.finish_pending_save()
+    def _train_until_stop(self) -> None:
+        """Read, step, and do what falls due after the step, until a stop reason."""
+        state = self.state
+        while state.stop_reason is None:
+            batches = self._read_step()
+            if batches is None:
+                self._end_data_epoch()
+                continue
+            due = self._schedules.due_after_step(state.step_nr + 1)
+            stop_requested = self._take_step(batches, due)
+            self._after_step(due, stop_requested=stop_requested)
 
     def _read_step(self) -> list[BatchT] | None:
         """The next step's micro-batches, or None at the end of the data epoch."""
@@ -258,16 +222,22 @@ class TrainLoop(Generic[BatchT]):
         self._epoch_had_batches = True
         return batches
 
-    def _take_step(self, batches: list[BatchT], *, measure_grad_norm: bool) -> bool:
+    def _take_step(self, batches: list[BatchT], due: Due) -> bool:
         """Take one optimizer step; return whether any rank asked to stop."""
         self.state.step_nr += 1
         step_nr = self.state.step_nr
+        self._callbacks.on_step_begin(step_nr=step_nr, batches=batches)
         try:
-            output = self._train_step.take(
+            # The gradient norm is measured where it is published: on the publishing steps and
+            # on those after which the run may end (a validation may stop it early, and the end
+            # publishes what is left).
+            output = self._train_step(
                 batches,
                 step_nr=step_nr,
                 stop_requested=self.stop_signals.requested,
-                measure_grad_norm=measure_grad_norm,
+                measure_grad_norm=(
+                    due.publish or due.validate or step_nr == self._limits.max_num_steps
+                ),
             )
         except torch.OutOfMemoryError as ex:
             device = self._gangs.root.device
@@ -275,28 +245,27 @@ class TrainLoop(Generic[BatchT]):
                 step_nr, device=device, rank=self._gangs.root.rank, figures=MemoryFigures.of(device)
             ) from ex
         self._metrics.add_step(output)
-        for hook in self._step_end_hooks:
-            hook(step_nr=step_nr)
+        self._progress.advance(step_nr=step_nr)
         return output.stop_requested
 
-    def _after_step(self, *, stop_requested: bool) -> None:
+    def _after_step(self, due: Due, *, stop_requested: bool) -> None:
         """Collect, publish, validate and checkpoint where due, and decide whether to stop."""
-        state, schedules = self.state, self._schedules
+        state = self.state
         step_nr = state.step_nr
-        self._garbage_collection.after_step(step_nr)
-        if schedules.publish.due_after_step(step_nr):
-            self._publish_train_metrics()
-        early_stop = schedules.validate.due_after_step(step_nr) and self._validator.validate(
-            step_nr
-        )
+        values = self._publish_train_metrics() if due.publish else None
+        self._callbacks.on_step_end(step_nr=step_nr, metrics=values)
+        # After the step's callbacks, as a collection between steps.
+        if due.collect_garbage:
+            gc.collect()
+        early_stop = due.validate and self._validator.validate(step_nr)
         # Known before the save, so a checkpoint of the last step says the run is over.
         if early_stop:
             state.stop_reason = StopReason.EARLY_STOP
-        elif step_nr == self.limits.max_num_steps:
+        elif step_nr == self._limits.max_num_steps:
             state.stop_reason = StopReason.MAX_NUM_STEPS
         elif stop_requested:
             state.stop_reason = StopReason.PREEMPTED
-        if schedules.checkpoint.due_after_step(step_nr) or stop_requested:
+        if due.checkpoint or stop_requested:
             self._save_checkpoint()
         # A profiled step holds its own validation and checkpoint.
         if self._profiler is not None:
@@ -306,10 +275,12 @@ class TrainLoop(Generic[BatchT]):
         """Validate and checkpoint on the data-epoch schedules; then stop or start the next epoch."""
         state = self.state
         log.info("Data epoch %d ended at step %d.", state.data_epoch_nr, state.step_nr)
-        max_epochs = self.limits.max_num_data_epochs
+        self._callbacks.on_out_of_data(step_nr=state.step_nr, epoch_nr=state.data_epoch_nr)
+        max_epochs = self._limits.max_num_data_epochs
         if max_epochs is not None and state.data_epoch_nr >= max_epochs:
             # The end of training validates and checkpoints this step.
             state.stop_reason = StopReason.MAX_NUM_DATA_EPOCHS
+            self._callbacks.on_epoch_end(epoch_nr=state.data_epoch_nr, step_nr=state.step_nr)
             return
         if state.step_nr > 0:
             if (
@@ -320,11 +291,12 @@ class TrainLoop(Generic[BatchT]):
                 state.stop_reason = StopReason.EARLY_STOP
             if (
                 self._schedules.checkpoint.due_after_data_epoch(state.data_epoch_nr)
-                and self.checkpointer.last_saved_step != state.step_nr
+                and self._checkpointer.last_saved_step != state.step_nr
             ):
                 self._save_checkpoint()
-            if state.stop_reason is not None:
-                return
+        self._callbacks.on_epoch_end(epoch_nr=state.data_epoch_nr, step_nr=state.step_nr)
+        if state.stop_reason is not None:
+            return
         if not self._epoch_had_batches:
             raise TrainerError(
                 f"The data reader ended epoch {state.data_epoch_nr} without a single batch. "
@@ -333,6 +305,7 @@ class TrainLoop(Generic[BatchT]):
         state.data_epoch_nr += 1
         self._data_reader.reset()
         self._epoch_had_batches = False
+        self._callbacks.on_epoch_begin(epoch_nr=state.data_epoch_nr, step_nr=state.step_nr)
 
     def _finish(self) -> None:
         """Publish, validate and checkpoint what the last step left undone."""
@@ -345,17 +318,17 @@ class TrainLoop(Generic[BatchT]):
             and self._validator.validate(step_nr)
         ):
             self.state.stop_reason = StopReason.EARLY_STOP
-        if self.checkpointer.last_saved_step != step_nr:
+        if self._checkpointer.last_saved_step != step_nr:
             self._save_checkpoint()
         log.info("Training finished at step %d.", step_nr)
         self._validator.log_best()
 
     # ------------------------------------------------------ publish and save
 
-    def _publish_train_metrics(self) -> None:
+    def _publish_train_metrics(self) -> dict[str, Any]:
         step_nr = self.state.step_nr
-        extra = {
-            "lr": self._train_step.learning_rate,
+        extra: dict[str, float] = {
+            **self._train_step.learning_rates(),
             "data_epoch": self.state.data_epoch_nr,
             "elapsed_time": time.perf_counter() - self._run_start,
         }
@@ -365,16 +338,17 @@ class TrainLoop(Generic[BatchT]):
         values = self._metrics.compute(extra)
         self._recorder.record("train", step_nr, values)
         self._callbacks.on_metrics_published(run="train", step_nr=step_nr, values=values)
-        self.observers.progress.update_values(
+        self._progress.update_values(
             {k: float(v) for k, v in values.items() if k in ("loss", "lr", "grad_norm")}
         )
+        return values
 
     def _save_checkpoint(self) -> None:
         # A checkpoint of weights a non-finite step poisoned would be resumed from; never save one.
         self._metrics.check_finite()
         step_nr = self.state.step_nr
         with trace_range(CHECKPOINT, self._trace):
-            self.checkpointer.save(
+            self._checkpointer.save(
                 step_nr, trainer_state=self.state_dict(), score=self._validator.score_at(step_nr)
             )
 
@@ -390,7 +364,36 @@ class TrainLoop(Generic[BatchT]):
             "train_step": self._train_step.state_dict(),
             "train_metrics": self._metrics.state_dict(),
             "validation": self._validator.state_dict(),
+            **self._stateful_section(),
         }
+
+    def _all_stateful(self) -> dict[str, Stateful]:
+        return {**self._callbacks.stateful(), **self.stateful}
+
+    def _stateful_section(self) -> dict[str, Any]:
+        # Absent without stateful objects, so such a checkpoint reads as it always did.
+        objects = self._all_stateful()
+        if not objects:
+            return {}
+        return {STATEFUL_SECTION: {name: obj.state_dict() for name, obj in objects.items()}}
+
+    def _load_stateful(self, saved: Mapping[str, Any]) -> None:
+        """Restore the callbacks and registered objects the checkpoint holds; one without a
+        saved state keeps its own (it is new in this launch), and a saved state without an
+        object is left unused, each with a warning."""
+        objects = self._all_stateful()
+        for name, obj in objects.items():
+            if name in saved:
+                obj.load_state_dict(saved[name])
+            else:
+                log.warning("The checkpoint holds no state of %s; it starts from its own.", name)
+        unused = sorted(set(saved) - set(objects))
+        if unused:
+            log.warning(
+                "The checkpoint holds the state of %s, but nothing of that name is registered "
+                "(a callback or Trainer.register_stateful) in this launch; it is not used.",
+                ", ".join(unused),
+            )
 
     def load_state_dict(self, state: Mapping[str, Any], *, resharded: bool = False) -> None:
         """Load this rank's trainer state, or rank 0's when the checkpoint was ``resharded``.
@@ -399,7 +402,7 @@ class TrainLoop(Generic[BatchT]):
         and the data reader reshards its position; what is per rank cannot: the RNGs are seeded
         anew for this step, and the unpublished metric window starts empty.
         """
-        state = upgrade_trainer_state(state)
+        state = check_trainer_state(state)
         self.state.load_state_dict(state["train_state"])
         if resharded:
             try:
@@ -419,3 +422,4 @@ class TrainLoop(Generic[BatchT]):
             self._metrics.load_state_dict(state["train_metrics"])
         self._train_step.load_state_dict(state["train_step"])
         self._validator.load_state_dict(state["validation"])
+        self._load_stateful(state.get(STATEFUL_SECTION, {}))

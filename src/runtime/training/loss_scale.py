@@ -8,6 +8,8 @@ from typing import Any, final
 
 from torch import Tensor
 
+from runtime.errors import NonFiniteError
+
 log = logging.getLogger(__name__)
 
 
@@ -81,7 +83,7 @@ class LossScaler:
         self._good_steps = 0
         new_scale = self._scale / 2.0
         if new_scale < self._min_scale:
-            raise FloatingPointError(
+            raise NonFiniteError(
                 f"The fp16 loss scale fell below its minimum {self._min_scale} at step {step_nr}: "
                 "the gradients overflow at any scale, so the training has diverged. Lower the "
                 "learning rate, clip gradients (max_gradient_norm), or train in bfloat16."

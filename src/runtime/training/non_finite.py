@@ -6,7 +6,7 @@ Two policies:
   the normalization of its gradients raises on a NaN or infinite gradient (see
   :meth:`runtime.training.gradients.Gradients.normalize`), stay on the device in the metric window; before
   every publish and every checkpoint the window is checked (one host read and one small
-  all-reduce), and a non-finite value stops every rank with a :class:`TrainerError` naming the
+  all-reduce), and a non-finite value stops every rank with a :class:`NonFiniteError` naming the
   step, the rank and the value. No checkpoint is saved after the poisoned step, so the last
   checkpoint is from before it; the steps between the poisoned one and the check are lost, at
   most one publish interval.
@@ -32,7 +32,7 @@ from torch import Tensor
 
 from checkpoint.arguments import check_positive
 from gangs import Gang, ReduceOperation
-from runtime.errors import TrainerError
+from runtime.errors import NonFiniteError
 
 log = logging.getLogger("runtime.training.trainer")
 
@@ -87,7 +87,7 @@ class NonFiniteGuard:
         self._consecutive_skips += 1
         what = "gradient norm" if losses_finite_everywhere else "loss"
         if self._consecutive_skips > self._max_consecutive:
-            raise TrainerError(
+            raise NonFiniteError(
                 f"The {what} was not finite at step {step_nr} {_where(loss_finite_here, what)}, "
                 f"the {self._consecutive_skips}th step in a row (max_consecutive_skipped_steps is "
                 f"{self._max_consecutive}): the training has diverged. Lower the learning rate, "
@@ -143,7 +143,7 @@ class NonFiniteGuard:
             problem = f"The gradients were not finite at {span} on rank {flagged_rank}"
         else:
             return
-        raise TrainerError(
+        raise NonFiniteError(
             f"{problem} (nan_policy='error'): the training stopped, and no checkpoint was saved "
             "after that step. Lower the learning rate, clip gradients (max_gradient_norm), check "
             "the data of that step, or pass nan_policy='skip' to skip such steps."

@@ -1,4 +1,8 @@
-"""When recurring work is due: publishing metrics, validating, checkpointing."""
+"""When recurring work is due: publishing metrics, validating, checkpointing, collecting garbage.
+
+What falls due after a step is host arithmetic on its number (:meth:`Schedules.due_after_step`),
+so deciding it never waits for the device.
+"""
 
 from __future__ import annotations
 
@@ -36,13 +40,6 @@ class Schedule:
         every = self.every_n_steps
         return every is not None and step_nr > self.after_n_steps and step_nr % every == 0
 
-    def next_step_due(self, step_nr: int) -> int | None:
-        """The first step after ``step_nr`` that this schedule is due after, None if none is."""
-        every = self.every_n_steps
-        if every is None:
-            return None
-        return (max(step_nr, self.after_n_steps) // every + 1) * every
-
     def due_after_data_epoch(self, data_epoch_nr: int) -> bool:
         every = self.every_n_data_epochs
         return every is not None and data_epoch_nr % every == 0
@@ -60,6 +57,37 @@ class Schedule:
         return self.every_n_data_epochs is None or (
             other.every_n_data_epochs is not None
             and self.every_n_data_epochs % other.every_n_data_epochs == 0
+        )
+
+
+@final
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Due:
+    """What falls due after one step."""
+
+    publish: bool
+    validate: bool
+    checkpoint: bool
+    collect_garbage: bool
+
+
+@final
+@dataclass(frozen=True, kw_only=True)
+class Schedules:
+    """The schedules of the recurring work of a run; the one place that says what is due when."""
+
+    publish: Schedule = Schedule("publish_metrics")
+    validate: Schedule = Schedule("validate")
+    checkpoint: Schedule = Schedule("checkpoint")
+    collect_garbage: Schedule = Schedule("gc")
+    validate_at_start: bool = False
+
+    def due_after_step(self, step_nr: int) -> Due:
+        return Due(
+            publish=self.publish.due_after_step(step_nr),
+            validate=self.validate.due_after_step(step_nr),
+            checkpoint=self.checkpoint.due_after_step(step_nr),
+            collect_garbage=self.collect_garbage.due_after_step(step_nr),
         )
 
 

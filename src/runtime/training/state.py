@@ -10,10 +10,11 @@ the part of the Trainer that reads and writes it::
     train_step     loss scale and LR scheduler
     train_metrics  the unpublished metric window and the unit's metrics
     validation     last and best scores, early stopper
+    stateful       (only when there are any) the stateful callbacks and registered objects
 
-Checkpoints of older formats are mapped onto it by :func:`upgrade_trainer_state`: the first
-format was flat, with three booleans for the stop reason; the second measured the gradient norm
-of every step, so its metric window has no count of measured norms.
+The format is version 3 (``TRAINER_STATE_VERSION``); a checkpoint of any other version is a
+clear error (:func:`check_trainer_state`). A change to the sections or to what one holds bumps
+the version.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ TRAINER_STATE_SECTIONS: Final = frozenset(
         "validation",
     }
 )
+
+STATEFUL_SECTION: Final = "stateful"
+"""The optional section: absent in a checkpoint of a run without stateful callbacks."""
 
 
 class StopReason(Enum):
@@ -112,105 +116,15 @@ def check_state_keys(state: Mapping[str, Any], expected: Collection[str], *, wha
         )
 
 
-_V1_KEYS: Final = frozenset(
-    {
-        "step_nr",
-        "data_epoch_nr",
-        "finished",
-        "early_stopped",
-        "data_exhausted",
-        "data_reader",
-        "rng",
-        "loss_scaler",
-        "train_metrics",
-        "window",
-        "last_score",
-        "best_score",
-        "best_step_nr",
-        "last_validated_step",
-    }
-)
-
-
-def upgrade_trainer_state(state: Mapping[str, Any]) -> dict[str, Any]:
-    """The trainer state of a checkpoint in the current format; older formats are mapped onto it."""
-    version = state.get("version", 1)
-    if version == 1:
-        return _upgrade_format_2(_upgrade_format_1(state))
-    if version == 2:
-        check_state_keys(state, TRAINER_STATE_SECTIONS, what="trainer (format 2)")
-        return _upgrade_format_2(state)
-    if version == TRAINER_STATE_VERSION:
-        check_state_keys(state, TRAINER_STATE_SECTIONS, what="trainer")
-        return dict(state)
-    raise CheckpointError(
-        f"The trainer state of the checkpoint has format version {version}, but this version "
-        f"of the runtime reads versions 1 to {TRAINER_STATE_VERSION}. Resume with a newer "
-        "version of the runtime."
-    )
-
-
-def _upgrade_format_1(state: Mapping[str, Any]) -> dict[str, Any]:
-    check_state_keys(
-        state,
-        _V1_KEYS | ({"lr_scheduler", "early_stopper"} & set(state)),
-        what="trainer (format 1)",
-    )
-    if not state["finished"]:
-        reason = None
-    elif state["early_stopped"]:
-        reason = StopReason.EARLY_STOP.value
-    elif state["data_exhausted"]:
-        reason = StopReason.MAX_NUM_DATA_EPOCHS.value
-    else:
-        reason = StopReason.MAX_NUM_STEPS.value
-    return {
-        "version": 2,
-        "train_state": {
-            "step_nr": state["step_nr"],
-            "data_epoch_nr": state["data_epoch_nr"],
-            "stop_reason": reason,
-        },
-        "data_reader": state["data_reader"],
-        "rng": state["rng"],
-        "train_step": {
-            "loss_scaler": state["loss_scaler"],
-            "lr_scheduler": state.get("lr_scheduler"),
-        },
-        "train_metrics": {
-            "window": _window_of_format_1(state["window"]),
-            "unit_metrics": state["train_metrics"],
-        },
-        "validation": {
-            "last_score": state["last_score"],
-            "best_score": state["best_score"],
-            "best_step_nr": state["best_step_nr"],
-            "last_validated_step": state["last_validated_step"],
-            "early_stopper": state.get("early_stopper"),
-        },
-    }
-
-
-def _upgrade_format_2(state: Mapping[str, Any]) -> dict[str, Any]:
-    upgraded = {**state, "version": TRAINER_STATE_VERSION}
-    metrics = state["train_metrics"]
-    window = metrics.get("window") if isinstance(metrics, Mapping) else None
-    if isinstance(window, Mapping) and "num_steps" in window:
-        # Format 2 measured the gradient norm of every step of the window. (A window without
-        # its step count is left to the metrics' own key check, which names what it lacks.)
-        window = {**window, "num_grad_norms": window["num_steps"]}
-        upgraded["train_metrics"] = {**metrics, "window": window}
-    return upgraded
-
-
-def _window_of_format_1(window: Mapping[str, Any]) -> dict[str, Any]:
-    # The first format named the target counts by their role as weights.
-    return {
-        "loss_sum": window["loss_sum"],
-        "grad_norm_sum": window["grad_norm_sum"],
-        "num_local_targets": window["local_weight"],
-        "num_targets": window["total_weight"],
-        "num_examples": window["total_examples"],
-        "num_steps": window["num_steps"],
-        "num_skipped_steps": 0,
-    }
+def check_trainer_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``state`` if it is a trainer state of the current format; CheckpointError if not."""
+    version = state.get("version")
+    if version != TRAINER_STATE_VERSION:
+        raise CheckpointError(
+            f"The trainer state of the checkpoint has format version {version}, but this version "
+            f"of the runtime reads version {TRAINER_STATE_VERSION} only. Resume with the version "
+            "of the runtime that saved it, or start the run in a fresh output directory."
+        )
+    optional = {STATEFUL_SECTION} & set(state)
+    check_state_keys(state, TRAINER_STATE_SECTIONS | optional, what="trainer")
+    return state

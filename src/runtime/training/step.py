@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Generic, NamedTuple, TypeVar, final
+from typing import Any, Final, Generic, TypeVar, final
 
 import torch
 from torch import Tensor
@@ -18,12 +18,13 @@ from checkpoint.arguments import check_positive
 from gangs import Gangs
 from runtime.errors import TrainerError
 from runtime.metrics.tracing import BACKWARD, FORWARD, GRADIENT_SYNC, OPTIMIZER_STEP, traced
-from runtime.training.callbacks import overrides
+from runtime.training.callbacks import TrainerCallback
 from runtime.training.gradients import Gradients, gradient_sync_switch
 from runtime.training.loss_scale import LossScaler
 from runtime.training.non_finite import NanPolicy, NonFiniteGuard
+from runtime.training.sparse_gradients import check_sparse_outside_ddp
 from runtime.training.state import check_state_keys
-from runtime.training.step_totals import DdpCountCarrier, StepTotals
+from runtime.training.step_totals import StepTotals
 from units import TrainUnit
 
 log = logging.getLogger(__name__)
@@ -33,12 +34,9 @@ R = TypeVar("R")
 
 
 @final
-class StepOutput(NamedTuple):
-    """What one step measured; tensors stay on the device, so reading them is left to publish.
-
-    A named tuple, not a frozen dataclass: it is made every step, and a frozen dataclass sets
-    each field through ``object.__setattr__``.
-    """
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepOutput:
+    """What one step measured; tensors stay on the device, so reading them is left to publish."""
 
     step_nr: int
     """The number of the step."""
@@ -52,7 +50,7 @@ class StepOutput(NamedTuple):
     """The examples of the whole DP gang."""
     grad_norm: Tensor | None
     """The gradient norm before clipping, on the steps that measure it (see
-    :meth:`TrainStep.take`)."""
+    :meth:`TrainStep.__call__`)."""
     non_finite_gradients: Tensor | None
     """This rank's flag, one tensor for the run: non-zero since the first NaN or infinite
     gradient (None without gradients)."""
@@ -93,24 +91,22 @@ class TrainStep(Generic[BatchT]):
         self,
         *,
         unit: TrainUnit[BatchT],
-        optimizer: Optimizer,
+        optimizer: Optimizer | Sequence[Optimizer],
         gangs: Gangs,
-        lr_scheduler: LRScheduler | None = None,
+        lr_scheduler: LRScheduler | Sequence[LRScheduler] | None = None,
         precision: Precision = Precision(),
         max_gradient_norm: float | None = None,
         nan_policy: NanPolicy = "error",
         max_consecutive_skipped_steps: int = 10,
         trace: bool = False,
+        callbacks: TrainerCallback | None = None,
     ) -> None:
         check_positive("max_gradient_norm", max_gradient_norm)
         self._unit = unit
-        # Most units do not override the hook, and their steps skip the call.
-        self._set_unit_step_nr = (
-            unit.set_step_nr if overrides(unit, TrainUnit, "set_step_nr") else None
-        )
+        self._callbacks = callbacks
         self._model = unit.model
-        self._optimizer = optimizer
-        self._lr_scheduler = lr_scheduler
+        self.optimizers = as_optimizers(optimizer)
+        self._lr_schedulers = _as_schedulers(lr_scheduler)
         self._gangs = gangs
         self._dtype = precision.dtype
         self._autocasts = precision.amp and precision.dtype != torch.float32
@@ -125,20 +121,15 @@ class TrainStep(Generic[BatchT]):
             root_gang=gangs.root,
             checks_gradients=not self._loss_scaler.enabled,
         )
-        self._gradients = Gradients(self._model)
-        self._totals = StepTotals(
-            gangs=gangs,
-            check_losses=self.guard.skips,
-            carrier=DdpCountCarrier.attach(self._model, gangs),
-        )
+        check_sparse_outside_ddp(self._model)
+        self._gradients = Gradients(self._model, dp_gang=gangs.dp)
+        self._totals = StepTotals(gangs=gangs, check_losses=self.guard.skips)
         self._dp_size = gangs.dp.size
         self._switch_gradient_sync = gradient_sync_switch(self._model)
         # A step is skipped on an fp16 overflow, or with nan_policy="skip" on a non-finite value.
         self._may_skip = self._loss_scaler.enabled or self.guard.skips
-        # The phases of a step. With a profiler each runs in its named range, bound here rather
-        # than entered in the step: a step without a profiler enters no context at all. The unit
-        # runs through its bound __call__, which calling the instance would look up every time.
-        forward: Callable[[BatchT], tuple[Tensor, int | None]] = unit.__call__
+        # The phases of a step; with a profiler each runs in its named range.
+        forward: Callable[[BatchT], tuple[Tensor, int | None]] = unit
         if self._autocasts:
             forward = _in_autocast(forward, self.autocast)
         self._forward = traced(FORWARD, forward, enabled=trace)
@@ -146,7 +137,7 @@ class TrainStep(Generic[BatchT]):
         self._normalize = traced(GRADIENT_SYNC, self._normalize_gradients, enabled=trace)
         self._update = traced(OPTIMIZER_STEP, self._update_model, enabled=trace)
 
-    def take(
+    def __call__(
         self,
         batches: list[BatchT],
         *,
@@ -157,12 +148,8 @@ class TrainStep(Generic[BatchT]):
         """Take the step. The gradient norm is measured when ``measure_grad_norm`` (the loop
         asks on the steps that publish it), and always with clipping, ``nan_policy="skip"`` or
         fp16, which decide on it: elsewhere it is work no one reads.
-
-        A method rather than ``__call__``: a call of an instance with keywords builds a dict of
-        them every time.
         """
-        if self._set_unit_step_nr is not None:
-            self._set_unit_step_nr(step_nr)
+        self._unit.set_step_nr(step_nr)
         may_skip = self._may_skip
         if may_skip:
             self._unit.metric_bag.begin_updates()
@@ -193,25 +180,22 @@ class TrainStep(Generic[BatchT]):
                     grad_norm=grad_norm,
                 )
             )
+        if applied and self._callbacks is not None:
+            self._callbacks.on_before_optimizer_step(step_nr=step_nr, model=self._model)
         self._update(applied, may_skip)
-        # Held until the update is done: its autograd graph (spent, but not yet freed) references
-        # every parameter, and while a parameter has a second C++ owner, the optimizer's own
-        # references to it skip torch's Python-object bookkeeping, which otherwise takes the GIL
-        # for each one (1 to 2% of W1's step, see README "Performance"). A hand-written loop
-        # holds its loss this long too.
+        # The last loss (and its spent graph) lives until after the update, as in a
+        # hand-written loop: freeing the graph first makes the optimizer step slower on CPU.
         del last_loss
-        # By position, in the order of the fields: a class called with keywords gets them as a
-        # dict, built every step.
         return StepOutput(
-            step_nr,
-            losses,
-            num_targets,
-            total_targets,
-            total_examples,
-            grad_norm,
-            non_finite,
-            stop_votes > 0,
-            applied,
+            step_nr=step_nr,
+            losses=losses,
+            num_targets=num_targets,
+            total_targets=total_targets,
+            total_examples=total_examples,
+            grad_norm=grad_norm,
+            non_finite_gradients=non_finite,
+            stop_requested=stop_votes > 0,
+            applied=applied,
         )
 
     def _forward_backward(
@@ -271,16 +255,19 @@ class TrainStep(Generic[BatchT]):
         return non_finite, grad_norm
 
     def _update_model(self, applied: bool, may_skip: bool) -> None:
+        # Every optimizer steps, or none does: a skipped step skips them together.
         if applied:
-            self._optimizer.step()
+            for optimizer in self.optimizers:
+                optimizer.step()
         if may_skip:
             if applied:
                 self._unit.metric_bag.commit_updates()
             else:
                 self._unit.metric_bag.rollback_updates()
-        self._optimizer.zero_grad(set_to_none=True)
-        if self._lr_scheduler is not None:
-            self._lr_scheduler.step()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        for scheduler in self._lr_schedulers:
+            scheduler.step()
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The unit's forward context: autocast to ``dtype`` with ``amp``, nothing otherwise."""
@@ -293,12 +280,14 @@ class TrainStep(Generic[BatchT]):
         """Whether the step marks its ranges for a profiler."""
         return self._trace
 
-    @property
-    def learning_rate(self) -> float:
-        """The learning rate of the first parameter group."""
-        if self._lr_scheduler is not None:
-            return float(self._lr_scheduler.get_last_lr()[0])
-        return float(self._optimizer.param_groups[0]["lr"])
+    def learning_rates(self) -> dict[str, float]:
+        """The learning rate of every optimizer's every parameter group: ``lr`` for the first
+        group of the first optimizer, ``lr/opt{i}/group{j}`` for the others (both from 0)."""
+        rates = {}
+        for i, optimizer in enumerate(self.optimizers):
+            for j, group in enumerate(optimizer.param_groups):
+                rates["lr" if i == j == 0 else f"lr/opt{i}/group{j}"] = float(group["lr"])
+        return rates
 
     @property
     def loss_scale(self) -> float | None:
@@ -306,31 +295,74 @@ class TrainStep(Generic[BatchT]):
         return self._loss_scaler.scale if self._loss_scaler.enabled else None
 
     def state_dict(self) -> dict[str, Any]:
+        # One scheduler's state is kept as it was before several were allowed, so checkpoints
+        # of either kind load; several are a list in their order.
+        states = [scheduler.state_dict() for scheduler in self._lr_schedulers]
         return {
             "loss_scaler": self._loss_scaler.state_dict(),
-            "lr_scheduler": None if self._lr_scheduler is None else self._lr_scheduler.state_dict(),
+            "lr_scheduler": None if not states else states[0] if len(states) == 1 else states,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         check_state_keys(state, {"loss_scaler", "lr_scheduler"}, what="train_step")
         self._loss_scaler.load_state_dict(state["loss_scaler"])
-        scheduler_state = state["lr_scheduler"]
-        if self._lr_scheduler is None:
-            if scheduler_state is not None:
-                log.warning(
-                    "The checkpoint holds an LR scheduler state, but this Trainer has no "
-                    "lr_scheduler; the learning rate stays the optimizer's."
-                )
-        elif scheduler_state is None:
-            raise TrainerError(
-                "This Trainer has an lr_scheduler, but the checkpoint holds no LR scheduler state "
-                "(its run had none). Resume without an lr_scheduler, or start a fresh run."
+        saved = state["lr_scheduler"]
+        states = [] if saved is None else list(saved) if isinstance(saved, list) else [saved]
+        if not self._lr_schedulers and states:
+            log.warning(
+                "The checkpoint holds an LR scheduler state, but this Trainer has no "
+                "lr_scheduler; the learning rate stays the optimizer's."
             )
-        else:
-            self._lr_scheduler.load_state_dict(scheduler_state)
+            return
+        if len(states) != len(self._lr_schedulers):
+            raise TrainerError(
+                f"This Trainer has {len(self._lr_schedulers)} LR scheduler(s), but the checkpoint "
+                f"holds the state of {len(states)} (its run had that many). Resume with the "
+                "schedulers of that run, or start a fresh run."
+            )
+        for scheduler, scheduler_state in zip(self._lr_schedulers, states, strict=True):
+            scheduler.load_state_dict(scheduler_state)
 
 
 _NO_AUTOCAST: Final = contextlib.nullcontext()
+
+
+def as_optimizers(optimizer: Optimizer | Sequence[Optimizer]) -> list[Optimizer]:
+    """The Trainer's ``optimizer``, one or several, as a list; an error for anything else."""
+    optimizers = [optimizer] if isinstance(optimizer, Optimizer) else list(optimizer)
+    if not optimizers or not all(isinstance(o, Optimizer) for o in optimizers):
+        raise ValueError(
+            "optimizer must be a torch.optim.Optimizer or a non-empty sequence of them, but is "
+            f"{_describe(optimizer)} instead."
+        )
+    seen: set[int] = set()
+    for o in optimizers:
+        for group in o.param_groups:
+            for param in group["params"]:
+                if id(param) in seen:
+                    raise ValueError(
+                        "A parameter is in more than one of the optimizers (or twice in one), "
+                        "so it would be updated more than once per step. Give each optimizer "
+                        "its own parameters."
+                    )
+                seen.add(id(param))
+    return optimizers
+
+
+def _as_schedulers(
+    lr_scheduler: LRScheduler | Sequence[LRScheduler] | None,
+) -> list[LRScheduler]:
+    if lr_scheduler is None:
+        return []
+    if isinstance(lr_scheduler, LRScheduler):
+        return [lr_scheduler]
+    schedulers = list(lr_scheduler)
+    if not all(isinstance(s, LRScheduler) for s in schedulers):
+        raise ValueError(
+            "lr_scheduler must be an LRScheduler, a sequence of them, or None, but is "
+            f"{_describe(lr_scheduler)} instead."
+        )
+    return schedulers
 
 
 def _in_autocast(
@@ -419,7 +451,6 @@ def _num_examples(batch: object) -> int:
     if isinstance(size, int):
         return size
     shared = None
-    # list and tuple first: an isinstance check against the Mapping ABC runs Python code.
     if isinstance(batch, (list, tuple)):
         shared = _shared_first_dim(batch)
     elif isinstance(batch, Mapping):
@@ -436,7 +467,6 @@ def _shared_first_dim(fields: Iterable[object]) -> int | None:
     """The first dimension the tensors among ``fields`` share, or None if they do not."""
     shared: int | None = None
     for field in fields:
-        # One read of .shape, the cheapest of torch's ways to a tensor's first dimension.
         shape = field.shape if isinstance(field, Tensor) else None
         if shape:
             if shared is not None and shape[0] != shared:

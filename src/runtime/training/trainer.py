@@ -9,6 +9,7 @@ The parts, each in its own module: :class:`~runtime.training.step.TrainStep` (on
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,17 +22,18 @@ from torch.optim.lr_scheduler import LRScheduler
 from checkpoint import AbstractCheckpointManager, CheckpointChoice, RetentionPolicy
 from gangs import Gang, Gangs
 from runtime.data import DataReader
+from runtime.data.device import DeviceDataReader
 from runtime.metrics.profiler import TorchProfiler
 from runtime.metrics.progress import make_progress_display
 from runtime.metrics.recorders import MetricRecorder, RecorderOptions, make_recorder
 from runtime.metrics.train_metrics import Throughput, TrainMetrics
+from runtime.parallel.placement import check_model_device
 from runtime.training.callbacks import CallbackList, TrainerCallback
 from runtime.training.checkpointing import Checkpointer, CheckpointOptions
-from runtime.training.early_stop import EarlyStopper
-from runtime.training.garbage_collection import GarbageCollection
-from runtime.training.loop import Limits, Observers, Schedules, TrainLoop
+from runtime.training.early_stop import EarlyStopper, Stateful
+from runtime.training.loop import Limits, Observers, TrainLoop
 from runtime.training.non_finite import NanPolicy
-from runtime.training.schedule import Schedule, check_every_checkpoint_is_scored
+from runtime.training.schedule import Schedule, Schedules, check_every_checkpoint_is_scored
 from runtime.training.signals import PREEMPTED_EXIT_CODE
 from runtime.training.state import StopReason
 from runtime.training.step import Precision, TrainStep
@@ -60,18 +62,19 @@ class Trainer(Generic[BatchT]):
         *,
         unit: TrainUnit[BatchT],
         data_reader: DataReader[BatchT],
-        optimizer: Optimizer,
+        optimizer: Optimizer | Sequence[Optimizer],
         checkpoint_manager: AbstractCheckpointManager,
         root_gang: Gang | None = None,
         dp_gang: Gang | None = None,
         tp_gang: Gang | None = None,
         gangs: Gangs | None = None,
         dtype: torch.dtype = torch.float32,
-        lr_scheduler: LRScheduler | None = None,
+        lr_scheduler: LRScheduler | Sequence[LRScheduler] | None = None,
         max_num_steps: int | None = None,
         max_num_data_epochs: int | None = None,
         valid_units: Sequence[EvalUnit[Any]] | None = None,
         valid_data_readers: Sequence[DataReader[Any]] | None = None,
+        max_num_valid_steps: int | None = None,
         validate_every_n_steps: int | None = None,
         validate_after_n_steps: int = 0,
         validate_every_n_data_epochs: int | None = None,
@@ -110,24 +113,23 @@ class Trainer(Generic[BatchT]):
         flops_per_target: float | None = None,
         device_peak_flops: float | None = None,
         init_from: InitFrom | None = None,
+        move_batches_to_device: bool = True,
+        resume_from: Path | None = None,
+        checkpoint_exclude: Sequence[str] = (),
     ) -> None:
         gangs = _resolve_gangs(gangs, root_gang, dp_gang, tp_gang)
+        check_model_device(unit.model, gangs.root.device)
         # The keywords above, each turned into the option group that uses it; from here on only
         # the groups travel.
-        schedules = Schedules(
-            publish=Schedule("publish_metrics", publish_metrics_every_n_steps),
-            validate=Schedule(
-                "validate",
-                validate_every_n_steps,
-                validate_after_n_steps,
-                validate_every_n_data_epochs,
-            ),
-            checkpoint=Schedule(
-                "checkpoint",
+        schedules = _schedules(
+            publish_every=publish_metrics_every_n_steps,
+            validate=(validate_every_n_steps, validate_after_n_steps, validate_every_n_data_epochs),
+            checkpoint=(
                 checkpoint_every_n_steps,
                 checkpoint_after_n_steps,
                 checkpoint_every_n_data_epochs,
             ),
+            gc_every=gc_every_n_steps,
             validate_at_start=validate_at_start,
         )
         scoring = Scoring(score_metric_name, lower_better, early_stopper)
@@ -137,7 +139,10 @@ class Trainer(Generic[BatchT]):
             keep_last_n_models=keep_last_n_models,
             keep_best_n_models=keep_best_n_models,
         )
-        checkpointing = CheckpointOptions(retention, async_checkpoint, reshard_on_resume, init_from)
+        checkpointing = CheckpointOptions(
+            retention, async_checkpoint, reshard_on_resume, init_from, resume_from,
+            tuple(checkpoint_exclude),
+        )  # fmt: skip
         recording = RecorderOptions(
             tb_dir, metrics_dir, wandb_project, wandb_run_name, wandb_dir, wandb_config
         )
@@ -147,11 +152,8 @@ class Trainer(Generic[BatchT]):
         self._anomaly_detection = anomaly_detection
         self._callbacks = CallbackList(callbacks)
         self._checkpoint_manager, self._scoring = checkpoint_manager, scoring
-        # Validation reads every example once, so a score is the mean over the whole valid set.
-        given_valid_readers = list(valid_data_readers or [])
-        valid_data_readers = [reader.for_evaluation() for reader in given_valid_readers]
-        self._data_readers = list(
-            {id(r): r for r in [data_reader, *given_valid_readers, *valid_data_readers]}.values()
+        data_reader, valid_data_readers = self._take_readers(
+            data_reader, valid_data_readers, gangs.root.device if move_batches_to_device else None
         )
         self._closed = False
         self._train_step = TrainStep(
@@ -164,9 +166,12 @@ class Trainer(Generic[BatchT]):
             nan_policy=nan_policy,
             max_consecutive_skipped_steps=max_consecutive_skipped_steps,
             trace=profiler is not None,
+            callbacks=self._callbacks,
         )
         self._recorder = make_recorder(gangs.root, recorders, recording)
-        self._validator = self._make_validator(valid_units, valid_data_readers)
+        self._progress = make_progress_display(enabled=progress and gangs.root.rank == 0)
+        self._validator = self._make_validator(valid_units, valid_data_readers, max_num_valid_steps)
+        self._checkpointer = self._make_checkpointer(self._train_step.optimizers, checkpointing)
         self._loop = TrainLoop(
             data_reader=data_reader,
             train_step=self._train_step,
@@ -174,32 +179,38 @@ class Trainer(Generic[BatchT]):
                 _throughput(unit, gangs, flops_per_target, device_peak_flops)
             ),
             validator=self._validator,
-            checkpointer=self._make_checkpointer(optimizer, checkpointing),
+            checkpointer=self._checkpointer,
             schedules=schedules,
             limits=Limits(max_num_steps, max_num_data_epochs),
-            observers=self._make_observers(progress, profiler),
+            observers=Observers(self._callbacks, self._recorder, self._progress, profiler),
             gangs=gangs,
             seed=seed,
-            garbage_collection=GarbageCollection(gc_every_n_steps),
         )
 
-    def _make_observers(self, progress: bool, profiler: TorchProfiler | None) -> Observers:
-        return Observers(
-            callbacks=self._callbacks,
-            recorder=self._recorder,
-            progress=make_progress_display(enabled=progress and self._gangs.root.rank == 0),
-            profiler=profiler,
-        )
+    def _take_readers(
+        self,
+        data_reader: DataReader[BatchT],
+        valid_data_readers: Sequence[DataReader[Any]] | None,
+        device: torch.device | None,
+    ) -> tuple[DataReader[BatchT], list[DataReader[Any]]]:
+        """The readers as the loop reads them (see :func:`_prepare_readers`); all of them, the
+        given ones too, are closed by :meth:`close`."""
+        given = [data_reader, *(valid_data_readers or [])]
+        data_reader, valid = _prepare_readers(data_reader, valid_data_readers, device)
+        self._data_readers = list({id(r): r for r in [*given, data_reader, *valid]}.values())
+        return data_reader, valid
 
     def _make_checkpointer(
-        self, optimizer: Optimizer, checkpointing: CheckpointOptions
+        self, optimizers: Sequence[Optimizer], checkpointing: CheckpointOptions
     ) -> Checkpointer:
         return Checkpointer(
             manager=self._checkpoint_manager,
             options=checkpointing,
             scoring=self._scoring,
             model=self._unit.model,
-            optimizer=optimizer,
+            # One optimizer is handed over alone, as the checkpoint managers written for one
+            # optimizer expect.
+            optimizer=optimizers[0] if len(optimizers) == 1 else optimizers,
             callbacks=self._callbacks,
             gangs=self._gangs,
         )
@@ -216,6 +227,7 @@ class Trainer(Generic[BatchT]):
         self,
         valid_units: Sequence[EvalUnit[Any]] | None,
         valid_data_readers: Sequence[DataReader[Any]] | None,
+        max_num_valid_steps: int | None,
     ) -> Validator:
         return Validator(
             units=list(valid_units or []),
@@ -227,11 +239,43 @@ class Trainer(Generic[BatchT]):
             scoring=self._scoring,
             callbacks=self._callbacks,
             trace=self._train_step.traces,
+            max_num_steps=max_num_valid_steps,
         )
 
     @property
     def step_nr(self) -> int:
         return self._loop.state.step_nr
+
+    def add_callback(self, callback: TrainerCallback) -> None:
+        """Add ``callback`` after those given to the constructor (before :meth:`run`)."""
+        self._callbacks.add(callback)
+
+    def register_stateful(self, name: str, obj: Stateful) -> None:
+        """Save ``obj.state_dict()`` under ``name`` with the trainer state of every checkpoint,
+        and restore it with ``obj.load_state_dict`` on resume (before :meth:`run`)."""
+        if not isinstance(obj, Stateful):
+            raise TypeError(
+                f"{name} must have state_dict() and load_state_dict(), but "
+                f"{type(obj).__name__} lacks them."
+            )
+        if name in self._loop.stateful or name.startswith("callbacks."):
+            raise ValueError(
+                f"The name {name!r} is taken (names starting with 'callbacks.' are the stateful "
+                "callbacks'). Register each object under a name of its own."
+            )
+        self._loop.stateful[name] = obj
+
+    @property
+    def resume_from(self) -> Path | None:
+        """The ``step_N`` checkpoint directory of another run this run starts from, if any."""
+        return self._checkpointer.options.resume_from
+
+    @resume_from.setter
+    def resume_from(self, path: Path | None) -> None:
+        # The recipe command line sets it on the trainer a recipe built (``--resume-from``).
+        self._checkpointer.options = dataclasses.replace(
+            self._checkpointer.options, resume_from=path
+        )
 
     @property
     def gangs(self) -> Gangs:
@@ -260,15 +304,8 @@ class Trainer(Generic[BatchT]):
                 log.info("The run finished at step %d already; nothing to do.", state.step_nr)
                 return 0
 
-            if self._loop.observers.profiler is not None:
-                stack.enter_context(self._loop.observers.profiler)
-            self._loop.observers.progress.start(
-                total_steps=self._loop.limits.max_num_steps, initial_step=state.step_nr
-            )
             self._unit.model.train()
             self._loop.run()
-            # An asynchronous save of the last step commits here; after a crash it never does.
-            self._loop.finish_pending_save()
             if state.finished:
                 self._callbacks.on_train_end(step_nr=state.step_nr)
         return PREEMPTED_EXIT_CODE if state.stop_reason is StopReason.PREEMPTED else 0
@@ -301,7 +338,7 @@ class Trainer(Generic[BatchT]):
         with contextlib.ExitStack() as stack:
             for reader in self._data_readers:
                 stack.callback(reader.close)
-            stack.callback(self._loop.observers.progress.close)
+            stack.callback(self._progress.close)
             stack.callback(self._checkpoint_manager.close)
             stack.callback(self._recorder.close)
 
@@ -320,6 +357,38 @@ def _throughput(
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         num_parameters=sum(p.numel() for p in unit.model.parameters()),
     )
+
+
+def _schedules(
+    *,
+    publish_every: int | None,
+    validate: tuple[int | None, int, int | None],
+    checkpoint: tuple[int | None, int, int | None],
+    gc_every: int | None,
+    validate_at_start: bool,
+) -> Schedules:
+    """The schedules of the Trainer's ``*_every_n_*`` and ``*_after_n_steps`` keywords."""
+    return Schedules(
+        publish=Schedule("publish_metrics", publish_every),
+        validate=Schedule("validate", *validate),
+        checkpoint=Schedule("checkpoint", *checkpoint),
+        collect_garbage=Schedule("gc", gc_every),
+        validate_at_start=validate_at_start,
+    )
+
+
+def _prepare_readers(
+    data_reader: DataReader[BatchT],
+    valid_data_readers: Sequence[DataReader[Any]] | None,
+    device: torch.device | None,
+) -> tuple[DataReader[BatchT], list[DataReader[Any]]]:
+    """The readers as the loop reads them: validation reads every example once, so a score is
+    the mean over the whole valid set; with ``device`` (not the CPU), every micro-batch is moved
+    there before the unit sees it."""
+    valid = [reader.for_evaluation() for reader in valid_data_readers or []]
+    if device is None or device.type == "cpu":
+        return data_reader, valid
+    return DeviceDataReader(data_reader, device), [DeviceDataReader(r, device) for r in valid]
 
 
 def _resolve_gangs(

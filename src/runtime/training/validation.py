@@ -11,7 +11,7 @@ from typing import Any, final
 from torch.nn import Module
 
 from checkpoint import is_better_score
-from checkpoint.arguments import check_same_length
+from checkpoint.arguments import check_positive, check_same_length
 from gangs import Gangs, decide_on_rank_zero
 from runtime.data import DataReader
 from runtime.errors import TrainerError
@@ -68,7 +68,9 @@ class Validator:
         scoring: Scoring,
         callbacks: TrainerCallback,
         trace: bool = False,
+        max_num_steps: int | None = None,
     ) -> None:
+        check_positive("max_num_valid_steps", max_num_steps)
         check_same_length("valid_units", units, "valid_data_readers", data_readers)
         self._evaluator: Evaluator | None = None
         if units:
@@ -80,6 +82,7 @@ class Validator:
                 recorder=recorder,
                 run_prefix="valid",
                 autocast=autocast,
+                max_num_steps=max_num_steps,
             )
         self._root_gang = gangs.root
         self._scoring = scoring

@@ -25,9 +25,9 @@ from runtime.training.initial_weights import (
     InitFrom,
     InitialWeightsError,
     InitSource,
+    find_step_dir,
     init_sources,
     load_initial_weights,
-    resolve_step_dir,
 )
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,8 @@ _MAX_TRIES = 5
 
 
 class ReloadInitialWeights(TrainerCallback):
-    """Load ``init_from`` into ``model`` after every ``every_n_steps``-th step.
+    """Load ``init_from`` into ``model`` after every ``every_n_steps``-th step, or at the end of
+    every ``every_n_data_epochs``-th data epoch (give one or both).
 
     Each reload is logged and recorded as the run ``init_reload`` (``num_reloads``,
     ``num_tensors``) by ``recorders``; the count of reloads is checkpointed with the callback.
@@ -48,20 +49,37 @@ class ReloadInitialWeights(TrainerCallback):
         init_from: InitFrom,
         *,
         gangs: Gangs,
-        every_n_steps: int,
+        every_n_steps: int | None = None,
+        every_n_data_epochs: int | None = None,
         recorders: Sequence[MetricRecorder] = (),
     ) -> None:
-        check_positive("every_n_steps", every_n_steps)
+        if every_n_steps is None and every_n_data_epochs is None:
+            raise ValueError(
+                "ReloadInitialWeights needs every_n_steps or every_n_data_epochs (or both), but "
+                "neither is given."
+            )
+        for name, value in (
+            ("every_n_steps", every_n_steps),
+            ("every_n_data_epochs", every_n_data_epochs),
+        ):
+            if value is not None:
+                check_positive(name, value)
         self._model = model
         self._sources = init_sources(init_from)
         self._gangs = gangs
         self._every_n_steps = every_n_steps
+        self._every_n_data_epochs = every_n_data_epochs
         self._recorders = list(recorders)
         self._versions: list[tuple[int, int] | None] = []
         self.num_reloads = 0
 
     def on_step_end(self, *, step_nr: int, **_: Any) -> None:
-        if step_nr % self._every_n_steps == 0:
+        if self._every_n_steps is not None and step_nr % self._every_n_steps == 0:
+            self.reload(step_nr)
+
+    def on_epoch_end(self, *, epoch_nr: int, step_nr: int) -> None:
+        every = self._every_n_data_epochs
+        if every is not None and epoch_nr % every == 0:
             self.reload(step_nr)
 
     def reload(self, step_nr: int) -> None:
@@ -98,7 +116,7 @@ class ReloadInitialWeights(TrainerCallback):
         pinned: list[Any] = [None]
         if self._gangs.root.rank == 0:
             paths = [
-                resolve_step_dir(Path(s.path)) if Path(s.path).is_dir() else Path(s.path)
+                find_step_dir(Path(s.path)) if Path(s.path).is_dir() else Path(s.path)
                 for s in self._sources
             ]
             pinned = [[(str(path), _version(path)) for path in paths]]

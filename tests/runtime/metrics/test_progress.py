@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 
 from runtime import ProgressDisplay, make_progress_display
-from runtime.metrics.progress import RichProgressDisplay
+from runtime.metrics.progress import LossAverage, RichProgressDisplay
 
 
 def test_rich_display_shows_the_step_and_the_published_values() -> None:
@@ -36,3 +36,20 @@ def test_without_a_terminal_the_display_is_silent(capsys: pytest.CaptureFixture[
 def test_disabled_display_is_silent_even_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("sys.stderr.isatty", lambda: True, raising=False)
     assert type(make_progress_display(enabled=False)) is ProgressDisplay
+
+
+def test_rich_display_shows_the_moving_average_of_the_loss() -> None:
+    out = io.StringIO()
+    display = RichProgressDisplay(Console(file=out, force_terminal=True, width=160))
+    display.start(total_steps=100, initial_step=0)
+    for loss in (4.0, 2.0, 3.0):
+        display.update_values({"loss": loss, "lr": 0.001})
+    display.close()
+    assert "loss 3  loss_avg 3" in out.getvalue()
+
+
+def test_loss_average_covers_the_last_publishes_only() -> None:
+    average = LossAverage(window=2)
+    assert average.add(4.0) == 4.0
+    assert average.add(2.0) == 3.0
+    assert average.add(8.0) == 5.0

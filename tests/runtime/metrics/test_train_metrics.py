@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gangs import Gangs
-from runtime import TrainerCallback, TrainerError
+from runtime import NonFiniteError, TrainerCallback
 from runtime.metrics.train_metrics import Throughput, TrainMetrics, peak_bf16_flops
 from runtime.training.non_finite import NonFiniteGuard
 from runtime.training.step import StepOutput
@@ -89,7 +89,7 @@ def test_a_non_finite_loss_after_a_check_is_found_at_its_step() -> None:
     metrics.add_step(step_output(1))
     metrics.check_finite()
     metrics.add_step(step_output(2, loss=math.nan))
-    with pytest.raises(TrainerError, match="The loss was not finite at step 2 on rank 0"):
+    with pytest.raises(NonFiniteError, match="The loss was not finite at step 2 on rank 0"):
         metrics.check_finite()
 
 
@@ -168,7 +168,7 @@ class GcProbe(TrainerCallback):
         self.full_collections_at_steps: list[int] = []
         self._step_nr = 0
 
-    def on_step_end(self, *, step_nr: int) -> None:
+    def on_step_end(self, *, step_nr: int, metrics: object = None) -> None:
         self._step_nr = step_nr
         self.enabled_at_steps.append(gc.isenabled())
 

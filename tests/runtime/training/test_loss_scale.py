@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from runtime import LossScaler, TrainerCallback
+from runtime import LossScaler, NonFiniteError, TrainerCallback, TrainerError
 from tests.conftest import make_toy_trainer
 from tests.workers.train_toy import ToyBatch, ToyModel, ToyUnit
 
@@ -35,7 +35,7 @@ def test_overflow_halves_the_scale_and_good_steps_double_it() -> None:
 def test_scale_below_its_minimum_is_a_clear_error() -> None:
     scaler = LossScaler(init_scale=2.0, min_scale=1.0, enabled=True)
     assert not scaler.update(torch.tensor(math.nan), step_nr=1)
-    with pytest.raises(FloatingPointError, match=r"fell below its minimum 1\.0 at step 2"):
+    with pytest.raises(NonFiniteError, match=r"fell below its minimum 1\.0 at step 2"):
         scaler.update(torch.tensor(math.nan), step_nr=2)
 
 
@@ -71,7 +71,7 @@ class ParamSnapshots(TrainerCallback):
         self._model = model
         self.by_step: dict[int, list[Tensor]] = {}
 
-    def on_step_end(self, *, step_nr: int) -> None:
+    def on_step_end(self, *, step_nr: int, metrics: object = None) -> None:
         self.by_step[step_nr] = [p.detach().clone() for p in self._model.parameters()]
 
 
@@ -101,3 +101,8 @@ def test_trainer_skips_an_overflowing_step_and_forgets_its_metrics(tmp_path: Pat
     assert record["loss_scale"] == 64.0
     # The unit's metric saw steps 1 and 3 only: the rolled-back update of step 2 was infinite.
     assert math.isfinite(record["toy_loss"])
+
+
+def test_a_run_that_cannot_go_on_numerically_raises_one_error_type() -> None:
+    # One class to catch for every numerical stop, and still a TrainerError.
+    assert issubclass(NonFiniteError, TrainerError)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from runtime import TrainerError
+from runtime import NonFiniteError, TrainerError
 from tests.conftest import RunTorch, assert_ok, make_toy_trainer, read_jsonl
 from tests.workers.train_toy import PoisonedToyUnit, ToyModel
 
@@ -33,7 +33,7 @@ def test_a_nan_loss_stops_the_run_before_any_checkpoint_of_it(tmp_path: Path) ->
         publish_metrics_every_n_steps=4,
     )
     with pytest.raises(
-        TrainerError, match=r"The loss was not finite at step 5 on rank 0 \(nan_policy='error'\)"
+        NonFiniteError, match=r"The loss was not finite at step 5 on rank 0 \(nan_policy='error'\)"
     ):
         trainer.run()
     # Found at the checkpoint of step 6, which was not saved.
@@ -53,7 +53,7 @@ def test_nan_gradients_name_the_unchecked_steps_and_the_loss_they_poisoned(
     # NaN loss. The check at step 8 knows the loss's step, and that a gradient since step 5 was
     # not finite.
     with pytest.raises(
-        TrainerError,
+        NonFiniteError,
         match=r"The loss was not finite at step 6 on rank 0, and a gradient at a step from 5 to "
         r"6 on rank 0 \(nan_policy='error'\)",
     ):
@@ -69,7 +69,7 @@ def test_skip_leaves_the_weights_of_a_non_finite_step_and_counts_it(tmp_path: Pa
     from runtime import TrainerCallback
 
     class Snap(TrainerCallback):
-        def on_step_end(self, *, step_nr: int) -> None:
+        def on_step_end(self, *, step_nr: int, metrics: object = None) -> None:
             snapshots[step_nr] = [p.detach().clone() for p in model.parameters()]
 
     trainer = make_toy_trainer(
@@ -95,7 +95,7 @@ def test_skip_stops_after_too_many_skips_in_a_row(tmp_path: Path) -> None:
         tmp_path, unit=unit, max_num_steps=6, nan_policy="skip", max_consecutive_skipped_steps=2
     )
     with pytest.raises(
-        TrainerError, match="loss was not finite at step 4 on this rank, the 3th step in a row"
+        NonFiniteError, match="loss was not finite at step 4 on this rank, the 3th step in a row"
     ):
         trainer.run()
 

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from runtime import Schedule
-from runtime.training.schedule import check_every_checkpoint_is_scored
+from runtime.training.schedule import Due, Schedules, check_every_checkpoint_is_scored
 
 
 def due_steps(schedule: Schedule, last: int = 20) -> list[int]:
@@ -21,14 +21,21 @@ def test_every_n_steps_after_m() -> None:
     assert due_steps(Schedule("validate", every_n_steps=5, after_n_steps=5)) == [10, 15, 20]
 
 
-@pytest.mark.parametrize(("every", "after"), list(itertools.product([1, 3, 5], [0, 2, 5, 7])))
-def test_the_next_step_due_is_the_first_due_after_a_step(every: int, after: int) -> None:
-    # The loop compares each step with this one number instead of asking every schedule.
-    schedule = Schedule("validate", every_n_steps=every, after_n_steps=after)
-    for step in range(0, 30):
-        first_due = next(s for s in itertools.count(step + 1) if schedule.due_after_step(s))
-        assert schedule.next_step_due(step) == first_due
-    assert Schedule("validate", every_n_data_epochs=2).next_step_due(4) is None
+def test_schedules_say_what_falls_due_after_each_step() -> None:
+    schedules = Schedules(
+        publish=Schedule("publish_metrics", every_n_steps=2),
+        validate=Schedule("validate", every_n_steps=3, after_n_steps=3),
+        checkpoint=Schedule("checkpoint", every_n_steps=6),
+        collect_garbage=Schedule("gc", every_n_steps=4),
+    )
+    due = [schedules.due_after_step(step) for step in range(1, 13)]
+    assert [step for step, d in enumerate(due, 1) if d.publish] == [2, 4, 6, 8, 10, 12]
+    assert [step for step, d in enumerate(due, 1) if d.validate] == [6, 9, 12]
+    assert [step for step, d in enumerate(due, 1) if d.checkpoint] == [6, 12]
+    assert [step for step, d in enumerate(due, 1) if d.collect_garbage] == [4, 8, 12]
+    assert schedules.due_after_step(5) == Due(
+        publish=False, validate=False, checkpoint=False, collect_garbage=False
+    )
 
 
 def test_every_n_data_epochs() -> None:

@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 
 from checkpoint import CheckpointManager
 from gangs import Gangs
-from runtime import MapDataReader, Trainer, TrainerError
+from runtime import MapDataReader, NonFiniteError, Trainer, TrainerError
 from runtime.training.step import _num_examples
 from tests.conftest import make_toy_trainer, read_jsonl
 from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit, collate
@@ -237,7 +237,7 @@ class NanInBackward(ToyUnit):
 def test_anomaly_detection_names_the_backward_that_made_nan(tmp_path: Path) -> None:
     unit = NanInBackward(ToyModel(), mean_loss=False, zero_targets=False)
     # Without it, the non-finite guard stops the run, but cannot say which backward made the NaN.
-    with pytest.raises(TrainerError, match="The gradients were not finite at step 1 on rank 0"):
+    with pytest.raises(NonFiniteError, match="The gradients were not finite at step 1 on rank 0"):
         make_toy_trainer(tmp_path / "off", unit=unit).run()
     assert not (tmp_path / "off" / "checkpoints" / "step_1").exists()
 

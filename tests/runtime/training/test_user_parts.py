@@ -4,7 +4,7 @@ storage (in memory), and every part closed on every way out of ``run()``."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -46,6 +46,7 @@ class MemoryCheckpointManager(AbstractCheckpointManager):
         trainer_state: Mapping[str, Any],
         score: float | None = None,
         async_checkpoint: bool = False,
+        exclude: Sequence[str] = (),
     ) -> None:
         self.saved[step_nr] = copy.deepcopy(
             {
@@ -145,7 +146,7 @@ class FailAt(TrainerCallback):
     def __init__(self, step_nr: int) -> None:
         self._step_nr = step_nr
 
-    def on_step_end(self, *, step_nr: int) -> None:
+    def on_step_end(self, *, step_nr: int, metrics: object = None) -> None:
         if step_nr == self._step_nr:
             raise RuntimeError(f"failed at step {step_nr}")
 

@@ -27,7 +27,7 @@ from tests.conftest import (
     read_scalars,
     torchrun,
 )
-from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit
+from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit, collate
 from tests.workers.valid_toy import ScriptedEvalUnit, ToyEvalUnit, make_valid_reader
 from units import EvalUnit
 
@@ -752,3 +752,24 @@ def test_a_sharded_llama_trains_after_an_evaluation_in_the_same_process(
     assert result["evaluated"] == [["eval", 0]]
     assert result["steps"] == [1, 2]
     assert all(math.isfinite(norm) and norm > 0 for norm in result["grad_norms"])
+
+
+def test_max_num_valid_steps_caps_the_batches_of_every_validation(tmp_path: Path) -> None:
+    # 10 examples in batches of 4: three batches uncapped; capped at one, every validation sees
+    # exactly the first batch (the reader starts over after each).
+    capped = make_trainer(tmp_path / "capped", max_num_valid_steps=1, validate_every_n_steps=2)
+    capped.run()
+    full = make_trainer(tmp_path / "full", validate_every_n_steps=2)
+    full.run()
+    dataset = ToyDataset(10)
+    first_batch = collate([dataset[i] for i in range(4)])
+    capped_records = read_jsonl(tmp_path / "capped" / "metrics" / "valid.jsonl")
+    full_records = read_jsonl(tmp_path / "full" / "metrics" / "valid.jsonl")
+    assert [r["step_nr"] for r in capped_records] == [2, 4, 6]
+    assert [r["num_targets"] for r in capped_records] == [first_batch.num_targets] * 3
+    assert full_records[0]["num_targets"] > first_batch.num_targets
+
+
+def test_max_num_valid_steps_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_num_valid_steps must be greater than zero"):
+        make_trainer(tmp_path, max_num_valid_steps=0, validate_every_n_steps=2)

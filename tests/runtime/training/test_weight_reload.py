@@ -138,3 +138,18 @@ def test_every_rank_reloads_the_same_weights_at_the_same_step(tmp_path: Path) ->
         after = torch.load(tmp_path / f"after_{rank}.pt", weights_only=True)
         assert after.keys() == expected.keys()
         assert all(torch.equal(after[k], expected[k]) for k in expected)
+
+
+def test_the_bank_reloads_at_the_end_of_every_data_epoch(tmp_path: Path) -> None:
+    bank = save(ToyModel().state_dict(), tmp_path / "bank.pt")
+    model, recorder = ToyModel(), ListRecorder()
+    reload = ReloadInitialWeights(
+        model, bank, gangs=Gangs.single(), every_n_data_epochs=1, recorders=[recorder]
+    )
+    # 32 examples in steps of 4: a data epoch of 8 steps.
+    trainer = make_toy_trainer(tmp_path, model=model, max_num_steps=20, callbacks=[reload])
+    trainer.run()
+    trainer.close()
+    assert [step for _, _, step in recorder.records] == [8, 16]
+    with pytest.raises(ValueError, match="needs every_n_steps or every_n_data_epochs"):
+        ReloadInitialWeights(model, bank, gangs=Gangs.single())

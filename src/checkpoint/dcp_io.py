@@ -1,25 +1,50 @@
 """DCP's file system writer and reader, made to hash what they write and to unpickle safely.
 
-Imports ``torch.distributed.checkpoint`` (slow to load), so :mod:`checkpoint.storage` imports
-this module when a checkpoint is first written or read.
+Two ways through DCP, chosen by :func:`fast_io_supported` alone:
+
+- the fast one, for the torch versions it is tested with (:data:`FAST_IO_TORCH_VERSIONS`): it
+  stages asynchronous saves into reused buffers, hashes files as a load reads them, and reads
+  whole tensors in place (:func:`read_items`). It leans on DCP internals that change between
+  torch releases, imported only where that path runs.
+- the public one, on any other torch (or with ``TRAINKIT_CHECKPOINT_IO=public``): DCP's public
+  writer, reader and planners only; a load's files are hashed after it, in a second read.
+
+Both write the same files. Imports ``torch.distributed.checkpoint`` (slow to load), so
+:mod:`checkpoint.storage` imports this module when a checkpoint is first written or read.
+
+The in-place reads: DCP's ``FileSystemReader`` loads a tensor entry with ``torch.load`` into a
+fresh tensor and copies that into the state dict's: every byte is copied twice, the first time
+into memory the kernel must fault in page by page. Here an entry saved whole (a contiguous
+tensor, as DCP saves them) and loaded whole into a contiguous CPU tensor of its dtype and shape
+is read from the file into that tensor directly: ``torch.load(map_location="meta",
+weights_only=True)`` reads only the entry's header to say what it holds, and the zip directory
+says where its bytes are. Every other entry (a slice, a resharded or cast one, bytes) loads as
+DCP loads it. Nothing is trusted more than before: the header is read ``weights_only``, the
+bytes land only in a tensor whose size they must fill exactly, and the file's digest is checked
+after the load as it always is (see :mod:`checkpoint.manifest`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import io
 import os
 import pickle
-from collections.abc import Callable, Generator, Iterable
+import sys
+import warnings
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Final, TypeAlias, cast, final
+from typing import IO, TYPE_CHECKING, Any, Final, TypeAlias, cast, final
 
 import torch
+from torch.autograd.graph import increment_version
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
+    LoadItemType,
     LoadPlan,
     LoadPlanner,
     ReadItem,
@@ -30,7 +55,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from checkpoint.durable import libc_function
+from checkpoint.directory import libc_function
 from checkpoint.errors import CheckpointError
 from checkpoint.integrity import (
     FileDigest,
@@ -40,12 +65,36 @@ from checkpoint.integrity import (
     assign_hashing,
 )
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
+
 _METADATA_MODULES = frozenset(
     {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"}
 )
 _PATH_CLASSES = frozenset({"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"})
 
 Gather: TypeAlias = Callable[[Any], list[Any]]
+
+FAST_IO_TORCH_VERSIONS: Final = ("2.13", "2.14.0.dev0")
+"""The torch versions the fast path is tested with: from the first, up to but not the second
+(no pre-release of the next minor version)."""
+
+IO_ENV_VAR: Final = "TRAINKIT_CHECKPOINT_IO"
+"""``public`` forces the public path; ``fast`` the fast one (tests); unset chooses by version."""
+
+
+def fast_io_supported() -> bool:
+    """Whether checkpoints go through the fast path (see the module docstring)."""
+    choice = os.environ.get(IO_ENV_VAR, "")
+    if choice not in ("", "fast", "public"):
+        raise CheckpointError(
+            f"{IO_ENV_VAR} must be 'fast', 'public' or unset, but is {choice!r} instead."
+        )
+    if choice:
+        return choice == "fast"
+    lowest, beyond = FAST_IO_TORCH_VERSIONS
+    version = torch.torch_version.TorchVersion(torch.__version__)
+    return bool(lowest <= version < beyond)
 
 
 @final
@@ -100,15 +149,16 @@ def hashing_writer(
     return writer, digests
 
 
-def staging_writer() -> StagingWriter:
+def staging_writer() -> FileSystemWriter:
     """A writer for asynchronous saves that stages into the same CPU buffers every time.
 
     Copying into buffers already faulted in is several times faster than into fresh memory
     (0.08 s against 0.5 s for 600 MB here), and staging is what an asynchronous save blocks on.
     The buffers stay allocated: one CPU copy of what this rank writes, for as long as the writer
     lives. Set ``own_entries`` (see :func:`own_entries`) before each save to stage only those.
+    On the public path, DCP's own writer, which stages into fresh CPU memory every time.
     """
-    return StagingWriter(".")
+    return StagingWriter(".") if fast_io_supported() else FileSystemWriter(".")
 
 
 def own_entries(state: dict[str, Any], *, rank: int, gather: Gather) -> frozenset[str]:
@@ -272,18 +322,21 @@ class _HashingReadFileSystem(FileSystem):
 
 @final
 class _SafeReader(FileSystemReader):
-    """Unpickles only DCP's metadata classes; reads each file's items in offset order; and with
-    ``digests``, hashes the files assigned to this rank as it reads them."""
+    """Unpickles only DCP's metadata classes. With ``digests`` on the fast path, also reads each
+    file's items in offset order, whole tensors in place, and hashes the files assigned to this
+    rank as it reads them; otherwise DCP reads as it always does, and nothing is hashed (the
+    verification then reads the files for their digests)."""
 
     def __init__(self, path: Path, digests: ReadDigests | None) -> None:
         super().__init__(path)
         self._hashing: _HashingReadFileSystem | None = None
-        if digests is not None:
+        if digests is not None and fast_io_supported():
             self._hashing = _HashingReadFileSystem(Path(path), digests)
             self.fs = self._hashing
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
+        # The one metadata file of a DCP directory (per-rank metadata is not written here).
+        path = self.fs.concat_path(self.path, ".metadata")
         with self.fs.create_stream(path, "rb") as metadata_file:
             metadata = _MetadataUnpickler(metadata_file).load()
         if not isinstance(metadata, Metadata):
@@ -314,17 +367,13 @@ class _SafeReader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """DCP's reads, each file's in offset order and whole tensors in place (see
-        :mod:`checkpoint.dcp_reads`)."""
-        if self._hashing is not None:
-            self._hashing.mine, self._hashing.digests.covered = plan.storage_data
+        :mod:`checkpoint.dcp_io`)."""
+        if self._hashing is None:
+            return super().read_data(plan, planner)
+        self._hashing.mine, self._hashing.digests.covered = plan.storage_data
         # In offset order, a file is read front to back: hashing it then needs no second read.
         items = sorted(plan.items, key=self._location)
-        try:
-            from checkpoint.dcp_reads import read_items
-        except ImportError:
-            # A torch whose DCP lacks the internals of the in-place reads (``torch>=2.6`` is
-            # allowed; they were written against 2.13): DCP reads as it always does.
-            return super().read_data(dataclasses.replace(plan, items=items), planner)
+
         per_file: dict[str, list[ReadItem]] = {}
         for item in items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
@@ -365,14 +414,18 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 def _load_bytes_weights_only(
     planner: DefaultLoadPlanner, read_item: ReadItem, value: io.BytesIO
 ) -> None:
-    """``DefaultLoadPlanner.load_bytes``, with ``weights_only=True``."""
-    from torch.distributed.checkpoint._traverse import set_element
+    """``DefaultLoadPlanner.load_bytes``, with ``weights_only=True``.
 
+    Loads into a state dict that holds the entry already (as a load into a live model does)."""
     loaded = torch.load(value, weights_only=True)
-    if planner.flatten_state_dict:
-        set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], loaded)
-    else:
+    if not planner.flatten_state_dict:
         planner.state_dict[read_item.dest_index.fqn] = loaded
+        return
+    *parents, last = planner.mappings[read_item.dest_index.fqn]
+    container: Any = planner.original_state_dict
+    for key in parents:
+        container = container[key]
+    container[last] = loaded
 
 
 def safe_reader(path: Path, digests: ReadDigests | None = None) -> FileSystemReader:
@@ -392,6 +445,8 @@ def load_whole(path: Path) -> dict[str, Any]:
     ``dcp_to_torch_save`` without its plain ``pickle.load`` of the metadata, and with its
     non-tensor entries loaded ``weights_only`` (see :class:`SafeLoadPlanner`).
     """
+    if not fast_io_supported():
+        return _load_whole_public(path)
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -407,3 +462,133 @@ def load_whole(path: Path) -> dict[str, Any]:
         no_dist=True,
     )
     return state
+
+
+def _load_whole_public(path: Path) -> dict[str, Any]:
+    """:func:`load_whole` through DCP's public ``load``: into a flat state dict made from the
+    metadata, nested afterwards as the save's planner recorded it."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    reader = safe_reader(path)
+    metadata = reader.read_metadata()
+    flat: dict[str, Any] = {}
+    for name, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            flat[name] = torch.empty(entry.size, dtype=entry.properties.dtype)
+        else:
+            flat[name] = None  # replaced by the entry's object
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load(flat, storage_reader=safe_reader(path), planner=SafeLoadPlanner(), no_dist=True)
+    mappings: dict[str, Any] = metadata.planner_data or {}
+    state: dict[str, Any] = {}
+    for name, value in flat.items():
+        *parents, last = mappings.get(name, (name,))
+        container = state
+        for key in parents:
+            container = container.setdefault(key, {})
+        container[last] = value
+    return state
+
+
+_BYTE_ORDER = sys.byteorder.encode()
+"""What torch.save records as the ``byteorder`` of the tensors it writes on this machine."""
+
+
+def read_items(
+    stream: io.IOBase,
+    items: Sequence[ReadItem],
+    *,
+    storage_data: Mapping[MetadataIndex, _StorageInfo],
+    transforms: _StorageReaderTransforms,
+    planner: LoadPlanner,
+) -> None:
+    """Load ``items``, all stored in the file open as ``stream``, into ``planner``'s state."""
+    # DCP internals: imported here, on the fast path only (see fast_io_supported).
+    from torch.distributed.checkpoint.utils import _create_file_view
+
+    for item in items:
+        info = storage_data[item.storage_index]
+        view = cast(IO[bytes], _create_file_view(stream, info.offset, info.length))
+        if item.type == LoadItemType.TENSOR and not info.transform_descriptors:
+            target = planner.resolve_tensor(item).detach()
+            if _read_in_place(view, item, target):
+                planner.commit_tensor(item, target)
+                continue
+            view.seek(0)
+        _read_as_dcp(view, item, info, transforms, planner)
+
+
+def _read_in_place(view: IO[bytes], item: ReadItem, target: torch.Tensor) -> bool:
+    """Read the entry in ``view`` into ``target`` if it is ``target``'s whole; False if not."""
+    if target.device.type != "cpu" or not target.is_contiguous() or any(item.storage_offsets):
+        return False
+    saved = torch.load(view, map_location="meta", weights_only=True)
+    whole = (
+        type(saved) is torch.Tensor
+        and saved.dtype == target.dtype
+        and saved.shape == target.shape
+        and saved.is_contiguous()
+        and saved.storage_offset() == 0
+        and saved.untyped_storage().nbytes() == target.nbytes
+    )
+    if not whole:
+        return False
+    view.seek(0)
+    # Any: torch's stubs lack get_record_offset, which torch.load(mmap=True) uses.
+    archive: Any = torch._C.PyTorchFileReader(view)
+    names = archive.get_all_records()
+    records = [name for name in names if name.startswith("data/")]
+    native = "byteorder" in names and bytes(archive.get_record("byteorder")) == _BYTE_ORDER
+    if len(records) != 1 or not native or archive.get_record_size(records[0]) != target.nbytes:
+        return False
+    view.seek(archive.get_record_offset(records[0]))
+    _read_exactly(view, target, item)
+    # As copy_ would: autograd then refuses a backward through what the read overwrote.
+    increment_version(target)
+    return True
+
+
+def _read_exactly(view: IO[bytes], target: torch.Tensor, item: ReadItem) -> None:
+    if target.nbytes == 0:
+        return  # an empty tensor may have no address
+    # The tensor's own bytes, writable (through ctypes: numpy is not a dependency).
+    buffer = memoryview((ctypes.c_char * target.nbytes).from_address(target.data_ptr())).cast("B")
+    reader = cast(io.RawIOBase, view)
+    done = 0
+    while done < len(buffer):
+        count = reader.readinto(buffer[done:])
+        if not count:
+            raise CheckpointError(
+                f"The file of {item.storage_index.fqn} ends {len(buffer) - done} bytes before "
+                "the tensor does: it is truncated."
+            )
+        done += count
+
+
+def _read_as_dcp(
+    view: IO[bytes],
+    item: ReadItem,
+    info: _StorageInfo,
+    transforms: _StorageReaderTransforms,
+    planner: LoadPlanner,
+) -> None:
+    """One entry as ``FileSystemReader.read_data`` of torch 2.13 reads it."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+
+    stream: Any = transforms.transform_load_stream(item, info.transform_descriptors or (), view)
+    if item.type == LoadItemType.BYTE_IO:
+        planner.load_bytes(item, io.BytesIO(stream.read(-1)))
+        return
+    seekable = stream if stream.seekable() else io.BytesIO(stream.read(-1))
+    tensor = torch.load(seekable, map_location="cpu", weights_only=True)
+    tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+    target = planner.resolve_tensor(item).detach()
+    if target.size() != tensor.size():
+        raise CheckpointError(
+            f"The entry {item.storage_index.fqn} has the size {tuple(tensor.size())} in its "
+            f"file, but {tuple(target.size())} in the checkpoint's metadata: the file is damaged."
+        )
+    target.copy_(tensor)
+    planner.commit_tensor(item, target)

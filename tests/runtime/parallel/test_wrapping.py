@@ -1,0 +1,61 @@
+"""``apply_data_parallel``: DDP's options reach DDP, and are refused for FSDP2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from gangs import Gangs
+from runtime import apply_data_parallel
+from tests.conftest import RunTorch, assert_ok, rank_reports
+
+WORKER = "tests/workers/ddp_options.py"
+
+
+@pytest.mark.distributed
+def test_ddp_options_reach_ddp_and_ranks_draw_their_own_numbers(
+    run_torchrun: RunTorch, tmp_path: Path
+) -> None:
+    options = {"find_unused_parameters": True, "gradient_as_bucket_view": True}
+    assert_ok(run_torchrun(2, WORKER, str(tmp_path), json.dumps(options)))
+    first, second = rank_reports(tmp_path, 2)
+    for report in (first, second):
+        assert report["find_unused_parameters"] is True
+        assert report["gradient_as_bucket_view"] is True
+        assert report["static_graph"] is False
+    # Seeded per DP rank: Python's and NumPy's generators draw differently on each.
+    assert first["python"] != second["python"]
+    assert first["numpy"] != second["numpy"]
+
+
+@pytest.mark.distributed
+def test_without_find_unused_parameters_ddp_refuses_an_unused_layer(
+    run_torchrun: RunTorch, tmp_path: Path
+) -> None:
+    result = run_torchrun(2, WORKER, str(tmp_path), json.dumps({}))
+    assert result.returncode != 0
+    assert "find_unused_parameters" in result.stderr
+
+
+@pytest.mark.distributed
+def test_a_sparse_embedding_reduced_by_a_hand_made_ddp_is_refused(
+    run_torchrun: RunTorch, tmp_path: Path
+) -> None:
+    assert_ok(run_torchrun(2, WORKER, str(tmp_path), json.dumps({"sparse_by_hand": True})))
+    for message in rank_reports(tmp_path, 2):
+        assert "reduces the sparse gradients of weight" in message
+        assert "runtime.apply_data_parallel" in message
+
+
+def test_ddp_options_are_refused_for_fsdp() -> None:
+    with pytest.raises(ValueError, match="find_unused_parameters, static_graph are DDP options"):
+        apply_data_parallel(
+            nn.Linear(2, 2),
+            Gangs.single(),
+            kind="fsdp",
+            find_unused_parameters=True,
+            static_graph=True,
+        )
