@@ -87,7 +87,22 @@ def evaluate_units(
                 results[name] = values
     finally:
         model.train(was_training)
+        reshard_fsdp_modules(model)
     return results
+
+
+def reshard_fsdp_modules(model: Module) -> None:
+    """Free the full parameters that FSDP2 gathered for a forward without a backward.
+
+    FSDP2 keeps the root module's parameters gathered after its forward until the backward,
+    which an evaluation never runs: an optimizer built afterwards would then hold the full
+    tensors instead of the shards, and the memory would stay taken.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def combine_scores(results: Mapping[str, Mapping[str, Any]], score_metric_name: str) -> float:

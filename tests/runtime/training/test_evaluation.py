@@ -256,19 +256,25 @@ def checkpoint_dirs(output_dir: Path) -> list[int]:
 
 
 def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[object, str]:
-    """``main()`` in this process: its exit status and stderr. The logging setup is undone."""
+    """``main()`` in this process: its exit status and stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(recipe, ValidToyConfig, argv=argv)
+    return exit_info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("which", ["last", "7"])
+def test_main_leaves_the_root_logger_as_it_found_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], which: str
+) -> None:
+    # A handler left on the root logger would write to this test's closed stderr capture
+    # and keep the log file open, and every later log line would be a logging error.
+    train_recipe(tmp_path)
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            main(recipe, ValidToyConfig, argv=argv)
-    finally:
-        for handler in root.handlers:
-            if handler not in handlers:
-                handler.close()
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    return exit_info.value.code, capsys.readouterr().err
+    code, _ = run_main([str(tmp_path), "--evaluate", which], capsys)
+    assert code == (0 if which == "last" else 2)
+    assert root.handlers == handlers
+    assert root.level == level
 
 
 def test_the_evaluate_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -710,6 +711,47 @@ def test_the_score_is_the_mean_over_the_whole_valid_set_at_any_dp_size(
     first = read_jsonl(tmp_path / "metrics" / "valid.jsonl")[0]
     assert first["step_nr"] == 0
     assert first["squared_error"] == pytest.approx(expected, rel=1e-6)
+
+
+# ------------------------------------------- validation and evaluation before training, sharded
+
+HF_WORKER = "tests/workers/hf_validation.py"
+
+
+def run_hf_worker(run_torchrun: RunTorch, out: Path, nproc: int, **options: Any) -> Any:
+    assert_ok(run_torchrun(nproc, HF_WORKER, str(out), json.dumps(options)))
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("nproc", "options"),
+    [
+        pytest.param(2, {"data_parallel": "fsdp"}, id="fsdp2"),
+        pytest.param(
+            4, {"data_parallel": "hsdp", "dp_shard_size": 2}, id="hsdp2x2", marks=pytest.mark.slow
+        ),
+    ],
+)
+def test_a_sharded_llama_trains_after_validate_at_start(
+    tmp_path: Path, run_torchrun: RunTorch, nproc: int, options: dict[str, Any]
+) -> None:
+    # A transformers Llama built on meta, sharded over its decoder layers: the validation
+    # before the first step must leave the sharded parameters' buffers trainable.
+    result = run_hf_worker(run_torchrun, tmp_path, nproc, first="validate", **options)
+    assert result["steps"] == [1, 2]
+    assert result["evaluated"] == [["valid", 0], ["valid", 2]]
+    assert all(math.isfinite(norm) and norm > 0 for norm in result["grad_norms"])
+
+
+@pytest.mark.distributed
+def test_a_sharded_llama_trains_after_an_evaluation_in_the_same_process(
+    tmp_path: Path, run_torchrun: RunTorch
+) -> None:
+    result = run_hf_worker(run_torchrun, tmp_path, 2, first="evaluate", data_parallel="fsdp")
+    assert result["evaluated"] == [["eval", 0]]
+    assert result["steps"] == [1, 2]
+    assert all(math.isfinite(norm) and norm > 0 for norm in result["grad_norms"])
 
 
 def test_max_num_valid_steps_caps_the_batches_of_every_validation(tmp_path: Path) -> None:
