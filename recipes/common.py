@@ -174,7 +174,7 @@ def trainer_options(
         "dtype": getattr(torch, t.dtype),
         "max_num_steps": t.max_num_steps,
         "max_num_data_epochs": t.max_num_data_epochs,
-        "validate_every_n_steps": t.validate_every_n_steps,
+        "validate_every_n_steps": t.validate_every_n_steps if validates else None,
         "validate_at_start": t.validate_at_start and validates,
         "checkpoint_every_n_steps": t.checkpoint_every_n_steps,
         "keep_last_n_checkpoints": t.keep_last_n_checkpoints,

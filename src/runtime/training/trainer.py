@@ -409,11 +409,18 @@ def _check_validation(
     retention: RetentionPolicy,
     scoring: Scoring,
 ) -> None:
-    """Valid units need a schedule; ranking by score needs valid units and a score."""
+    """Valid units and a validation schedule go together; ranking by score needs both and a
+    score."""
     if valid_units and not schedules.validate.is_set:
         raise ValueError(
             "valid_units are given, so validate_every_n_steps or validate_every_n_data_epochs "
             "must be set too."
+        )
+    if not valid_units and (schedules.validate.is_set or schedules.validate_at_start):
+        raise ValueError(
+            "A validation schedule is set (validate_every_n_steps, validate_every_n_data_epochs "
+            "or validate_at_start), but no valid_units are given. Give valid_units and "
+            "valid_data_readers, or leave the schedule out."
         )
     if (retention.uses_score or scoring.early_stopper is not None) and (
         scoring.metric_name is None or not valid_units

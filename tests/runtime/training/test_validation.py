@@ -773,3 +773,8 @@ def test_max_num_valid_steps_caps_the_batches_of_every_validation(tmp_path: Path
 def test_max_num_valid_steps_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_num_valid_steps must be greater than zero"):
         make_trainer(tmp_path, max_num_valid_steps=0, validate_every_n_steps=2)
+
+
+def test_a_validation_schedule_without_valid_units_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no valid_units are given"):
+        make_toy_trainer(tmp_path, validate_every_n_steps=2)
