@@ -20,7 +20,6 @@ def make_mlp(widths: tuple[int, ...]) -> nn.Sequential:
     return nn.Sequential(*layers[:-1])
 
 
-@final
 class MlpWorkload(Workload):
     widths = (32, 64, 64, 10)
     batch_size = 32
@@ -57,7 +56,7 @@ class MlpWorkload(Workload):
 
 
 @final
-class GpuMlpWorkload(Workload):
+class GpuMlpWorkload(MlpWorkload):
     """The GPU host-overhead case: an MLP 1024-4096-4096-1024 in float32, batch 256, whose step
     keeps one GPU busy for about a millisecond; the hand-written loop slices batches already on
     the GPU. Needs CUDA."""
@@ -67,9 +66,7 @@ class GpuMlpWorkload(Workload):
     num_points = 16_384
 
     def __init__(self) -> None:
-        generator = torch.Generator().manual_seed(self.seed)
-        self._inputs = torch.randn(self.num_points, self.widths[0], generator=generator)
-        self._labels = torch.randint(0, self.widths[-1], (self.num_points,), generator=generator)
+        super().__init__()
         self._device = torch.device("cuda", torch.cuda.current_device())
         self._gpu_inputs = self._inputs.to(self._device)
         self._gpu_labels = self._labels.to(self._device)
@@ -78,16 +75,7 @@ class GpuMlpWorkload(Workload):
         return StepPlan(num_steps=220, num_warmup=20) if quick else StepPlan(4100, 100)
 
     def make_model(self) -> nn.Module:
-        torch.manual_seed(self.seed)
-        return make_mlp(self.widths).to(self._device)
-
-    def dataset(self) -> Dataset[Any]:
-        return TensorDataset(self._inputs, self._labels)
-
-    collate = staticmethod(default_collate)
-
-    def num_examples(self) -> int:
-        return self.num_points
+        return super().make_model().to(self._device)
 
     def slice_batch(self, start: int, stop: int) -> tuple[Tensor, Tensor]:
         return self._gpu_inputs[start:stop], self._gpu_labels[start:stop]
@@ -96,4 +84,4 @@ class GpuMlpWorkload(Workload):
         # A no-op for batches on the GPU already (the hand-written loop's, or the Trainer's when
         # it places batches itself).
         inputs, labels = (t.to(self._device, non_blocking=True) for t in batch)
-        return F.cross_entropy(model(inputs), labels, reduction="sum"), labels.numel()
+        return super().loss(model, (inputs, labels))
