@@ -18,6 +18,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, final
 
@@ -102,7 +103,7 @@ def run_trainer(shape: LlamaShape, timer: CudaStepTimer, num_steps: int) -> Llam
     from units import TrainUnit
 
     class Clock(TrainerCallback):
-        def on_step_end(self, *, step_nr: int) -> None:
+        def on_step_end(self, *, step_nr: int, metrics: Mapping[str, Any] | None) -> None:
             timer.step_end()
 
     class LlamaUnit(TrainUnit[Tensor]):

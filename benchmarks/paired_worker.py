@@ -24,8 +24,8 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable
-from typing import final
+from collections.abc import Callable, Mapping
+from typing import Any, final
 
 import torch
 from torch import nn
@@ -66,7 +66,7 @@ class BlockTurns(TrainerCallback):
         if self._num_ranks > 1:
             self._model = DistributedDataParallel(self._model)
 
-    def on_step_end(self, *, step_nr: int) -> None:
+    def on_step_end(self, *, step_nr: int, metrics: Mapping[str, Any] | None) -> None:
         if step_nr % self._block_size != 0:
             return
         self._synchronize()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast, final
 
@@ -34,7 +35,7 @@ class StepClock(TrainerCallback):
     def __init__(self, timer: StepTimer) -> None:
         self._timer = timer
 
-    def on_step_end(self, *, step_nr: int) -> None:
+    def on_step_end(self, *, step_nr: int, metrics: Mapping[str, Any] | None) -> None:
         self._timer.step_end()
 
 
