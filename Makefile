@@ -24,7 +24,7 @@ train: $(BIN)/.installed
 	$(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m recipes.char_lm $(OUTPUT_DIR) $(ARGS)
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" --durations=15
 
 # The CUDA suite (tests/cuda). Install a CUDA build of torch first: `make TORCH_SPEC=torch test-gpu`.
 # -rP shows the figures the tests print (checkpoint GB/s, blocking time).
