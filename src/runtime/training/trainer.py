@@ -134,10 +134,7 @@ class Trainer(Generic[BatchT]):
         )
         scoring = Scoring(score_metric_name, lower_better, early_stopper)
         retention = RetentionPolicy(
-            keep_last_n_checkpoints=keep_last_n_checkpoints,
-            keep_best_n_checkpoints=keep_best_n_checkpoints,
-            keep_last_n_models=keep_last_n_models,
-            keep_best_n_models=keep_best_n_models,
+            keep_last_n_checkpoints, keep_best_n_checkpoints, keep_last_n_models, keep_best_n_models
         )
         checkpointing = CheckpointOptions(
             retention, async_checkpoint, reshard_on_resume, init_from, resume_from,
@@ -147,13 +144,12 @@ class Trainer(Generic[BatchT]):
             tb_dir, metrics_dir, wandb_project, wandb_run_name, wandb_dir, wandb_config
         )
         _check_validation(valid_units, schedules, retention, scoring)
-        self._unit = unit
-        self._gangs = gangs
-        self._anomaly_detection = anomaly_detection
+        self._unit, self._gangs, self._anomaly_detection = unit, gangs, anomaly_detection
         self._callbacks = CallbackList(callbacks)
         self._checkpoint_manager, self._scoring = checkpoint_manager, scoring
+        batch_device = gangs.root.device if move_batches_to_device else None
         data_reader, valid_data_readers = self._take_readers(
-            data_reader, valid_data_readers, gangs.root.device if move_batches_to_device else None
+            data_reader, valid_data_readers, batch_device
         )
         self._closed = False
         self._train_step = TrainStep(
@@ -172,12 +168,11 @@ class Trainer(Generic[BatchT]):
         self._progress = make_progress_display(enabled=progress and gangs.root.rank == 0)
         self._validator = self._make_validator(valid_units, valid_data_readers, max_num_valid_steps)
         self._checkpointer = self._make_checkpointer(self._train_step.optimizers, checkpointing)
+        throughput = _throughput(unit, gangs, flops_per_target, device_peak_flops)
         self._loop = TrainLoop(
             data_reader=data_reader,
             train_step=self._train_step,
-            metrics=self._make_metrics(
-                _throughput(unit, gangs, flops_per_target, device_peak_flops)
-            ),
+            metrics=self._make_metrics(throughput),
             validator=self._validator,
             checkpointer=self._checkpointer,
             schedules=schedules,
