@@ -19,7 +19,13 @@ from checkpoint.arguments import check_not_negative, check_positive
 from gangs import Gang, agree, decide_on_rank_zero, run_on_all_ranks
 from runtime.data.map_reader import MapDataReader, MapDataset
 from runtime.data.reader import DataReader, DataReaderError, WaitInterrupted, int_entry
-from runtime.data.windows import READY_MARKER, STOP_MARKER, ready_windows, stream_stopped
+from runtime.data.windows import (
+    READY_MARKER,
+    STOP_MARKER,
+    is_ready,
+    stream_stopped,
+    window_names,
+)
 
 log = logging.getLogger(__name__)
 
@@ -315,25 +321,42 @@ class WindowedDataReader(DataReader[BatchT]):
         # window that will ever come is in the listing that follows it.
         stopped = stream_stopped(root)
         current = self._window
-        later = [name for name in ready_windows(root) if current is None or name > current]
-        if later:
-            return _Next(later[0])
-        after = "the first window" if current is None else f"a window after '{current}'"
+        for name in window_names(root):
+            if current is not None and name <= current:
+                continue
+            if is_ready(root / name):
+                return _Next(name)
+            if not stopped:
+                # Never skipped while it may still become ready: the windows after it wait.
+                return self._keep_waiting(started, f"window '{name}' to become ready")
+            log.warning(
+                "Window '%s' of %s is not ready, and the stop marker says it never will be: "
+                "it is skipped.",
+                name,
+                root,
+            )
         if stopped:
             return _Next(None, f"the stop marker {root / STOP_MARKER} is there")
-        waited = time.monotonic() - started
-        if self._wait_timeout is not None and waited >= self._wait_timeout:
+        first = current is None
+        return self._keep_waiting(
+            started, "the first window" if first else f"a window after '{current}'"
+        )
+
+    def _keep_waiting(self, started: float, awaited: str) -> _Next:
+        """Rank 0's verdict "not yet", or the timeout's error; says it waits, now and then."""
+        root = self._root
+        if self._wait_timeout is not None and time.monotonic() - started >= self._wait_timeout:
             raise DataReaderError(
-                f"No window became ready in {root} within wait_timeout ({self._wait_timeout} s) "
-                f"while waiting for {after}. Mark the next window ready with a {READY_MARKER} "
-                f"file, write {STOP_MARKER} into {root} to end the stream, or raise wait_timeout."
+                f"Waited wait_timeout ({self._wait_timeout} s) for {awaited} in {root}. Mark "
+                f"the window ready with a {READY_MARKER} file, write {STOP_MARKER} into {root} "
+                "to end the stream, or raise wait_timeout."
             )
         logged_at = self._wait_logged_at
         if logged_at is None or time.monotonic() - logged_at >= _LOG_WAIT_EVERY_S:
             self._wait_logged_at = time.monotonic()
             log.info(
-                "Waiting for %s in %s (ready once it holds %s; %s ends the stream).",
-                after,
+                "Waiting for %s in %s (a window is ready once it holds %s; %s ends the stream).",
+                awaited,
                 root,
                 READY_MARKER,
                 STOP_MARKER,

@@ -3,8 +3,9 @@
 ``root`` holds one subdirectory per window; windows are read in the order of their names (so
 name them to sort: ``2026-01-01T00``, ``window_000042``). A window is *ready* once it contains a
 :data:`READY_MARKER` file, which its producer writes last: a window still being written is never
-read. A :data:`STOP_MARKER` file in ``root`` says that no window after those already ready will
-come. Names starting with ``.`` or ``_`` are never windows (temporary directories of producers).
+read, and the windows after it wait for it: none is skipped. A :data:`STOP_MARKER` file in
+``root`` says that no window after those already ready will come (a window not ready by then
+never will be, and is skipped). Names starting with ``.`` or ``_`` are never windows (temporary directories of producers).
 """
 
 from __future__ import annotations
@@ -22,13 +23,18 @@ STOP_MARKER: Final = "_STOP"
 T = TypeVar("T")
 
 
-def ready_windows(root: Path) -> list[str]:
-    """The names of the ready windows in ``root``, in reading order."""
+def window_names(root: Path) -> list[str]:
+    """The names of the windows in ``root``, ready or not, in reading order."""
     return sorted(
         entry.name
         for entry in root.iterdir()
-        if entry.name[:1] not in (".", "_") and (entry / READY_MARKER).is_file()
+        if entry.name[:1] not in (".", "_") and entry.is_dir()
     )
+
+
+def is_ready(window: Path) -> bool:
+    """Whether the window directory ``window`` holds the ready marker."""
+    return (window / READY_MARKER).is_file()
 
 
 def stream_stopped(root: Path) -> bool:
@@ -68,6 +74,7 @@ __all__ = [
     "load_window_files",
     "mark_ready",
     "mark_stopped",
-    "ready_windows",
+    "is_ready",
     "stream_stopped",
+    "window_names",
 ]

@@ -24,7 +24,7 @@ from runtime.data import (
     WindowedDataReader,
     load_window_files,
 )
-from runtime.data.windows import mark_ready, mark_stopped, ready_windows
+from runtime.data.windows import mark_ready, mark_stopped, window_names
 
 Steps = list[list[list[int]]]
 
@@ -88,7 +88,7 @@ def test_ready_windows_are_read_in_name_order_until_the_stop_marker(tmp_path: Pa
     write_window(tmp_path, "2026-01-03", [30, 31], ready=False)
     write_window(tmp_path, "_temporary", [99, 98])
     mark_stopped(tmp_path)
-    assert ready_windows(tmp_path) == ["2026-01-01", "2026-01-02"]
+    assert window_names(tmp_path) == ["2026-01-01", "2026-01-02", "2026-01-03"]
 
     reader = make_reader(tmp_path)
     assert read_stream(reader) == {
@@ -99,6 +99,19 @@ def test_ready_windows_are_read_in_name_order_until_the_stop_marker(tmp_path: Pa
     assert not reader.has_next_epoch(wait=False)
     with pytest.raises(DataReaderError, match=r"No window follows after '2026-01-02'.*_STOP"):
         reader.reset()
+
+
+def test_a_window_not_ready_holds_back_the_ready_ones_after_it(tmp_path: Path) -> None:
+    write_window(tmp_path, "w0", [0, 1])
+    late = write_window(tmp_path, "w1", [10, 11], ready=False)
+    write_window(tmp_path, "w2", [20, 21])
+    reader = make_reader(tmp_path, wait_timeout=0.1)
+    read_epoch(reader)
+    with pytest.raises(DataReaderError, match=r"for window 'w1' to become ready in"):
+        reader.has_next_epoch()
+    mark_ready(late)
+    mark_stopped(tmp_path)
+    assert read_stream(reader) == {"w1": [[[10, 11]]], "w2": [[[20, 21]]]}
 
 
 def test_max_num_windows_ends_the_stream(tmp_path: Path) -> None:
@@ -137,7 +150,7 @@ def test_a_window_marked_ready_while_the_reader_waits_is_read(
         assert reader.has_next_epoch()
     writer.join()
     assert time.monotonic() - started >= 0.25
-    assert "Waiting for a window after 'w0'" in caplog.text
+    assert "Waiting for window 'w1' to become ready" in caplog.text
     reader.reset()
     assert (reader.window, read_epoch(reader)) == ("w1", [[[10, 11]]])
 
@@ -146,7 +159,7 @@ def test_waiting_past_wait_timeout_is_a_clear_error(tmp_path: Path) -> None:
     write_window(tmp_path, "w0", [0, 1])
     reader = make_reader(tmp_path, wait_timeout=0.1)
     read_epoch(reader)
-    with pytest.raises(DataReaderError, match=r"No window became ready in .* within wait_timeout"):
+    with pytest.raises(DataReaderError, match=r"wait_timeout \(0.1 s\) for a window after 'w0'"):
         reader.has_next_epoch()
 
 
