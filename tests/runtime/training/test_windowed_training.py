@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from gangs import Gangs
-from runtime import PREEMPTED_EXIT_CODE, TrainerCallback
+from runtime import PREEMPTED_EXIT_CODE, TrainerCallback, TrainerError
 from runtime.data.windows import mark_stopped
 from tests.conftest import assert_ok, torchrun
 from tests.workers.train_windows import train, write_window
@@ -158,6 +158,35 @@ def test_a_stop_signal_ends_the_wait_and_the_relaunch_reads_the_next_window(
     assert [s["window"] for s in resumed["steps"]] == ["w1", "w1"]
     train(tmp_path / "reference", Gangs.single(), options)
     assert_same_params(out, tmp_path / "reference")
+
+
+class SignalAtStart(TrainerCallback):
+    def on_train_begin(self, *, step_nr: int) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_stop_signal_while_waiting_for_the_first_window_stops_before_any_step(
+    tmp_path: Path,
+) -> None:
+    root, out = tmp_path / "windows", tmp_path / "out"
+    root.mkdir()
+    options = {"root": str(root), "wait_timeout": 30.0}
+    train(out, Gangs.single(), options, callbacks=[SignalAtStart()])
+    stopped = report(out)
+    assert (stopped["exit_code"], stopped["events"], stopped["steps"]) == (
+        PREEMPTED_EXIT_CODE,
+        [],
+        [],
+    )
+    assert checkpoint_steps(out) == []
+
+
+def test_a_stream_that_ends_before_its_first_window_is_an_error(tmp_path: Path) -> None:
+    root = tmp_path / "windows"
+    root.mkdir()
+    mark_stopped(root)
+    with pytest.raises(TrainerError, match="The data reader has no data to train on"):
+        train(tmp_path / "out", Gangs.single(), {"root": str(root)})
 
 
 def test_a_resume_mid_window_ends_with_the_weights_of_an_uninterrupted_run(
