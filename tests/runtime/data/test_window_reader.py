@@ -20,6 +20,7 @@ from gangs import FakeGang
 from runtime.data import (
     DataReader,
     DataReaderError,
+    DeviceDataReader,
     WaitInterrupted,
     WindowedDataReader,
     load_window_files,
@@ -290,3 +291,11 @@ def test_bad_arguments_are_named(tmp_path: Path, kwargs: dict[str, Any], message
 def test_a_windowed_reader_is_refused_for_validation(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="validate on a reader of a fixed set"):
         make_reader(tmp_path).for_evaluation()
+
+
+def test_the_device_reader_passes_the_end_of_the_stream_on(tmp_path: Path) -> None:
+    write_window(tmp_path, "w0", [0, 1])
+    mark_stopped(tmp_path)
+    reader = DeviceDataReader(make_reader(tmp_path), torch.device("cpu"))
+    assert read_epoch(reader) == [[[0, 1]]]
+    assert not reader.has_next_epoch(wait=False)
