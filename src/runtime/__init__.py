@@ -18,6 +18,7 @@ if TYPE_CHECKING:
         IterableDataReader,
         MapDataReader,
         SyncMode,
+        WindowedDataReader,
     )
     from runtime.errors import NonFiniteError, TrainerError
     from runtime.metrics.profiler import TorchProfiler
@@ -93,6 +94,7 @@ _MODULE_OF: dict[str, str] = {
     "TrainerError": "runtime.errors",
     "NonFiniteError": "runtime.errors",
     "WandbRecorder": "runtime.metrics.recorders",
+    "WindowedDataReader": "runtime.data",
     "apply_activation_checkpointing": "runtime.parallel.activation_checkpoint",
     "apply_data_parallel": "runtime.parallel.wrapping",
     "apply_tensor_parallel": "runtime.parallel.wrapping",
@@ -158,6 +160,7 @@ __all__ = [
     "TrainerError",
     "NonFiniteError",
     "WandbRecorder",
+    "WindowedDataReader",
     "apply_activation_checkpointing",
     "apply_data_parallel",
     "apply_tensor_parallel",

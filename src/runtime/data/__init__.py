@@ -5,7 +5,9 @@ from __future__ import annotations
 from runtime.data.device import DeviceDataReader, move_to_device, pin_memory
 from runtime.data.iterable_reader import IterableDataReader
 from runtime.data.map_reader import MapDataReader, MapDataset
-from runtime.data.reader import DataReader, DataReaderError, SyncMode
+from runtime.data.reader import DataReader, DataReaderError, SyncMode, WaitInterrupted
+from runtime.data.window_reader import WindowedDataReader
+from runtime.data.windows import load_window_files
 
 __all__ = [
     "DataReader",
@@ -15,6 +17,9 @@ __all__ = [
     "MapDataReader",
     "MapDataset",
     "SyncMode",
+    "WaitInterrupted",
+    "WindowedDataReader",
+    "load_window_files",
     "move_to_device",
     "pin_memory",
 ]

@@ -109,6 +109,12 @@ class DeviceDataReader(DataReader[BatchT]):
         self._reader.close()
 
     @override
+    def has_next_epoch(
+        self, *, wait: bool = True, stop_requested: Callable[[], bool] | None = None
+    ) -> bool:
+        return self._reader.has_next_epoch(wait=wait, stop_requested=stop_requested)
+
+    @override
     def for_evaluation(self) -> DataReader[BatchT]:
         return DeviceDataReader(self._reader.for_evaluation(), self._device)
 

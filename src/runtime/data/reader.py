@@ -9,7 +9,7 @@ ran out of data.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from enum import Enum
 from typing import Any, Generic, TypeVar
 
@@ -21,6 +21,11 @@ BatchT = TypeVar("BatchT")
 
 class DataReaderError(RuntimeError):
     """Raised when reading a step fails, or when the ranks disagree on the data."""
+
+
+class WaitInterrupted(Exception):
+    """Raised on every rank by :meth:`DataReader.has_next_epoch` when a stop was requested on
+    some rank while the reader waited for data: the Trainer then stops as preempted."""
 
 
 class SyncMode(Enum):
@@ -72,6 +77,24 @@ class DataReader(ABC, Generic[BatchT]):
 
     def close(self) -> None:
         """Release background resources; iterating again acquires them anew."""
+
+    def has_next_epoch(
+        self, *, wait: bool = True, stop_requested: Callable[[], bool] | None = None
+    ) -> bool:
+        """Whether another data epoch follows the one being read (for a reader that has not
+        read yet: whether a first one comes); :meth:`reset` (or the first ``next``) starts it.
+
+        The Trainer asks on every rank before each data epoch; False ends the training with
+        ``StopReason.END_OF_DATA``. The answer must be the same on every rank. A reader of a
+        stream that grows while the run trains may have to wait to know: with ``wait=False`` it
+        answers at once, True unless the stream has certainly ended. While it waits it calls
+        ``stop_requested`` (when given) and raises :class:`WaitInterrupted` on every rank once
+        that returned True on any rank, so a preempted run does not hang in the wait.
+
+        The default is True: an ordinary reader's epochs never run out, and ``max_num_steps`` or
+        ``max_num_data_epochs`` ends the training.
+        """
+        return True
 
     def for_evaluation(self) -> DataReader[BatchT]:
         """This data read the way validation and evaluation read it: every example once, the

@@ -32,9 +32,10 @@ class TrainerCallback:
     4. A validation: ``on_metrics_published`` once per valid unit in the order of ``valid_units``
        (``run`` is ``valid`` or ``valid/<display_name>``), then ``on_validation_end``, then
        ``on_early_stop`` if the early stopper decided to stop (never at step 0).
-    5. When the training ends (max steps or epochs, or an early stop): the train metrics not yet
-       published, a final validation unless the last step had one, a final checkpoint unless the
-       last step had one (each with its callbacks as above), then ``on_train_end``.
+    5. When the training ends (max steps or epochs, the end of the data, or an early stop): the
+       train metrics not yet published, a final validation unless the last step had one, a
+       final checkpoint unless the last step had one (each with its callbacks as above), then
+       ``on_train_end``.
 
     With ``async_checkpoint=True``, ``on_checkpoint_saved`` of a step comes when its save has
     committed: just before the next save starts, or at the end of ``run()`` (before

@@ -19,9 +19,8 @@ from typing import Any, Generic, TypeVar, final
 import torch
 
 from checkpoint import CheckpointLayoutError
-from checkpoint.arguments import check_positive
 from gangs import Gangs
-from runtime.data import DataReader
+from runtime.data import DataReader, WaitInterrupted
 from runtime.errors import TrainerError
 from runtime.metrics.profiler import TorchProfiler
 from runtime.metrics.progress import ProgressDisplay
@@ -33,6 +32,7 @@ from runtime.training.checkpointing import Checkpointer
 from runtime.training.early_stop import Stateful
 from runtime.training.garbage_collection import GarbageCollection
 from runtime.training.out_of_memory import MemoryFigures, step_out_of_memory_error
+from runtime.training.relaunch import Limits, reopen_finished_run
 from runtime.training.rng import rng_state, seed_rngs, set_rng_state
 from runtime.training.schedule import Due, Schedules
 from runtime.training.signals import StopSignals
@@ -43,6 +43,7 @@ from runtime.training.state import (
     TrainState,
     check_trainer_state,
 )
+from runtime.training.stateful_section import load_stateful, save_stateful
 from runtime.training.step import TrainStep
 from runtime.training.validation import Validator
 
@@ -62,17 +63,6 @@ class Observers:
     recorder: MetricRecorder
     progress: ProgressDisplay
     profiler: TorchProfiler | None = None
-
-
-@final
-@dataclass(frozen=True)
-class Limits:
-    max_num_steps: int | None
-    max_num_data_epochs: int | None
-
-    def __post_init__(self) -> None:
-        check_positive("max_num_steps", self.max_num_steps)
-        check_positive("max_num_data_epochs", self.max_num_data_epochs)
 
 
 @final
@@ -130,27 +120,7 @@ class TrainLoop(Generic[BatchT]):
             return
         self.load_state_dict(loaded.trainer_state, resharded=loaded.resharded)
         log.info("Resumed from the checkpoint of step %d.", self.state.step_nr)
-        reason = self.state.stop_reason
-        if reason is not None and reason.is_limit and not self._limit_reached():
-            log.info(
-                "The run finished at step %d, but max_num_steps (%s) and max_num_data_epochs "
-                "(%s) now allow more: training on.",
-                self.state.step_nr,
-                self._limits.max_num_steps,
-                self._limits.max_num_data_epochs,
-            )
-            self.state.stop_reason = None
-
-    def _limit_reached(self) -> bool:
-        """Whether ``max_num_steps`` or ``max_num_data_epochs`` ends the training here."""
-        max_steps, max_epochs = self._limits.max_num_steps, self._limits.max_num_data_epochs
-        if max_steps is not None and self.state.step_nr >= max_steps:
-            return True
-        return (
-            self.state.stop_reason is StopReason.MAX_NUM_DATA_EPOCHS
-            and max_epochs is not None
-            and self.state.data_epoch_nr >= max_epochs
-        )
+        reopen_finished_run(self.state, self._limits, self._wait_for_next_epoch)
 
     def _seed_rngs(self, *, step_nr: int) -> None:
         dp = self._gangs.dp
@@ -183,6 +153,15 @@ class TrainLoop(Generic[BatchT]):
         self._progress.start(total_steps=self._limits.max_num_steps, initial_step=state.step_nr)
         self._callbacks.on_train_begin(step_nr=state.step_nr)
         if state.step_nr == 0:
+            has_first = self._wait_for_next_epoch()
+            if has_first is None:
+                state.stop_reason = StopReason.PREEMPTED
+                return
+            if not has_first:
+                raise TrainerError(
+                    "The data reader has no data to train on: its has_next_epoch() is False "
+                    "before the first data epoch."
+                )
             self._callbacks.on_epoch_begin(epoch_nr=state.data_epoch_nr, step_nr=0)
         if self._schedules.validate_at_start and state.step_nr == 0 and self._validator.has_units:
             self._validator.validate(0, baseline=True)
@@ -278,8 +257,12 @@ class TrainLoop(Generic[BatchT]):
         self._callbacks.on_out_of_data(step_nr=state.step_nr, epoch_nr=state.data_epoch_nr)
         max_epochs = self._limits.max_num_data_epochs
         if max_epochs is not None and state.data_epoch_nr >= max_epochs:
-            # The end of training validates and checkpoints this step.
             state.stop_reason = StopReason.MAX_NUM_DATA_EPOCHS
+        elif not self._data_reader.has_next_epoch(wait=False):
+            state.stop_reason = StopReason.END_OF_DATA
+        if state.stop_reason is not None:
+            # Known before the save, so the end of training validates and checkpoints this step
+            # with a checkpoint that says the run is over.
             self._callbacks.on_epoch_end(epoch_nr=state.data_epoch_nr, step_nr=state.step_nr)
             return
         if state.step_nr > 0:
@@ -302,10 +285,41 @@ class TrainLoop(Generic[BatchT]):
                 f"The data reader ended epoch {state.data_epoch_nr} without a single batch. "
                 "Check the dataset size against batch_size, num_accumulate and the DP gang."
             )
+        self._start_next_data_epoch()
+
+    def _start_next_data_epoch(self) -> None:
+        """Start the reader's next data epoch once it has one (after the epoch's checkpoint, so
+        a long wait for data holds nothing unsaved); or stop: the data ended, or a stop signal
+        cut the wait short."""
+        state = self.state
+        has_next = self._wait_for_next_epoch()
+        if has_next is None:
+            state.stop_reason = StopReason.PREEMPTED
+            if self._checkpointer.last_saved_step != state.step_nr:
+                self._save_checkpoint()
+            return
+        if not has_next:
+            log.info("The data ended after data epoch %d.", state.data_epoch_nr)
+            state.stop_reason = StopReason.END_OF_DATA
+            return
         state.data_epoch_nr += 1
         self._data_reader.reset()
         self._epoch_had_batches = False
         self._callbacks.on_epoch_begin(epoch_nr=state.data_epoch_nr, step_nr=state.step_nr)
+
+    def _wait_for_next_epoch(self) -> bool | None:
+        """Whether the reader has another data epoch, waiting if it must; None when a stop signal
+        cut the wait short."""
+        try:
+            return self._data_reader.has_next_epoch(stop_requested=self._stop_requested)
+        except WaitInterrupted:
+            log.warning(
+                "Stopped waiting for data at step %d: a stop was requested.", self.state.step_nr
+            )
+            return None
+
+    def _stop_requested(self) -> bool:
+        return self.stop_signals.requested
 
     def _finish(self) -> None:
         """Publish, validate and checkpoint what the last step left undone."""
@@ -364,36 +378,11 @@ class TrainLoop(Generic[BatchT]):
             "train_step": self._train_step.state_dict(),
             "train_metrics": self._metrics.state_dict(),
             "validation": self._validator.state_dict(),
-            **self._stateful_section(),
+            **save_stateful(self._all_stateful()),
         }
 
     def _all_stateful(self) -> dict[str, Stateful]:
         return {**self._callbacks.stateful(), **self.stateful}
-
-    def _stateful_section(self) -> dict[str, Any]:
-        # Absent without stateful objects, so such a checkpoint reads as it always did.
-        objects = self._all_stateful()
-        if not objects:
-            return {}
-        return {STATEFUL_SECTION: {name: obj.state_dict() for name, obj in objects.items()}}
-
-    def _load_stateful(self, saved: Mapping[str, Any]) -> None:
-        """Restore the callbacks and registered objects the checkpoint holds; one without a
-        saved state keeps its own (it is new in this launch), and a saved state without an
-        object is left unused, each with a warning."""
-        objects = self._all_stateful()
-        for name, obj in objects.items():
-            if name in saved:
-                obj.load_state_dict(saved[name])
-            else:
-                log.warning("The checkpoint holds no state of %s; it starts from its own.", name)
-        unused = sorted(set(saved) - set(objects))
-        if unused:
-            log.warning(
-                "The checkpoint holds the state of %s, but nothing of that name is registered "
-                "(a callback or Trainer.register_stateful) in this launch; it is not used.",
-                ", ".join(unused),
-            )
 
     def load_state_dict(self, state: Mapping[str, Any], *, resharded: bool = False) -> None:
         """Load this rank's trainer state, or rank 0's when the checkpoint was ``resharded``.
@@ -422,4 +411,4 @@ class TrainLoop(Generic[BatchT]):
             self._metrics.load_state_dict(state["train_metrics"])
         self._train_step.load_state_dict(state["train_step"])
         self._validator.load_state_dict(state["validation"])
-        self._load_stateful(state.get(STATEFUL_SECTION, {}))
+        load_stateful(self._all_stateful(), state.get(STATEFUL_SECTION, {}))

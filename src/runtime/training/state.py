@@ -44,11 +44,14 @@ STATEFUL_SECTION: Final = "stateful"
 
 
 class StopReason(Enum):
-    """Why the training loop stopped; the first three end the run, a preemption pauses it."""
+    """Why the training loop stopped; all but a preemption end the run, which pauses it."""
 
     MAX_NUM_STEPS = "max_num_steps"
     MAX_NUM_DATA_EPOCHS = "max_num_data_epochs"
     EARLY_STOP = "early_stop"
+    END_OF_DATA = "end_of_data"
+    """The data reader has no data epoch after the last (``DataReader.has_next_epoch``): a
+    stream of windows ended. A relaunch trains on if the stream has gone on since."""
     PREEMPTED = "preempted"
 
     @property

@@ -31,8 +31,9 @@ from runtime.parallel.placement import check_model_device
 from runtime.training.callbacks import CallbackList, TrainerCallback
 from runtime.training.checkpointing import Checkpointer, CheckpointOptions
 from runtime.training.early_stop import EarlyStopper, Stateful
-from runtime.training.loop import Limits, Observers, TrainLoop
+from runtime.training.loop import Observers, TrainLoop
 from runtime.training.non_finite import NanPolicy
+from runtime.training.relaunch import Limits
 from runtime.training.schedule import Schedule, Schedules, check_every_checkpoint_is_scored
 from runtime.training.signals import PREEMPTED_EXIT_CODE
 from runtime.training.state import StopReason
