@@ -1,4 +1,5 @@
-"""One GPU: kill -9 then resume is bit-identical, a CUDA out-of-memory is one clear error that
+"""One GPU: batches are pinned and copied one step ahead on a stream of their own without a host
+sync, kill -9 then resume is bit-identical, a CUDA out-of-memory is one clear error that
 loses no checkpoint, the published peak memory is CUDA's allocator's, and an async checkpoint
 of a GPU-resident model stages through pinned memory (its timings are reported)."""
 
@@ -19,6 +20,7 @@ from torch import nn
 
 from checkpoint import CheckpointManager
 from gangs import Gangs
+from runtime.data import DeviceDataReader, MapDataReader
 from runtime.metrics.train_metrics import peak_bf16_flops
 from tests.conftest import REPO_ROOT, assert_ok, child_env, read_jsonl
 from tests.cuda.conftest import CUDA_RUN, CUDA_SUITE, load_params, report, run_cuda_run
@@ -155,3 +157,32 @@ def test_an_async_checkpoint_of_a_gpu_model_stages_through_pinned_memory(
     report(record_property, "checkpoint_load_gb_per_s", num_bytes / load_s / 1e9, "GB/s")
     # Staging 1.6 GB into pinned memory runs at PCIe speed (over 10 GB/s); the write is not waited on.
     assert blocked_s < save_s
+
+
+def test_batches_are_pinned_and_copied_ahead_without_a_host_sync() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    gangs = Gangs.single(device=device)
+    rows = torch.arange(64.0).reshape(32, 2)
+    reader = MapDataReader(
+        dataset=torch.utils.data.TensorDataset(rows),
+        batch_size=4,
+        gang=gangs.dp,
+        num_accumulate=2,
+        shuffle=False,
+    )
+    on_device = DeviceDataReader(reader, device)
+    seen = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for batches in on_device:
+            # A kernel on the compute stream reads each batch while the next one is copied: it
+            # must see the copied values, not what the memory held before.
+            seen.extend(batch[0] * 1.0 for batch in batches)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(batch.device == device for batch in seen)
+    assert torch.equal(torch.cat(seen).cpu(), rows)
+    # The reader itself pins for a CUDA gang, on its prefetch thread.
+    reader.reset()
+    assert next(reader)[0][0].is_pinned()
+    on_device.close()

@@ -2,9 +2,9 @@
 
 :func:`move_to_device` copies the tensors inside a batch (dicts, lists, tuples, named tuples,
 dataclasses, and any object with a ``to(device, non_blocking=...)`` method); other leaves stay as
-they are. On CUDA the reader's batches are pinned first and copied with ``non_blocking=True``:
-the copy is queued on the current stream ahead of the step's kernels, so the host never waits
-for it and the step never reads a batch before its copy finished (stream order).
+they are. On CUDA, :class:`DeviceDataReader` pins each step's batches and copies them on a copy
+stream of its own one step ahead, so the copy overlaps the previous step's kernels: the host never
+waits for a copy, and a step's kernels wait on the device for its batch (an event), never longer.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar, final
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, final
 
 import torch
 from torch import Tensor
@@ -71,32 +72,103 @@ def _rebuild(mapping: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
         return items
 
 
+@dataclass(frozen=True)
+class _StepAhead(Generic[BatchT]):
+    """A step read ahead of the loop, with the reader's position before it; ``batches`` is None
+    at the end of the data epoch."""
+
+    batches: list[BatchT] | None
+    state_before: dict[str, object]
+    copied: torch.cuda.Event | None = None
+
+
+@final
+class _CopyStream:
+    """Host-to-device copies on a CUDA stream of their own, so they overlap the compute stream.
+
+    Before each copy the copy stream waits for the work queued so far on the compute stream. That
+    orders the copy's writes after every kernel that used memory the allocator hands out again
+    (the previous batches, freed on the host only once their kernels were queued), which also
+    covers tensors inside objects that move themselves with ``to()``, where ``record_stream``
+    cannot reach. The copy still overlaps the step being computed: it is issued one step ahead.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+    def start(self, batches: list[BatchT]) -> tuple[list[BatchT], torch.cuda.Event]:
+        pinned = [pin_memory(batch) for batch in batches]
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(self._stream):
+            moved = [move_to_device(b, self._device, non_blocking=True) for b in pinned]
+            copied = self._stream.record_event()
+        return moved, copied
+
+    def finish(self, copied: torch.cuda.Event) -> None:
+        """Make the compute stream's next kernels wait for the copy: on the device, not the host."""
+        torch.cuda.current_stream(self._device).wait_event(copied)
+
+
 @final
 class DeviceDataReader(DataReader[BatchT]):
-    """``reader`` with every micro-batch moved to ``device`` (pinned first on CUDA)."""
+    """``reader`` with every micro-batch moved to ``device``.
 
-    def __init__(self, reader: DataReader[BatchT], device: torch.device) -> None:
+    With ``read_ahead`` (the default on CUDA) the next step is read and its copy started as soon
+    as a step is handed out; :meth:`state_dict` is still the position after the steps handed out,
+    and the end of a data epoch still comes at the same step.
+    """
+
+    def __init__(
+        self, reader: DataReader[BatchT], device: torch.device, *, read_ahead: bool | None = None
+    ) -> None:
         self._reader = reader
         self._device = device
-        self._pin = device.type == "cuda"
+        self._read_ahead = device.type == "cuda" if read_ahead is None else read_ahead
+        self._copies = _CopyStream(device) if device.type == "cuda" else None
+        self._ahead: _StepAhead[BatchT] | None = None
 
     @override
     def __next__(self) -> list[BatchT]:
-        batches = next(self._reader)
-        if self._pin:
-            batches = [pin_memory(batch) for batch in batches]
-        return [move_to_device(b, self._device, non_blocking=self._pin) for b in batches]
+        if not self._read_ahead:
+            return self._move(next(self._reader))
+        step = self._ahead or self._read_step()
+        self._ahead = None
+        if step.batches is None:
+            raise StopIteration
+        if step.copied is not None and self._copies is not None:
+            self._copies.finish(step.copied)
+        self._ahead = self._read_step()
+        return step.batches
+
+    def _read_step(self) -> _StepAhead[BatchT]:
+        state_before = self._reader.state_dict()
+        try:
+            batches = next(self._reader)
+        except StopIteration:
+            return _StepAhead(None, state_before)
+        if self._copies is None:
+            return _StepAhead(self._move(batches), state_before)
+        moved, copied = self._copies.start(batches)
+        return _StepAhead(moved, state_before, copied)
+
+    def _move(self, batches: list[BatchT]) -> list[BatchT]:
+        return [move_to_device(batch, self._device) for batch in batches]
 
     @override
     def reset(self) -> None:
+        self._ahead = None
         self._reader.reset()
 
     @override
     def state_dict(self) -> dict[str, object]:
+        if self._ahead is not None:
+            return self._ahead.state_before
         return self._reader.state_dict()
 
     @override
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._ahead = None
         self._reader.load_state_dict(state)
 
     @property
@@ -106,6 +178,7 @@ class DeviceDataReader(DataReader[BatchT]):
 
     @override
     def close(self) -> None:
+        self._ahead = None
         self._reader.close()
 
     @override
@@ -116,7 +189,9 @@ class DeviceDataReader(DataReader[BatchT]):
 
     @override
     def for_evaluation(self) -> DataReader[BatchT]:
-        return DeviceDataReader(self._reader.for_evaluation(), self._device)
+        return DeviceDataReader(
+            self._reader.for_evaluation(), self._device, read_ahead=self._read_ahead
+        )
 
     @property
     def reader(self) -> DataReader[BatchT]:

@@ -12,6 +12,7 @@ from typing_extensions import override
 
 from checkpoint.arguments import check_not_negative, check_positive
 from gangs import Gang, find_disagreements
+from runtime.data.device import pin_memory
 from runtime.data.prefetch import Prefetcher
 from runtime.data.reader import DataReader, DataReaderError, SyncMode, int_entry
 from runtime.data.sharding import ShardLayout, resume_position
@@ -329,6 +330,7 @@ class MapDataReader(DataReader[BatchT]):
             batch_size=self._layout.batch_size,
             num_accumulate=self._layout.num_accumulate,
             num_micro_batches=self._layout.num_micro_batches(len(shard)),
+            pin=self._gang.device.type == "cuda",
         )
 
     def _read_error(self, step_nr: int, error: BaseException) -> DataReaderError:
@@ -361,8 +363,10 @@ class _StepMaker(Generic[BatchT]):
         batch_size: int,
         num_accumulate: int,
         num_micro_batches: int,
+        pin: bool,
     ) -> None:
         self._dataset = dataset
+        self._pin = pin
         self._collate = collate
         self._batch_size = batch_size
         self._num_accumulate = num_accumulate
@@ -393,6 +397,10 @@ class _StepMaker(Generic[BatchT]):
         for micro_batch_nr in range(first, last):
             start = micro_batch_nr * self._batch_size
             batches.append(self._fetch(start, start + self._batch_size))
+        if self._pin:
+            # Here, on the prefetch thread, rather than on the training thread when it copies
+            # the batch to the GPU: pinning is a host copy.
+            return [pin_memory(batch) for batch in batches]
         return batches
 
     def _gather(self, start: int, stop: int) -> BatchT:

@@ -105,3 +105,54 @@ def test_the_trainer_refuses_a_model_on_another_device(tmp_path: Any) -> None:
 def test_apply_data_parallel_leaves_the_model_on_the_gangs_device() -> None:
     model = apply_data_parallel(nn.Linear(2, 2), Gangs.single(device=META), kind="ddp")
     assert all(p.device == META for p in model.parameters())
+
+
+def _numbers(dataset_size: int = 20) -> MapDataReader[Any]:
+    return MapDataReader(
+        dataset=torch.utils.data.TensorDataset(torch.arange(float(dataset_size))),
+        batch_size=2,
+        gang=Gangs.single().dp,
+        num_accumulate=2,
+        shuffle=True,
+        seed=3,
+    )
+
+
+def _read_epoch(reader: Any) -> list[list[float]]:
+    return [[v for batch in batches for v in batch[0].tolist()] for batches in reader]
+
+
+def test_reading_ahead_hands_out_the_same_steps_and_ends_the_epoch_at_the_same_step() -> None:
+    ahead = DeviceDataReader(_numbers(), torch.device("cpu"), read_ahead=True)
+    expected = _numbers()
+    for _ in range(2):  # two epochs: reset drops nothing and reads nothing twice
+        assert _read_epoch(ahead) == _read_epoch(expected)
+        with pytest.raises(StopIteration):  # and keeps raising it until reset
+            next(ahead)
+        ahead.reset()
+        expected.reset()
+
+
+def test_reading_ahead_saves_the_position_of_the_steps_handed_out() -> None:
+    ahead = DeviceDataReader(_numbers(), torch.device("cpu"), read_ahead=True)
+    plain = _numbers()
+    for _ in range(2):
+        next(ahead)
+        next(plain)
+    # The reader underneath is a step further; the saved position is the loop's.
+    assert ahead.reader.state_dict() != plain.state_dict()
+    state = ahead.state_dict()
+    assert state == plain.state_dict()
+
+    resumed = DeviceDataReader(_numbers(), torch.device("cpu"), read_ahead=True)
+    next(resumed)  # a position read ahead of is replaced by the loaded one
+    resumed.load_state_dict(state)
+    assert _read_epoch(resumed) == _read_epoch(plain)
+
+
+def test_evaluation_reads_ahead_like_training() -> None:
+    ahead = DeviceDataReader(_numbers(21), torch.device("cpu"), read_ahead=True)
+    evaluation = ahead.for_evaluation()
+    assert isinstance(evaluation, DeviceDataReader)
+    # Every example once, the last partial micro-batch kept.
+    assert sorted(sum(_read_epoch(evaluation), [])) == [float(i) for i in range(21)]
