@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -265,3 +266,12 @@ def fail_on_logging_errors(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(logging.Handler, "handleError", record)
     yield
     assert not errors, "logging errors:\n" + "\n".join(errors)
+
+
+def round_trip(state: Mapping[str, object]) -> dict[str, Any]:
+    """``state`` as a checkpoint gives it back: saved, then loaded with ``weights_only=True``."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded: dict[str, Any] = torch.load(buffer, weights_only=True)
+    return loaded

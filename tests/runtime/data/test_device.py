@@ -155,4 +155,5 @@ def test_evaluation_reads_ahead_like_training() -> None:
     evaluation = ahead.for_evaluation()
     assert isinstance(evaluation, DeviceDataReader)
     # Every example once, the last partial micro-batch kept.
-    assert sorted(sum(_read_epoch(evaluation), [])) == [float(i) for i in range(21)]
+    examples = [value for step in _read_epoch(evaluation) for value in step]
+    assert sorted(examples) == [float(i) for i in range(21)]

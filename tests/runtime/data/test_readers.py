@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import threading
 from collections.abc import Iterator, Sequence
@@ -24,7 +23,7 @@ from runtime.data import (
     MapDataReader,
     SyncMode,
 )
-from tests.conftest import assert_ok, torchrun
+from tests.conftest import assert_ok, round_trip, torchrun
 
 Steps = list[list[list[int]]]
 
@@ -36,15 +35,6 @@ def as_list(examples: list[int]) -> list[int]:
 
 def read_epoch(reader: DataReader[list[int]]) -> Steps:
     return [batches for batches in reader]
-
-
-def round_trip(state: dict[str, object]) -> dict[str, Any]:
-    """The state as a checkpoint would give it back."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    loaded: dict[str, Any] = torch.load(buffer, weights_only=True)
-    return loaded
 
 
 def permutation(size: int, seed: int) -> list[int]:

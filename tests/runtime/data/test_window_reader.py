@@ -4,7 +4,6 @@ tests/runtime/training/test_windowed_training.py."""
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import shutil
@@ -26,6 +25,7 @@ from runtime.data import (
     load_window_files,
 )
 from runtime.data.windows import mark_ready, mark_stopped, window_names
+from tests.conftest import round_trip
 
 Steps = list[list[list[int]]]
 
@@ -73,14 +73,6 @@ def read_stream(reader: WindowedDataReader[list[int]]) -> dict[str, Steps]:
         assert reader.window is not None
         windows[reader.window] = steps
     return windows
-
-
-def round_trip(state: dict[str, object]) -> dict[str, Any]:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    loaded: dict[str, Any] = torch.load(buffer, weights_only=True)
-    return loaded
 
 
 def test_ready_windows_are_read_in_name_order_until_the_stop_marker(tmp_path: Path) -> None:
