@@ -496,6 +496,7 @@ def test_async_checkpoint_two_processes_resumes_exactly_and_a_crash_leaves_it_in
     assert not list((tmp_path / "checkpoints").glob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_async_checkpoint_of_replicated_shards_resumes_exactly(
     resumed_run: Any, tmp_path: Path
 ) -> None:

@@ -65,6 +65,7 @@ def test_single_process_run_learns_and_writes_every_output(
     assert list((out / "tb" / "train").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 def test_dp_x_tp_on_four_processes_with_fsdp2(run_torchrun: RunTorch, tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = run_torchrun(
@@ -142,6 +143,7 @@ def test_tp_size_that_does_not_divide_the_world_exits_2_with_one_line(tmp_path: 
     ]
 
 
+@pytest.mark.slow
 def test_hsdp_with_activation_checkpointing_starts_from_another_runs_weights(
     run_torchrun: RunTorch, tmp_path: Path
 ) -> None:

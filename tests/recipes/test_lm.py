@@ -211,7 +211,14 @@ def test_a_bad_sft_line_names_its_file_and_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("layout", "dp_size"), [("data_parallel=fsdp", 2), ("gang.tp_size=2", 1)])
+@pytest.mark.parametrize(
+    ("layout", "dp_size"),
+    [
+        # FSDP2 over a transformers Llama also trains in test_validation's sharded-Llama tests.
+        pytest.param("data_parallel=fsdp", 2, marks=pytest.mark.slow),
+        ("gang.tp_size=2", 1),
+    ],
+)
 def test_a_hugging_face_llama_trains_on_two_ranks(
     tmp_path: Path, layout: str, dp_size: int
 ) -> None:
@@ -386,7 +393,9 @@ def test_skipped_bad_lines_are_counted_and_published(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("nproc", "layout"),
     [
-        pytest.param(2, ("data_parallel=fsdp",), id="fsdp2"),
+        # test_validation checks the same with a transformers Llama under FSDP2 and HSDP in
+        # `make test`; these run the recipe's own switches in `make test-all`.
+        pytest.param(2, ("data_parallel=fsdp",), id="fsdp2", marks=pytest.mark.slow),
         pytest.param(
             4, ("data_parallel=hsdp", "gang.dp_shard_size=2"), id="hsdp", marks=pytest.mark.slow
         ),

@@ -52,13 +52,20 @@ INIT_LAYOUTS = {
     "fsdp2": (2, {"data_parallel": "fsdp"}),
     "fsdp2_built_whole": (2, {"data_parallel": "fsdp", "meta_init": False}),
     "tp2": (2, {"tp_size": 2}),
+    # Four processes: `make test-all` runs these two.
     "dp2_x_tp2": (4, {"tp_size": 2}),
     "hsdp2x2": (4, {"dp_shard_size": 2}),
 }
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", list(INIT_LAYOUTS))
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(layout, marks=pytest.mark.slow) if nproc == 4 else layout
+        for layout, (nproc, _) in INIT_LAYOUTS.items()
+    ],
+)
 def test_initial_weights_depend_on_the_seed_alone(
     run_torchrun: RunTorch,
     tmp_path: Path,
@@ -144,7 +151,7 @@ def test_activation_checkpointing_keeps_names_and_gradients() -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("data_parallel", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
 def test_activation_checkpointing_gives_the_same_gradients(
     run_torchrun: RunTorch, tmp_path: Path, data_parallel: str
 ) -> None:
