@@ -1,51 +1,29 @@
 """No host-device synchronization in a steady step: a step that does not publish, validate or
-checkpoint never makes the host wait for the device (``pytest -k host_sync``)."""
+checkpoint never makes the host wait for the device (``pytest -k host_sync``); the torchrun
+layouts are in ``test_host_sync_distributed.py``."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
 from gangs import Gangs
-from runtime import TorchProfiler, TrainerCallback
+from runtime import TorchProfiler
 from tests.conftest import make_toy_trainer
-from tests.sync_detector import HostSyncDetector
-
-FIRST, LAST = 3, 7
-"""The detector watches from the end of step FIRST to the end of step LAST: steps 4 to 7 and the
-loop's work between them, with nothing due (metrics publish at step 100)."""
+from tests.sync_detector import FEATURES, SYNCS_PER_STEP, WATCHED_STEPS, SyncWindow
 
 
-class SyncWindow(TrainerCallback):
-    def __init__(self) -> None:
-        self.detector = HostSyncDetector()
-
-    def on_step_end(self, *, step_nr: int, **_: Any) -> None:
-        if step_nr == FIRST:
-            self.detector.enter()
-        elif step_nr == LAST:
-            self.detector.exit()
-
-
-FEATURES: dict[str, dict[str, Any]] = {
-    "plain": {},
-    "accumulation": {"num_accumulate": 2},
-    "clipping": {"max_gradient_norm": 0.5},
-    "nan_policy_error": {"nan_policy": "error"},
-}
-
-
-def watched_syncs(tmp_path: Path, **options: Any) -> list[str]:
+def watched_syncs(tmp_path: Path, feature: str) -> list[str]:
+    options = dict(FEATURES[feature])
+    if options.pop("profiler", False):
+        options["profiler"] = TorchProfiler(1, 2, tmp_path / "profile", Gangs.single().root)
     window = SyncWindow()
     trainer = make_toy_trainer(
         tmp_path,
         max_num_steps=10,
         publish_metrics_every_n_steps=100,
         callbacks=[window],
-        # No data epoch ends in the window: a reader checks once an epoch that the ranks agree.
         dataset_size=256,
         **options,
     )
@@ -54,25 +32,20 @@ def watched_syncs(tmp_path: Path, **options: Any) -> list[str]:
     return window.detector.syncs
 
 
-@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("feature", [f for f in FEATURES if f not in SYNCS_PER_STEP])
 def test_a_steady_step_host_sync_free(tmp_path: Path, feature: str) -> None:
-    assert watched_syncs(tmp_path, **FEATURES[feature]) == []
+    assert watched_syncs(tmp_path, feature) == []
 
 
-def test_a_steady_step_with_the_profiler_host_sync_free(tmp_path: Path) -> None:
-    profiler = TorchProfiler(1, 2, tmp_path / "profile", Gangs.single().root)
-    assert watched_syncs(tmp_path, profiler=profiler) == []
+@pytest.mark.parametrize("feature", SYNCS_PER_STEP)
+def test_deciding_on_the_host_host_syncs_as_pinned(tmp_path: Path, feature: str) -> None:
+    syncs = watched_syncs(tmp_path, feature)
+    assert len(syncs) == SYNCS_PER_STEP[feature] * WATCHED_STEPS, syncs
 
 
-# The features that decide on the host whether a step's update is applied read two values a
-# step: whether every loss was finite, and the gradient norm.
-
-
-def test_nan_policy_skip_host_syncs_twice_a_step_to_decide(tmp_path: Path) -> None:
-    syncs = watched_syncs(tmp_path, nan_policy="skip")
-    assert len(syncs) == 2 * (LAST - FIRST), syncs
-
-
-def test_fp16_loss_scaling_host_syncs_once_a_step_to_decide(tmp_path: Path) -> None:
-    syncs = watched_syncs(tmp_path, dtype=torch.float16, amp=True)
-    assert len(syncs) == LAST - FIRST, syncs
+def test_the_pinned_host_syncs_are_the_decisions(tmp_path: Path) -> None:
+    # Which reads they are, so that a new sync cannot stand in for a removed one unnoticed.
+    skip = watched_syncs(tmp_path / "skip", "nan_policy_skip")
+    assert all("step_totals.py" in s or "non_finite.py" in s for s in skip), skip
+    fp16 = watched_syncs(tmp_path / "fp16", "fp16")
+    assert all("loss_scale.py" in s for s in fp16), fp16
