@@ -183,10 +183,24 @@ FEATURES: dict[str, dict[str, Any]] = {
 }
 """The Trainer options under watch (``profiler``: a TorchProfiler of the run's root gang)."""
 
-SYNCS_PER_STEP: dict[str, int] = {"nan_policy_skip": 2, "fp16": 1}
+SYNCS_PER_STEP: dict[str, dict[str, int]] = {
+    "nan_policy_skip": {"step_totals.py": 1, "non_finite.py": 1},
+    "fp16": {"loss_scale.py": 1},
+}
 """The features that decide on the host whether a step's update is applied, and the syncs a step
-pays for it: ``nan_policy="skip"`` reads whether every loss was finite, then the gradient norm;
-fp16 loss scaling reads the gradient norm. Every other feature pays none."""
+pays for it, by the file that reads: ``nan_policy="skip"`` reads whether this rank's losses were
+finite, then the gradient norm; fp16 loss scaling reads the gradient norm. Every other feature
+pays none."""
+
+
+def assert_as_pinned(feature: str, syncs: list[str]) -> None:
+    """``syncs``, found by a :class:`SyncWindow`, are none, or for a feature of
+    :data:`SYNCS_PER_STEP` its reads: each file's, once a watched step. By file, so that a new
+    sync cannot stand in for a removed one unnoticed."""
+    per_step = SYNCS_PER_STEP.get(feature, {})
+    found = {name: sum(f"/{name}:" in sync for sync in syncs) for name in per_step}
+    expected = {name: count * WATCHED_STEPS for name, count in per_step.items()}
+    assert found == expected and len(syncs) == sum(expected.values()), syncs
 
 
 class SyncWindow(TrainerCallback):

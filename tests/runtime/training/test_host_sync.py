@@ -11,7 +11,7 @@ import pytest
 from gangs import Gangs
 from runtime import TorchProfiler
 from tests.conftest import make_toy_trainer
-from tests.sync_detector import FEATURES, SYNCS_PER_STEP, WATCHED_STEPS, SyncWindow
+from tests.sync_detector import FEATURES, SyncWindow, assert_as_pinned
 
 
 def watched_syncs(tmp_path: Path, feature: str) -> list[str]:
@@ -32,20 +32,6 @@ def watched_syncs(tmp_path: Path, feature: str) -> list[str]:
     return window.detector.syncs
 
 
-@pytest.mark.parametrize("feature", [f for f in FEATURES if f not in SYNCS_PER_STEP])
-def test_a_steady_step_host_sync_free(tmp_path: Path, feature: str) -> None:
-    assert watched_syncs(tmp_path, feature) == []
-
-
-@pytest.mark.parametrize("feature", SYNCS_PER_STEP)
-def test_deciding_on_the_host_host_syncs_as_pinned(tmp_path: Path, feature: str) -> None:
-    syncs = watched_syncs(tmp_path, feature)
-    assert len(syncs) == SYNCS_PER_STEP[feature] * WATCHED_STEPS, syncs
-
-
-def test_the_pinned_host_syncs_are_the_decisions(tmp_path: Path) -> None:
-    # Which reads they are, so that a new sync cannot stand in for a removed one unnoticed.
-    skip = watched_syncs(tmp_path / "skip", "nan_policy_skip")
-    assert all("step_totals.py" in s or "non_finite.py" in s for s in skip), skip
-    fp16 = watched_syncs(tmp_path / "fp16", "fp16")
-    assert all("loss_scale.py" in s for s in fp16), fp16
+@pytest.mark.parametrize("feature", FEATURES)
+def test_a_steady_step_host_syncs_only_where_pinned(tmp_path: Path, feature: str) -> None:
+    assert_as_pinned(feature, watched_syncs(tmp_path, feature))
