@@ -1,13 +1,15 @@
 """A test-only detector of host-device synchronizations: the operations that make the host wait
 for the device to read a value (``item``, ``tolist``, ``bool``/``float``/``int`` of a tensor,
 ``nonzero``, ``torch.equal``, ``.cpu()``, ``.numpy()``, data-dependent shapes such as
-``masked_select``), at the Python level and in the dispatcher.
+``masked_select``), at the Python level and in the dispatcher. Inside a tensor subclass's own
+ops (DTensor's, on its local tensors) only the dispatcher's view is left: ``item``, ``bool`` and
+the data-dependent ops are seen there, a ``tolist`` or ``numpy`` (which read without an op) not.
 
 On CPU no operation really waits, so every tensor counts as a device tensor, but for those made
-under watch by a factory told ``device="cpu"``: code that keeps numbers on the host on purpose
-(the step's totals, summed over the ranks by gloo) says so, and reading them never waits for a
-GPU. Enable the detector only around the work under test (the steady steps), not around the
-reader's index arithmetic.
+under watch of Python numbers by a factory told ``device="cpu"``: code that keeps numbers on the
+host on purpose (the step's totals, summed over the ranks by gloo) says so, and reading them
+never waits for a GPU. Enable the detector only around the work under test (the steady steps),
+not around the reader's index arithmetic.
 
 :class:`SyncWindow` watches a Trainer's steady steps, and :data:`FEATURES` names the Trainer
 options the host-sync tests run, in one process and under torchrun alike.
@@ -49,6 +51,7 @@ _PYTHON_SYNCS: set[Callable[..., Any]] = {
 
 _DISPATCH_SYNCS = {
     "aten._local_scalar_dense.default",
+    "aten.item.default",
     "aten.nonzero.default",
     "aten.equal.default",
     "aten.masked_select.default",
@@ -93,22 +96,24 @@ class _FunctionSyncs(TorchFunctionMode):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func in _FACTORIES and _is_host(kwargs.get("device")):
+        if (
+            func in _FACTORIES
+            and _is_host(kwargs.get("device"))
+            and not any(isinstance(arg, Tensor) for arg in args)
+        ):
             made = func(*args, **kwargs)
             self._found.host_tensors[made] = True
             return made
-        if (
-            self._found.inside
-            or not (func in _PYTHON_SYNCS or (func is Tensor.to and _to_host(args, kwargs)))
-            or (args and isinstance(args[0], Tensor) and args[0] in self._found.host_tensors)
-        ):
+        if not (func in _PYTHON_SYNCS or (func is Tensor.to and _to_host(args, kwargs))):
             return func(*args, **kwargs)
-        self._found.syncs.append(f"{getattr(func, '__name__', func)} at {_caller()}")
-        self._found.inside = True
+        on_host = bool(args) and isinstance(args[0], Tensor) and args[0] in self._found.host_tensors
+        if not on_host and not self._found.inside:
+            self._found.syncs.append(f"{getattr(func, '__name__', func)} at {_caller()}")
+        inside, self._found.inside = self._found.inside, True
         try:
             return func(*args, **kwargs)
         finally:
-            self._found.inside = False
+            self._found.inside = inside
 
 
 class _DispatchSyncs(TorchDispatchMode):
