@@ -193,8 +193,8 @@ def setup_parallel_gangs(
 
     shard_dim = names[-2]
     if tp_size > 1 and mesh[shard_dim].size() > 1:
-        # What FSDP2 shards and TP shards again (the gradient norm of such parameters) reduces
-        # over both dims: with them flattened, DTensor does it in one collective, not one a dim.
+        # The gradient norm of a parameter that FSDP2 shards and TP shards again is reduced over
+        # both dims: with them flattened, DTensor does that in one all-reduce, not one a dim.
         mesh[shard_dim, "tp"]._flatten()
     timeout = root.timeout if isinstance(root, ProcessGroupGang) else None
 
