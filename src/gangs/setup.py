@@ -191,11 +191,6 @@ def setup_parallel_gangs(
     except (RuntimeError, ValueError) as ex:
         raise GangError(f"The {shape} device mesh cannot be made: {ex}") from ex
 
-    shard_dim = names[-2]
-    if tp_size > 1 and mesh[shard_dim].size() > 1:
-        # The gradient norm of a parameter that FSDP2 shards and TP shards again is reduced over
-        # both dims: with them flattened, DTensor does that in one all-reduce, not one a dim.
-        mesh[shard_dim, "tp"]._flatten()
     timeout = root.timeout if isinstance(root, ProcessGroupGang) else None
 
     def gang_of(dim_mesh: DeviceMesh) -> Gang:

@@ -53,13 +53,6 @@ def main(output_dir: Path, tp_size: int, dp_shard_size: int | None) -> None:
 
     mesh = gangs.device_mesh if gangs.has_device_mesh else None
     report["mesh"] = None if mesh is None else [list(mesh.mesh_dim_names or ()), mesh.mesh.tolist()]
-    if mesh is not None and gangs.tp.size > 1:
-        # Sharded both ways: the dims DTensor reduces a gradient norm over, flattened into one.
-        shard_dim = "dp" if gangs.dp_shard_size is None else "dp_shard"
-        try:
-            report["sharded_ranks"] = mesh[f"{shard_dim}_tp"].mesh.tolist()
-        except KeyError:
-            report["sharded_ranks"] = None
     if gangs.dp_shard_size is not None:
         report["dp_shard_size"] = gangs.dp_shard_size
         report["hsdp_mesh"] = gangs.hsdp_mesh.mesh.tolist()
