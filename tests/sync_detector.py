@@ -1,10 +1,18 @@
 """A test-only detector of host-device synchronizations: the operations that make the host wait
 for the device to read a value (``item``, ``tolist``, ``bool``/``float``/``int`` of a tensor,
 ``nonzero``, ``torch.equal``, ``.cpu()``, ``.numpy()``, data-dependent shapes such as
-``masked_select``), at the Python level and in the dispatcher.
+``masked_select``), at the Python level and in the dispatcher. Inside a tensor subclass's own
+ops (DTensor's, on its local tensors) only the dispatcher's view is left: ``item``, ``bool`` and
+the data-dependent ops are seen there, a ``tolist`` or ``numpy`` (which read without an op) not.
 
-On CPU no operation really waits, so every tensor counts as a device tensor: enable the detector
-only around the work under test (the steady steps), not around the reader's index arithmetic.
+On CPU no operation really waits, so every tensor counts as a device tensor, but for those made
+under watch of Python numbers by a factory told ``device="cpu"``: code that keeps numbers on the
+host on purpose (the step's totals, summed over the ranks by gloo) says so, and reading them
+never waits for a GPU. Enable the detector only around the work under test (the steady steps),
+not around the reader's index arithmetic.
+
+:class:`SyncWindow` watches a Trainer's steady steps, and :data:`FEATURES` names the Trainer
+options the host-sync tests run, in one process and under torchrun alike.
 """
 
 from __future__ import annotations
@@ -18,6 +26,9 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from runtime import TrainerCallback
 
 _PYTHON_SYNCS: set[Callable[..., Any]] = {
     Tensor.item,
@@ -40,6 +51,7 @@ _PYTHON_SYNCS: set[Callable[..., Any]] = {
 
 _DISPATCH_SYNCS = {
     "aten._local_scalar_dense.default",
+    "aten.item.default",
     "aten.nonzero.default",
     "aten.equal.default",
     "aten.masked_select.default",
@@ -48,13 +60,27 @@ _DISPATCH_SYNCS = {
 }
 
 
+_FACTORIES: set[Callable[..., Any]] = {
+    torch.tensor,
+    torch.as_tensor,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.empty,
+}
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
 class _Found:
     """The syncs found; ``inside`` while a Python-level sync runs, so that the dispatcher's view
-    of the same operation does not count it twice."""
+    of the same operation does not count it twice; the tensors made on the host on purpose."""
 
     def __init__(self, syncs: list[str]) -> None:
         self.syncs = syncs
         self.inside = False
+        self.host_tensors: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class _FunctionSyncs(TorchFunctionMode):
@@ -69,16 +95,25 @@ class _FunctionSyncs(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
-        if self._found.inside or not (
-            func in _PYTHON_SYNCS or (func is Tensor.to and _to_host(args, kwargs or {}))
+        kwargs = kwargs or {}
+        if (
+            func in _FACTORIES
+            and _is_host(kwargs.get("device"))
+            and not any(isinstance(arg, Tensor) for arg in args)
         ):
-            return func(*args, **(kwargs or {}))
-        self._found.syncs.append(f"{getattr(func, '__name__', func)} at {_caller()}")
-        self._found.inside = True
+            made = func(*args, **kwargs)
+            self._found.host_tensors[made] = True
+            return made
+        if not (func in _PYTHON_SYNCS or (func is Tensor.to and _to_host(args, kwargs))):
+            return func(*args, **kwargs)
+        on_host = bool(args) and isinstance(args[0], Tensor) and args[0] in self._found.host_tensors
+        if not on_host and not self._found.inside:
+            self._found.syncs.append(f"{getattr(func, '__name__', func)} at {_caller()}")
+        inside, self._found.inside = self._found.inside, True
         try:
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs)
         finally:
-            self._found.inside = False
+            self._found.inside = inside
 
 
 class _DispatchSyncs(TorchDispatchMode):
@@ -93,6 +128,10 @@ class _DispatchSyncs(TorchDispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
+        if any(kind not in _PLAIN for kind in types):
+            # A tensor subclass (DTensor) runs the op itself, with this mode still on: what its
+            # Python does on the local tensors (sharding propagation included) is watched too.
+            return NotImplemented
         if str(func) in _DISPATCH_SYNCS and not self._found.inside:
             self._found.syncs.append(f"{func} at {_caller()}")
         return func(*args, **(kwargs or {}))
@@ -131,16 +170,66 @@ class HostSyncDetector:
         self.exit()
 
 
+FIRST, LAST = 3, 7
+"""A :class:`SyncWindow` watches from the end of step FIRST to the end of step LAST: steps 4 to 7
+and the loop's work between them. A run under watch publishes its metrics first at step 100, and
+its data epoch outlasts the window (a reader checks once an epoch that the ranks agree)."""
+
+WATCHED_STEPS = LAST - FIRST
+
+FEATURES: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "accumulation": {"num_accumulate": 2},
+    "clipping": {"max_gradient_norm": 0.5},
+    "nan_policy_error": {"nan_policy": "error"},
+    "profiler": {"profiler": True},
+    "nan_policy_skip": {"nan_policy": "skip"},
+    "fp16": {"dtype": torch.float16, "amp": True},
+}
+"""The Trainer options under watch (``profiler``: a TorchProfiler of the run's root gang)."""
+
+SYNCS_PER_STEP: dict[str, dict[str, int]] = {
+    "nan_policy_skip": {"step_totals.py": 1, "non_finite.py": 1},
+    "fp16": {"loss_scale.py": 1},
+}
+"""The features that decide on the host whether a step's update is applied, and the syncs a step
+pays for it, by the file that reads: ``nan_policy="skip"`` reads whether this rank's losses were
+finite, then the gradient norm; fp16 loss scaling reads the gradient norm. Every other feature
+pays none."""
+
+
+def assert_as_pinned(feature: str, syncs: list[str]) -> None:
+    """``syncs``, found by a :class:`SyncWindow`, are none, or for a feature of
+    :data:`SYNCS_PER_STEP` its reads: each file's, once a watched step. By file, so that a new
+    sync cannot stand in for a removed one unnoticed."""
+    per_step = SYNCS_PER_STEP.get(feature, {})
+    found = {name: sum(f"/{name}:" in sync for sync in syncs) for name in per_step}
+    expected = {name: count * WATCHED_STEPS for name, count in per_step.items()}
+    assert found == expected and len(syncs) == sum(expected.values()), syncs
+
+
+class SyncWindow(TrainerCallback):
+    """Runs a :class:`HostSyncDetector` from the end of step FIRST to the end of step LAST."""
+
+    def __init__(self) -> None:
+        self.detector = HostSyncDetector()
+
+    def on_step_end(self, *, step_nr: int, **_: Any) -> None:
+        if step_nr == FIRST:
+            self.detector.enter()
+        elif step_nr == LAST:
+            self.detector.exit()
+
+
+def _is_host(device: object) -> bool:
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "cpu"
+
+
 def _to_host(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
     """``tensor.to("cpu")`` of a tensor that is not on the CPU."""
     source = args[0] if args else None
     target = kwargs.get("device", args[1] if len(args) > 1 else None)
-    return (
-        isinstance(source, Tensor)
-        and source.device.type != "cpu"
-        and isinstance(target, (str, torch.device))
-        and torch.device(target).type == "cpu"
-    )
+    return isinstance(source, Tensor) and source.device.type != "cpu" and _is_host(target)
 
 
 def _caller() -> str:

@@ -11,10 +11,11 @@ Two policies:
   checkpoint is from before it; the steps between the poisoned one and the check are lost, at
   most one publish interval.
 - ``"skip"`` must decide before ``optimizer.step()`` whether to apply the update, so it reads
-  the gradient norm (and whether any rank's loss was finite) on the host every step: on CUDA that
-  is one sync per step, the same price fp16 loss scaling pays. A skipped step leaves the weights
-  and the optimizer state as they were, is counted in ``num_skipped_steps``, and more than
-  ``max_consecutive_skipped_steps`` of them in a row stop the run with the same error.
+  on the host every step whether this rank's losses were finite (agreed over the ranks in the
+  step's totals) and the gradient norm: two syncs per step, where fp16 loss scaling pays one.
+  A skipped step leaves the weights and the optimizer state as they were, is counted in
+  ``num_skipped_steps``, and more than ``max_consecutive_skipped_steps`` of them in a row stop
+  the run with the same error.
 
 With fp16 loss scaling the loss scaler owns non-finite gradients (an overflow skips the step and
 halves the scale); the guard then watches the loss only.

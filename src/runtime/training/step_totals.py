@@ -48,7 +48,9 @@ class StepTotals:
         self.loss_finite_here = loss_finite
         self._values = [num_targets, num_examples, float(stop_requested), float(not loss_finite)]
         if self._root_gang.size > 1:  # one rank has nothing to sum
-            self._tensor = torch.tensor(self._values, dtype=torch.float64)
+            # On the CPU whatever the default device: gloo sums it, and reading it never waits
+            # for the GPU.
+            self._tensor = torch.tensor(self._values, dtype=torch.float64, device="cpu")
             self._pending = self._root_gang.all_reduce_async(self._tensor, ReduceOperation.SUM)
 
     def wait(self) -> tuple[float, float, float, float]:

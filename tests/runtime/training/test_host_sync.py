@@ -1,5 +1,6 @@
 """No host-device synchronization in a steady step: a step that does not publish, validate or
-checkpoint never makes the host wait for the device (``pytest -k host_sync``)."""
+checkpoint never makes the host wait for the device (``pytest -k host_sync``); the torchrun
+layouts are in ``test_host_sync_distributed.py``."""
 
 from __future__ import annotations
 
@@ -10,42 +11,21 @@ import pytest
 import torch
 
 from gangs import Gangs
-from runtime import TorchProfiler, TrainerCallback
+from runtime import TorchProfiler
 from tests.conftest import make_toy_trainer
-from tests.sync_detector import HostSyncDetector
-
-FIRST, LAST = 3, 7
-"""The detector watches from the end of step FIRST to the end of step LAST: steps 4 to 7 and the
-loop's work between them, with nothing due (metrics publish at step 100)."""
+from tests.sync_detector import FEATURES, HostSyncDetector, SyncWindow, assert_as_pinned
 
 
-class SyncWindow(TrainerCallback):
-    def __init__(self) -> None:
-        self.detector = HostSyncDetector()
-
-    def on_step_end(self, *, step_nr: int, **_: Any) -> None:
-        if step_nr == FIRST:
-            self.detector.enter()
-        elif step_nr == LAST:
-            self.detector.exit()
-
-
-FEATURES: dict[str, dict[str, Any]] = {
-    "plain": {},
-    "accumulation": {"num_accumulate": 2},
-    "clipping": {"max_gradient_norm": 0.5},
-    "nan_policy_error": {"nan_policy": "error"},
-}
-
-
-def watched_syncs(tmp_path: Path, **options: Any) -> list[str]:
+def watched_syncs(tmp_path: Path, feature: str) -> list[str]:
+    options = dict(FEATURES[feature])
+    if options.pop("profiler", False):
+        options["profiler"] = TorchProfiler(1, 2, tmp_path / "profile", Gangs.single().root)
     window = SyncWindow()
     trainer = make_toy_trainer(
         tmp_path,
         max_num_steps=10,
         publish_metrics_every_n_steps=100,
         callbacks=[window],
-        # No data epoch ends in the window: a reader checks once an epoch that the ranks agree.
         dataset_size=256,
         **options,
     )
@@ -55,24 +35,46 @@ def watched_syncs(tmp_path: Path, **options: Any) -> list[str]:
 
 
 @pytest.mark.parametrize("feature", FEATURES)
-def test_a_steady_step_host_sync_free(tmp_path: Path, feature: str) -> None:
-    assert watched_syncs(tmp_path, **FEATURES[feature]) == []
+def test_a_steady_step_host_syncs_only_where_pinned(tmp_path: Path, feature: str) -> None:
+    assert_as_pinned(feature, watched_syncs(tmp_path, feature))
 
 
-def test_a_steady_step_with_the_profiler_host_sync_free(tmp_path: Path) -> None:
-    profiler = TorchProfiler(1, 2, tmp_path / "profile", Gangs.single().root)
-    assert watched_syncs(tmp_path, profiler=profiler) == []
+class Wrapped(torch.Tensor):
+    """A tensor subclass that runs each op on the tensor it wraps, as DTensor does on its local
+    shard, and reads a value of it first: a sync inside the subclass's own dispatch."""
+
+    inner: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> Wrapped:
+        made = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+        made.inner = inner
+        return made
+
+    @classmethod
+    def __torch_dispatch__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        unwrapped = [a.inner if isinstance(a, Wrapped) else a for a in args]
+        unwrapped[0].sum().item()
+        return func(*unwrapped, **(kwargs or {}))
 
 
-# The features that decide on the host whether a step's update is applied read two values a
-# step: whether every loss was finite, and the gradient norm.
+def test_the_host_sync_detector_sees_inside_a_tensor_subclass_and_counts_once() -> None:
+    wrapped = Wrapped(torch.ones(3))
+    with HostSyncDetector() as detector:
+        torch.mul(wrapped, 2.0)
+        wrapped.sum().item()
+    assert len(detector.syncs) == 3, detector.syncs
 
 
-def test_nan_policy_skip_host_syncs_twice_a_step_to_decide(tmp_path: Path) -> None:
-    syncs = watched_syncs(tmp_path, nan_policy="skip")
-    assert len(syncs) == 2 * (LAST - FIRST), syncs
-
-
-def test_fp16_loss_scaling_host_syncs_once_a_step_to_decide(tmp_path: Path) -> None:
-    syncs = watched_syncs(tmp_path, dtype=torch.float16, amp=True)
-    assert len(syncs) == LAST - FIRST, syncs
+def test_the_host_sync_detector_spares_only_numbers_put_on_the_host_on_purpose() -> None:
+    with HostSyncDetector() as detector:
+        torch.tensor([1.0, 2.0], dtype=torch.float64, device="cpu").tolist()
+        torch.full((), 1.0, device=torch.device("cpu")).item()
+    assert detector.syncs == []
+    with HostSyncDetector() as detector:
+        torch.tensor([1.0, 2.0]).tolist()
+        torch.as_tensor(torch.ones(2), device="cpu").tolist()
+        (torch.zeros(2, device="cpu") + 1).tolist()
+    assert len(detector.syncs) == 3, detector.syncs

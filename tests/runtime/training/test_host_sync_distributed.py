@@ -1,0 +1,51 @@
+"""No host-device synchronization in a steady step under DDP, FSDP2 and TP, in real torchrun
+processes (``pytest -k host_sync``): the one-process features of ``test_host_sync.py``, each
+layout's in one launch, on every rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.conftest import assert_ok, rank_reports, torchrun
+from tests.sync_detector import FEATURES, assert_as_pinned
+
+pytestmark = pytest.mark.distributed
+
+LAYOUTS = {
+    # name: (processes, data parallelism, TP size)
+    "ddp": (2, "ddp", 1),
+    "fsdp2": (2, "fsdp", 1),
+    "tp": (2, "ddp", 2),
+    "fsdp2_x_tp": (4, "fsdp", 2),
+}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(name, marks=[pytest.mark.slow] if LAYOUTS[name][0] > 2 else [])
+        for name in LAYOUTS
+    ],
+)
+def syncs_by_rank(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> list[dict[str, Any]]:
+    """Each rank's syncs in the steady steps of each feature, under the layout of the param."""
+    nproc, kind, tp_size = LAYOUTS[request.param]
+    out = tmp_path_factory.mktemp(request.param)
+    assert_ok(torchrun(nproc, "tests/workers/host_sync.py", str(out), kind, str(tp_size)))
+    reports: list[dict[str, Any]] = rank_reports(out, nproc)
+    return reports
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_a_distributed_steady_step_host_syncs_only_where_pinned(
+    syncs_by_rank: list[dict[str, Any]], feature: str
+) -> None:
+    # The counts of one process: the reads that decide a step are of values every rank holds
+    # alike (the reduced gradients' norm) or of its own losses, whatever the layout, and the
+    # collectives of DDP, FSDP2 and DTensor wait for nothing on the host.
+    for syncs in syncs_by_rank:
+        assert_as_pinned(feature, syncs[feature])
