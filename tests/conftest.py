@@ -186,16 +186,18 @@ def make_toy_trainer(
     batch_size: int = 4,
     num_accumulate: int = 1,
     dataset_size: int = 32,
+    device: torch.device | None = None,
     **kwargs: Any,
 ) -> Trainer[ToyBatch]:
     """A one-process Trainer on the toy data, unshuffled, with SGD; ``kwargs`` go to the Trainer
     (the checkpoint manager is a CheckpointManager of ``tmp_path / "checkpoints"`` unless given).
 
-    ``unit`` (on its own model) replaces the default summed-loss ToyUnit.
+    ``unit`` (on its own model) replaces the default summed-loss ToyUnit. With ``device`` the
+    gangs and the default model are there (the reader's batches stay on the CPU).
     """
-    gangs = Gangs.single()
+    gangs = Gangs.single(device=device)
     torch.manual_seed(0)
-    model = unit.model if unit is not None else model or ToyModel()
+    model = unit.model if unit is not None else model or ToyModel().to(device)
     reader = MapDataReader(
         dataset=ToyDataset(dataset_size),
         batch_size=batch_size,

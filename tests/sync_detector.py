@@ -18,7 +18,9 @@ options the host-sync tests run, in one process and under torchrun alike.
 from __future__ import annotations
 
 import traceback
+import warnings
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -28,7 +30,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from runtime import TrainerCallback
+from gangs import Gangs
+from runtime import TorchProfiler, TrainerCallback
+from tests.conftest import make_toy_trainer
 
 _PYTHON_SYNCS: set[Callable[..., Any]] = {
     Tensor.item,
@@ -209,16 +213,60 @@ def assert_as_pinned(feature: str, syncs: list[str]) -> None:
 
 
 class SyncWindow(TrainerCallback):
-    """Runs a :class:`HostSyncDetector` from the end of step FIRST to the end of step LAST."""
+    """Runs a :class:`HostSyncDetector` from the end of step FIRST to the end of step LAST.
 
-    def __init__(self) -> None:
+    With ``cuda``, CUDA's own sync check runs in the same window
+    (``torch.cuda.set_sync_debug_mode``): it sees the syncs the device really makes, which the
+    detector, run on the CPU, can only infer; :attr:`cuda_syncs` has its warnings.
+    """
+
+    def __init__(self, *, cuda: bool = False) -> None:
         self.detector = HostSyncDetector()
+        self.cuda_syncs: list[str] = []
+        self._cuda_check = warnings.catch_warnings(record=True) if cuda else None
+        self._cuda_warnings: list[warnings.WarningMessage] | None = None
 
     def on_step_end(self, *, step_nr: int, **_: Any) -> None:
         if step_nr == FIRST:
             self.detector.enter()
+            if self._cuda_check is not None:
+                self._cuda_warnings = self._cuda_check.__enter__()
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
         elif step_nr == LAST:
+            if self._cuda_check is not None:
+                torch.cuda.set_sync_debug_mode(0)
+                self._cuda_check.__exit__(None, None, None)
+                self.cuda_syncs = [
+                    str(w.message)
+                    for w in self._cuda_warnings or []
+                    if "synchronizing" in str(w.message)
+                ]
             self.detector.exit()
+
+
+def watched_syncs(
+    tmp_path: Path, feature: str, *, device: torch.device | None = None
+) -> SyncWindow:
+    """The window of a one-process toy run with ``feature``, on ``device`` (the CPU by default)."""
+    options = dict(FEATURES[feature])
+    if options.pop("profiler", False):
+        options["profiler"] = TorchProfiler(1, 2, tmp_path / "profile", Gangs.single().root)
+    window = SyncWindow(cuda=device is not None and device.type == "cuda")
+    trainer = make_toy_trainer(
+        tmp_path,
+        max_num_steps=10,
+        publish_metrics_every_n_steps=100,
+        callbacks=[window],
+        dataset_size=256,
+        device=device,
+        **options,
+    )
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    return window
 
 
 def _is_host(device: object) -> bool:

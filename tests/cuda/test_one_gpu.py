@@ -1,5 +1,5 @@
-"""One GPU: batches are pinned and copied one step ahead on a stream of their own without a host
-sync, kill -9 then resume is bit-identical, a CUDA out-of-memory is one clear error that
+"""One GPU: steady steps make no host sync but the pinned ones (CUDA's own check agrees), batches
+are pinned and copied one step ahead on a stream of their own without a host sync, kill -9 then resume is bit-identical, a CUDA out-of-memory is one clear error that
 loses no checkpoint, the published peak memory is CUDA's allocator's, and an async checkpoint
 of a GPU-resident model stages through pinned memory (its timings are reported)."""
 
@@ -25,6 +25,13 @@ from runtime.metrics.train_metrics import peak_bf16_flops
 from tests.conftest import REPO_ROOT, assert_ok, child_env, read_jsonl
 from tests.cuda.conftest import CUDA_RUN, CUDA_SUITE, load_params, report, run_cuda_run
 from tests.faults.jobs import committed
+from tests.sync_detector import (
+    FEATURES,
+    SYNCS_PER_STEP,
+    WATCHED_STEPS,
+    assert_as_pinned,
+    watched_syncs,
+)
 
 pytestmark = CUDA_SUITE
 
@@ -186,3 +193,13 @@ def test_batches_are_pinned_and_copied_ahead_without_a_host_sync() -> None:
     reader.reset()
     assert next(reader)[0][0].is_pinned()
     on_device.close()
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_a_steady_cuda_step_host_syncs_only_where_pinned(tmp_path: Path, feature: str) -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    window = watched_syncs(tmp_path, feature, device=device)
+    assert_as_pinned(feature, window.detector.syncs)
+    # CUDA's own check agrees: the pinned reads are the only syncs the device makes.
+    pinned = sum(SYNCS_PER_STEP.get(feature, {}).values()) * WATCHED_STEPS
+    assert len(window.cuda_syncs) == pinned, window.cuda_syncs

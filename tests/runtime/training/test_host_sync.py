@@ -10,33 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from gangs import Gangs
-from runtime import TorchProfiler
-from tests.conftest import make_toy_trainer
-from tests.sync_detector import FEATURES, HostSyncDetector, SyncWindow, assert_as_pinned
-
-
-def watched_syncs(tmp_path: Path, feature: str) -> list[str]:
-    options = dict(FEATURES[feature])
-    if options.pop("profiler", False):
-        options["profiler"] = TorchProfiler(1, 2, tmp_path / "profile", Gangs.single().root)
-    window = SyncWindow()
-    trainer = make_toy_trainer(
-        tmp_path,
-        max_num_steps=10,
-        publish_metrics_every_n_steps=100,
-        callbacks=[window],
-        dataset_size=256,
-        **options,
-    )
-    trainer.run()
-    trainer.close()
-    return window.detector.syncs
+from tests.sync_detector import FEATURES, HostSyncDetector, assert_as_pinned, watched_syncs
 
 
 @pytest.mark.parametrize("feature", FEATURES)
 def test_a_steady_step_host_syncs_only_where_pinned(tmp_path: Path, feature: str) -> None:
-    assert_as_pinned(feature, watched_syncs(tmp_path, feature))
+    assert_as_pinned(feature, watched_syncs(tmp_path, feature).detector.syncs)
 
 
 class Wrapped(torch.Tensor):
