@@ -49,7 +49,7 @@ def test_quick_suite_writes_json_and_markdown(tmp_path: Path) -> None:
     assert "vs hand-written" in table
 
 
-@pytest.mark.parametrize("key", ["W1-paired", "W3-paired"])
+@pytest.mark.parametrize("key", ["W1-paired", pytest.param("W3-paired", marks=pytest.mark.slow)])
 def test_the_paired_case_reports_both_steps_their_difference_and_ratio(
     tmp_path: Path, key: str
 ) -> None:

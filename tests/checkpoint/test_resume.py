@@ -202,9 +202,10 @@ def resumed_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
     [
         "dp1",
         "dp2",
-        "dp2_tp2",
-        "hsdp2x2",
-        # Eight processes on this machine's cores take a while: `make test-all` runs it.
+        # Four and eight processes on this machine's cores take a while: `make test-all` runs
+        # them. `make test` resumes dp2_tp2 in test_reshard_on_resume_continues_the_data_and_the_math.
+        pytest.param("dp2_tp2", marks=pytest.mark.slow),
+        pytest.param("hsdp2x2", marks=pytest.mark.slow),
         pytest.param("hsdp2x2_tp2", marks=pytest.mark.slow),
     ],
 )
@@ -254,6 +255,7 @@ def test_preempted_process_exits_75(resumed_run: Any) -> None:
     assert run.second.returncode == 0
 
 
+@pytest.mark.slow
 def test_torchrun_reports_a_worker_that_exits_75_as_failed(resumed_run: Any) -> None:
     run: ResumedRun = resumed_run("dp2_tp2")
     # Rank 3 signalled itself, so torchrun was not told to stop: to it the workers failed.
@@ -450,6 +452,7 @@ def test_reshard_on_resume_continues_the_data_and_the_math(
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_hsdp_checkpoint_loads_into_ddp(resumed_run: Any, tmp_path: Path) -> None:
     # HSDP 2x2 and DDP on 4 have the same DP gang, so the data position carries over as is;
     # DCP stores global tensors, so the HSDP shards load into DDP's whole replicas.

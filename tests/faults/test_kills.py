@@ -76,16 +76,18 @@ def test_kill_9_of_the_whole_job_at_random_steps(
     tally.check()
 
 
-@pytest.mark.parametrize("trials", trial_counts(2, 10))
+@pytest.mark.parametrize("trials", trial_counts(1, 10))
 def test_kill_9_during_checkpoint_saves_sync_and_async(
     trials: int, reference: dict[str, Tensor], tmp_path: Path, tally: Tally
 ) -> None:
     # Each DCP write and the manifest take 0.15 s longer: a save lasts about 0.8 s, the window
-    # the kill lands in. Odd trials save asynchronously; some kill one rank, some the whole job.
+    # the kill lands in. Even trials (the one of `make test`) save asynchronously, odd ones
+    # synchronously (test_resume kills a synchronous save in `make test`); some kill one rank,
+    # some the whole job.
     rng = random.Random(22)
     for trial in range(trials):
         out = out_dir(tmp_path, trial)
-        mode = "async_checkpoint=true" if trial % 2 else "async_checkpoint=false"
+        mode = "async_checkpoint=false" if trial % 2 else "async_checkpoint=true"
         overrides = ("save_sleep=0.15", "mark_steps=true", mode)
         save_step, delay = rng.choice([2, 4, 6, 8]), rng.uniform(0.0, 0.9)
         whole_job = rng.random() < 0.5

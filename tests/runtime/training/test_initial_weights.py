@@ -68,7 +68,7 @@ def test_init_from_an_export_under_fsdp2(source_run: Path, tmp_path: Path) -> No
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("which", ["run_dir", "step_dir"])
+@pytest.mark.parametrize("which", [pytest.param("run_dir", marks=pytest.mark.slow), "step_dir"])
 def test_init_from_a_checkpoint_directory(source_run: Path, tmp_path: Path, which: str) -> None:
     init_from = source_run if which == "run_dir" else source_run / "checkpoints" / "step_4"
     expected = tmp_path / "expected.pt"

@@ -205,8 +205,11 @@ def test_two_ranks_skip_the_same_steps(run_torchrun: RunTorch, tmp_path: Path) -
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("kind", "tp_size", "nproc"),
-    [("ddp", 1, 2), ("fsdp", 1, 2), ("fsdp", 2, 2)],
-    ids=["ddp", "fsdp", "tp"],
+    [
+        pytest.param("ddp", 1, 2, id="ddp", marks=pytest.mark.slow),
+        pytest.param("fsdp", 1, 2, id="fsdp"),
+        pytest.param("fsdp", 2, 2, id="tp", marks=pytest.mark.slow),
+    ],
 )
 def test_fp16_overflow_on_one_rank_backs_off_on_every_rank_and_grows_again(
     run_torchrun: RunTorch, tmp_path: Path, kind: str, tp_size: int, nproc: int

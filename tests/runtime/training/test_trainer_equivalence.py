@@ -156,6 +156,7 @@ def test_a_ddp_step_makes_one_collective_beside_ddps_own_and_does_not_wait_for_i
         assert publishes == [{"all_reduce_async": 1, "all_reduce": 2}] * 2
 
 
+@pytest.mark.slow
 def test_accumulated_micro_batches_leave_ddps_gradients_unreduced_until_the_last(
     run_torchrun: RunTorch, tmp_path: Path
 ) -> None:
