@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gangs.gang import FakeGang, Gang, GangError, ProcessGroupGang
 from gangs.launch import LaunchBarrier
-from gangs.torch_versions import PRIVATE_APIS_ENV_VAR, TESTED_TORCH_VERSIONS, private_apis_supported
+from gangs.torch_versions import private_apis_refused, private_apis_supported
 
 
 @final
@@ -77,12 +77,10 @@ class Gangs:
         """The 1-D mesh of the whole DP gang (HSDP's two DP dims flattened into one)."""
         mesh = self.device_mesh
         if self._dp_mesh is None:
-            lowest, beyond = TESTED_TORCH_VERSIONS
             raise GangError(
                 "FSDP2 over the whole DP gang of an HSDP layout with tensor parallelism needs "
-                f"the private DeviceMesh._flatten, used only on torch >={lowest},<{beyond} "
-                f"(this is torch {torch.__version__}, or {PRIVATE_APIS_ENV_VAR} is 'public'). "
-                f"Use kind='hsdp' for this {mesh.mesh_dim_names} mesh, or leave out dp_shard_size."
+                f"the private DeviceMesh._flatten, {private_apis_refused()}. Use kind='hsdp' for "
+                f"this {mesh.mesh_dim_names} mesh, or leave out dp_shard_size."
             )
         return self._dp_mesh
 

@@ -55,3 +55,13 @@ def private_apis_supported() -> bool:
     """Whether the gradient kernels and the HSDP mesh use torch's private APIs
     (:data:`PRIVATE_APIS_ENV_VAR`, else by version)."""
     return private_path_chosen(PRIVATE_APIS_ENV_VAR, private="private")
+
+
+def private_apis_refused() -> str:
+    """Why :func:`private_apis_supported` is false, for the error of a feature with no public
+    path."""
+    lowest, beyond = TESTED_TORCH_VERSIONS
+    return (
+        f"used only on torch >={lowest},<{beyond} (this is torch {torch.__version__}, or "
+        f"{PRIVATE_APIS_ENV_VAR} is 'public')"
+    )
