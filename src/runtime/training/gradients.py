@@ -106,9 +106,9 @@ def clip_gradient_norm(model: Module, max_norm: float | None) -> Tensor:
 
 
 # The gradient dtypes the fused unscale kernel takes: it multiplies in float32 by a float32 factor
-# and rounds once. For float32 those are the bits of ``mul_`` with a Python float; for bfloat16
-# and float16 more exact ones (``_foreach_mul_`` rounds the factor to their dtype first).
-# Float64 would lose the factor's precision, so it takes ``mul_`` with a Python float.
+# and rounds once. For float32 those are the bits of ``_foreach_mul_`` with a Python float; for
+# bfloat16 and float16 more exact ones (``_foreach_mul_`` rounds the factor to their dtype first).
+# Float64 would lose the factor's precision, so it takes ``mul_`` with the Python float.
 _FUSED_DTYPES: Final = (torch.float32, torch.bfloat16, torch.float16)
 
 
