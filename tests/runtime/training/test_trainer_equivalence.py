@@ -84,9 +84,11 @@ def test_tp2_matches_tp1(
     assert_same_params(params, single_process_reference)
 
 
+@pytest.mark.usefixtures("torch_private_apis")
 def test_dp2_x_tp2_matches_dp1(
     run_torchrun: RunTorch, tmp_path: Path, single_process_reference: dict[str, Tensor]
 ) -> None:
+    # On both torch paths: the public one scales the DTensor gradients' local shards itself.
     params = train(
         run_torchrun, tmp_path, 4, batch_size=4, max_gradient_norm=0.5, tp_size=2, kind="fsdp"
     )
@@ -110,6 +112,24 @@ def test_hsdp_2x2_matches_ddp_on_4_and_dp1(
     assert_same_params(hsdp, single_process_reference)
     ddp = train(run_torchrun, tmp_path / "ddp", 4, batch_size=2, max_gradient_norm=0.5)
     assert_same_params(ddp, single_process_reference)
+
+
+@pytest.mark.usefixtures("torch_private_apis")
+def test_fsdp_over_the_whole_dp_gang_of_an_hsdp_layout_matches_dp1(
+    run_torchrun: RunTorch, tmp_path: Path, single_process_reference: dict[str, Tensor]
+) -> None:
+    # kind="fsdp" shards over Gangs.dp_mesh: HSDP's dims flattened on the private path, a mesh
+    # of the DP gang's public process group on the public one.
+    params = train(
+        run_torchrun,
+        tmp_path,
+        4,
+        batch_size=2,
+        max_gradient_norm=0.5,
+        kind="fsdp",
+        dp_shard_size=2,
+    )
+    assert_same_params(params, single_process_reference)
 
 
 @pytest.mark.slow
