@@ -74,7 +74,11 @@ class Gangs:
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        """The 1-D mesh of the whole DP gang (HSDP's two DP dims flattened into one)."""
+        """The 1-D mesh of the whole DP gang (HSDP's two DP dims flattened into one).
+
+        Off the tested torch versions an HSDP layout with TP has none (see the module
+        docstring): a :class:`GangError` that points to ``kind="hsdp"``.
+        """
         mesh = self.device_mesh
         if self._dp_mesh is None:
             raise GangError(
@@ -156,24 +160,24 @@ def _whole_dp_mesh(mesh: DeviceMesh, dp: Gang) -> DeviceMesh | None:
     return DeviceMesh.from_group(dp.as_process_group(), mesh.device_type, mesh_dim_names=("dp",))
 
 
-def _public_dp_group(mesh: DeviceMesh, timeout: timedelta | None) -> dist.ProcessGroup | None:
-    """This rank's whole-DP process group of the HSDP ``mesh``, made with public APIs.
+def _public_dp_gang(mesh: DeviceMesh, root: Gang, timeout: timedelta | None) -> Gang:
+    """This rank's whole DP gang of the HSDP ``mesh``, its process group made with public APIs.
 
     ``new_group`` must be called by every rank for every group in one order, so each rank makes
     all of them: one per TP rank, its members in DP rank order (``replicate * shard_size +
-    shard``, the order of the flattened mesh). None where the DP gang is this rank alone.
+    shard``, the order of the flattened mesh).
     """
     tp_size = mesh["tp"].size()
     members: list[list[int]] = mesh.mesh.reshape(-1, tp_size).T.tolist()
     if len(members[0]) == 1:
-        return None
+        return FakeGang(device=root.device)
     mine: dist.ProcessGroup | None = None
     for ranks in members:
         group = dist.new_group(ranks, timeout=timeout)
-        if dist.get_rank() in ranks:
+        if root.rank in ranks:
             mine = group
     assert mine is not None, members
-    return mine
+    return ProcessGroupGang(mine, device=root.device, timeout=timeout)
 
 
 def default_device() -> torch.device:
@@ -252,12 +256,7 @@ def setup_parallel_gangs(
     if dp_shard_size is None or private_apis_supported():
         dp = gang_of(_flat_dp_mesh(mesh))
     else:
-        dp_group = _public_dp_group(mesh, timeout)
-        dp = (
-            FakeGang(device=root.device)
-            if dp_group is None
-            else (ProcessGroupGang(dp_group, device=root.device, timeout=timeout))
-        )
+        dp = _public_dp_gang(mesh, root, timeout)
     return Gangs(root=root, dp=dp, tp=gang_of(mesh["tp"]), device_mesh=mesh)
 
 
