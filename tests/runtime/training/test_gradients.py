@@ -137,6 +137,23 @@ def test_the_public_path_calls_no_private_kernel(monkeypatch: pytest.MonkeyPatch
         assert flag is not None and flag.item() == 0
 
 
+def count_private_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the calls of the two private kernels from here on, by name, into the dict."""
+    calls = {"unscale": 0, "mul": 0}
+    kernels = {"unscale": "_amp_foreach_non_finite_check_and_unscale_", "mul": "_foreach_mul_"}
+    for name, attribute in kernels.items():
+        monkeypatch.setattr(torch, attribute, _counting(getattr(torch, attribute), name, calls))
+    return calls
+
+
+def _counting(kernel: Any, name: str, calls: dict[str, int]) -> Any:
+    def counted(*args: Any) -> Any:
+        calls[name] += 1
+        return kernel(*args)
+
+    return counted
+
+
 def nan_gradients_at_step_2() -> dict[str, Any]:
     unit = PoisonedToyUnit(
         ToyModel(), poison=1.0, steps=[2], rank=0, my_rank=0, gradients_only=True
@@ -160,6 +177,7 @@ def test_both_paths_train_the_same_bits(
     trained = {}
     for path in ("private", "public"):
         monkeypatch.setenv(PRIVATE_APIS_ENV_VAR, path)
+        calls = count_private_kernel_calls(monkeypatch)
         torch.manual_seed(0)
         options = RUNS[run]()
         model = options["unit"].model if "unit" in options else ToyModel()
@@ -167,6 +185,11 @@ def test_both_paths_train_the_same_bits(
         trainer = make_toy_trainer(tmp_path / path, max_num_steps=6, **options)
         assert trainer.run() == 0
         trained[path] = [p.detach().clone() for p in model.parameters()]
+        # The private run took the fused kernel every step (and clipped with _foreach_mul_);
+        # the public one took neither.
+        expected_unscales = 6 if path == "private" else 0
+        clipped = path == "private" and run == "clipping"
+        assert calls == {"unscale": expected_unscales, "mul": 6 if clipped else 0}
     for private, public in zip(trained["private"], trained["public"], strict=True):
         assert torch.isfinite(private).all()
         assert private.dtype == public.dtype and torch.equal(private, public)
