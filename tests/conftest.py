@@ -254,6 +254,16 @@ def checkpoint_io(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     return str(request.param)
 
 
+@pytest.fixture(params=["private", "public"])
+def torch_private_apis(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test on each side of :mod:`gangs.torch_versions`: torch's private APIs (the
+    tested torch versions' path) and their public fallbacks; torchrun children inherit it."""
+    from gangs.torch_versions import PRIVATE_APIS_ENV_VAR
+
+    monkeypatch.setenv(PRIVATE_APIS_ENV_VAR, request.param)
+    return str(request.param)
+
+
 @pytest.fixture(autouse=True)
 def fail_on_logging_errors(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A test fails when a log record could not be written ("--- Logging error ---"): a handler

@@ -64,6 +64,7 @@ from checkpoint.integrity import (
     ReadDigests,
     assign_hashing,
 )
+from gangs.torch_versions import TESTED_TORCH_VERSIONS, private_path_chosen
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
@@ -75,9 +76,9 @@ _PATH_CLASSES = frozenset({"PosixPath", "WindowsPath", "PurePosixPath", "PureWin
 
 Gather: TypeAlias = Callable[[Any], list[Any]]
 
-FAST_IO_TORCH_VERSIONS: Final = ("2.13", "2.14.0.dev0")
-"""The torch versions the fast path is tested with: from the first, up to but not the second
-(no pre-release of the next minor version)."""
+FAST_IO_TORCH_VERSIONS: Final = TESTED_TORCH_VERSIONS
+"""The torch versions the fast path is tested with (:data:`gangs.torch_versions.
+TESTED_TORCH_VERSIONS`, those of every private path)."""
 
 IO_ENV_VAR: Final = "TRAINKIT_CHECKPOINT_IO"
 """``public`` forces the public path; ``fast`` the fast one (tests); unset chooses by version."""
@@ -85,16 +86,7 @@ IO_ENV_VAR: Final = "TRAINKIT_CHECKPOINT_IO"
 
 def fast_io_supported() -> bool:
     """Whether checkpoints go through the fast path (see the module docstring)."""
-    choice = os.environ.get(IO_ENV_VAR, "")
-    if choice not in ("", "fast", "public"):
-        raise CheckpointError(
-            f"{IO_ENV_VAR} must be 'fast', 'public' or unset, but is {choice!r} instead."
-        )
-    if choice:
-        return choice == "fast"
-    lowest, beyond = FAST_IO_TORCH_VERSIONS
-    version = torch.torch_version.TorchVersion(torch.__version__)
-    return bool(lowest <= version < beyond)
+    return private_path_chosen(IO_ENV_VAR, private="fast", error=CheckpointError)
 
 
 @final

@@ -17,8 +17,10 @@ from typing import Any, TypeVar, final
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed import ProcessGroup
+from torch.distributed import ProcessGroup, Store, TCPStore  # type: ignore[attr-defined]
 from typing_extensions import override
+
+from gangs.torch_versions import private_apis_supported
 
 
 class GangError(RuntimeError):
@@ -369,7 +371,7 @@ class ProcessGroupGang(Gang):
         if self._timeout is not None:
             grace = min(grace, self._timeout.total_seconds() / 2)
         try:
-            store = dist.distributed_c10d._get_default_store()
+            store = _rendezvous_store(grace)
             store.set(f"{prefix}/{dist.get_rank()}", name)
             deadline = time.monotonic() + grace
             while True:
@@ -377,7 +379,7 @@ class ProcessGroupGang(Gang):
                 if all(reported) or time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
-        except (RuntimeError, ValueError, AttributeError):
+        except (RuntimeError, ValueError, AttributeError, KeyError):
             return "the ranks that did not reach it are unknown."
         missing = [r for r, ok in zip(range(self._size), reported, strict=True) if not ok]
         if not missing:
@@ -386,6 +388,21 @@ class ProcessGroupGang(Gang):
             f"rank {', '.join(map(str, missing))} of the gang did not reach it "
             f"(hung, or busy outside collectives for longer than the timeout)."
         )
+
+
+def _rendezvous_store(grace: float) -> Store:
+    """The store every rank reaches: the default group's, a private API, on the tested torch
+    versions (see :mod:`gangs.torch_versions`); else a new client of the store at
+    ``MASTER_ADDR:MASTER_PORT`` that the ranks met through (torchrun's, or rank 0's)."""
+    if private_apis_supported():
+        store: Store = dist.distributed_c10d._get_default_store()
+        return store
+    return TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=grace),
+    )
 
 
 _TIMEOUT_REPORT_GRACE = 10.0

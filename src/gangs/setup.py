@@ -1,4 +1,12 @@
-"""Set up the root gang from the ``torchrun`` environment and split it into DP and TP gangs."""
+"""Set up the root gang from the ``torchrun`` environment and split it into DP and TP gangs.
+
+With HSDP the whole DP gang spans two mesh dims. On the tested torch versions (see
+:mod:`gangs.torch_versions`) the private ``DeviceMesh._flatten`` makes them one ``dp`` dim,
+whose group is the DP gang's and whose mesh FSDP2 takes beside TP. Otherwise public
+``torch.distributed`` makes the DP groups, and :attr:`Gangs.dp_mesh` wraps this rank's
+(``DeviceMesh.from_group``), which FSDP2 takes only without TP: it needs the DP and TP meshes
+cut from one root mesh.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +15,12 @@ from datetime import timedelta
 from typing import final
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gangs.gang import FakeGang, Gang, GangError, ProcessGroupGang
 from gangs.launch import LaunchBarrier
+from gangs.torch_versions import private_apis_refused, private_apis_supported
 
 
 @final
@@ -31,7 +41,7 @@ class Gangs:
         self._dp = dp
         self._tp = tp
         self._device_mesh = device_mesh
-        self._dp_mesh = None if device_mesh is None else _flat_dp_mesh(device_mesh)
+        self._dp_mesh = None if device_mesh is None else _whole_dp_mesh(device_mesh, dp)
 
     @property
     def root(self) -> Gang:
@@ -64,9 +74,18 @@ class Gangs:
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        """The 1-D mesh of the whole DP gang (HSDP's two DP dims flattened into one)."""
+        """The 1-D mesh of the whole DP gang (HSDP's two DP dims flattened into one).
+
+        Off the tested torch versions an HSDP layout with TP has none (see the module
+        docstring): a :class:`GangError` that points to ``kind="hsdp"``.
+        """
         mesh = self.device_mesh
-        assert self._dp_mesh is not None, mesh
+        if self._dp_mesh is None:
+            raise GangError(
+                "FSDP2 over the whole DP gang of an HSDP layout with tensor parallelism needs "
+                f"the private DeviceMesh._flatten, {private_apis_refused()}. Use kind='hsdp' for "
+                f"this {mesh.mesh_dim_names} mesh, or leave out dp_shard_size."
+            )
         return self._dp_mesh
 
     @property
@@ -117,12 +136,48 @@ class Gangs:
 _HSDP_DIMS = ("dp_replicate", "dp_shard")
 
 
+def _is_hsdp(mesh: DeviceMesh) -> bool:
+    return _HSDP_DIMS[0] in (mesh.mesh_dim_names or ())
+
+
 def _flat_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The DP dims of ``mesh`` as one dim named ``dp``."""
-    if _HSDP_DIMS[0] in (mesh.mesh_dim_names or ()):
+    """The DP dims of ``mesh`` as one dim named ``dp`` (private API with HSDP)."""
+    if _is_hsdp(mesh):
         # Kept by Gangs rather than sliced from the root mesh later, which torch deprecates.
         return mesh[_HSDP_DIMS]._flatten("dp")
     return mesh["dp"]
+
+
+def _whole_dp_mesh(mesh: DeviceMesh, dp: Gang) -> DeviceMesh | None:
+    """The 1-D mesh of the whole DP gang ``dp`` of ``mesh``; None where no public API makes one
+    that FSDP2 takes (HSDP with TP, off the private path)."""
+    if not _is_hsdp(mesh) or private_apis_supported():
+        return _flat_dp_mesh(mesh)
+    if mesh["tp"].size() > 1:
+        return None
+    # Without TP the DP gang is every rank (at least two: one process has no mesh).
+    assert isinstance(dp, ProcessGroupGang), dp
+    return DeviceMesh.from_group(dp.as_process_group(), mesh.device_type, mesh_dim_names=("dp",))
+
+
+def _public_dp_gang(mesh: DeviceMesh, root: Gang, timeout: timedelta | None) -> Gang:
+    """This rank's whole DP gang of the HSDP ``mesh``, its process group made with public APIs.
+
+    ``new_group`` must be called by every rank for every group in one order, so each rank makes
+    all of them: one per TP rank, its members in DP rank order (``replicate * shard_size +
+    shard``, the order of the flattened mesh).
+    """
+    tp_size = mesh["tp"].size()
+    members: list[list[int]] = mesh.mesh.reshape(-1, tp_size).T.tolist()
+    if len(members[0]) == 1:
+        return FakeGang(device=root.device)
+    mine: dist.ProcessGroup | None = None
+    for ranks in members:
+        group = dist.new_group(ranks, timeout=timeout)
+        if root.rank in ranks:
+            mine = group
+    assert mine is not None, members
+    return ProcessGroupGang(mine, device=root.device, timeout=timeout)
 
 
 def default_device() -> torch.device:
@@ -198,9 +253,11 @@ def setup_parallel_gangs(
             return FakeGang(device=root.device)
         return ProcessGroupGang(dim_mesh.get_group(), device=root.device, timeout=timeout)
 
-    return Gangs(
-        root=root, dp=gang_of(_flat_dp_mesh(mesh)), tp=gang_of(mesh["tp"]), device_mesh=mesh
-    )
+    if dp_shard_size is None or private_apis_supported():
+        dp = gang_of(_flat_dp_mesh(mesh))
+    else:
+        dp = _public_dp_gang(mesh, root, timeout)
+    return Gangs(root=root, dp=dp, tp=gang_of(mesh["tp"]), device_mesh=mesh)
 
 
 def setup_gangs(

@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.distributed]
 
 
 @pytest.mark.parametrize("trials", trial_counts(1, 3))
+@pytest.mark.usefixtures("torch_private_apis")  # the store the ranks report to
 def test_a_hung_rank_is_named_with_the_collective_and_the_step(
     trials: int, tmp_path: Path, tally: Tally
 ) -> None:

@@ -83,6 +83,7 @@ def test_four_processes_dp_x_tp_layout(run_torchrun: RunTorch, tmp_path: Path) -
 
 
 @pytest.mark.distributed
+@pytest.mark.usefixtures("torch_private_apis")
 def test_four_processes_hsdp_layout_keeps_the_whole_dp_gang(
     run_torchrun: RunTorch, tmp_path: Path
 ) -> None:
@@ -97,6 +98,26 @@ def test_four_processes_hsdp_layout_keeps_the_whole_dp_gang(
         # Shard groups are consecutive ranks (a node); replicas stride across them.
         assert report["hsdp_mesh"] == [[0, 1], [2, 3]]
         assert report["dp_mesh"] == [0, 1, 2, 3]
+
+
+@pytest.mark.distributed
+def test_four_processes_hsdp_x_tp_layout_on_each_torch_path(
+    run_torchrun: RunTorch, tmp_path: Path, torch_private_apis: str
+) -> None:
+    reports = run_gang_check(run_torchrun, tmp_path, 4, 2, "2")
+    for rank, report in enumerate(reports):
+        dp_rank, tp_rank = divmod(rank, 2)
+        assert report["dp"] == [dp_rank, 2]
+        assert report["dp_members"] == [float(tp_rank), float(2 + tp_rank)]
+        assert report["tp_members"] == [float(dp_rank * 2), float(dp_rank * 2 + 1)]
+        assert report["hsdp_mesh"] == [[tp_rank, 2 + tp_rank]]
+        if torch_private_apis == "private":
+            assert report["dp_mesh"] == [tp_rank, 2 + tp_rank]
+        else:
+            # No public mesh of the whole DP gang shares a root with the TP mesh (FSDP2 needs it).
+            assert "dp_mesh" not in report
+            assert "Use kind='hsdp'" in report["dp_mesh_error"]
+            assert "TRAINKIT_TORCH_PRIVATE_APIS is 'public'" in report["dp_mesh_error"]
 
 
 def test_dp_shard_size_must_divide_the_dp_size() -> None:

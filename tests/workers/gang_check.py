@@ -56,7 +56,10 @@ def main(output_dir: Path, tp_size: int, dp_shard_size: int | None) -> None:
     if gangs.dp_shard_size is not None:
         report["dp_shard_size"] = gangs.dp_shard_size
         report["hsdp_mesh"] = gangs.hsdp_mesh.mesh.tolist()
-        report["dp_mesh"] = gangs.dp_mesh.mesh.tolist()
+        try:
+            report["dp_mesh"] = gangs.dp_mesh.mesh.tolist()
+        except GangError as ex:  # HSDP x TP off the private path (gangs.torch_versions)
+            report["dp_mesh_error"] = str(ex)
     root.barrier()
     (output_dir / f"rank_{root.rank}.json").write_text(json.dumps(report))
     leave(root)

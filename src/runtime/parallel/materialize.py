@@ -78,9 +78,9 @@ def module_seed(seed: int, name: str) -> int:
 
 
 def _own_tensors(module: Module) -> Iterator[tuple[str, Tensor]]:
-    for tensor_name, tensor in chain(module._parameters.items(), module._buffers.items()):
-        if tensor is not None:
-            yield tensor_name, tensor
+    """The parameters and buffers ``module`` holds itself (not its children's), by name."""
+    yield from module.named_parameters(recurse=False)
+    yield from module.named_buffers(recurse=False)
 
 
 def _initialize_module(name: str, module: Module, seed: int, init_fn: InitFn | None) -> None:
@@ -95,7 +95,7 @@ def _initialize_module(name: str, module: Module, seed: int, init_fn: InitFn | N
     _swap_tensors(
         module,
         {
-            n: Parameter(t, requires_grad=False) if n in module._parameters else t
+            n: Parameter(t, requires_grad=False) if isinstance(shards[n], Parameter) else t
             for n, t in full.items()
         },
     )
@@ -114,13 +114,10 @@ def _initialize_module(name: str, module: Module, seed: int, init_fn: InitFn | N
 
 
 def _swap_tensors(module: Module, tensors: dict[str, Tensor]) -> None:
+    # Module.__setattr__ keeps a name a parameter (it must be given a Parameter) or a buffer
+    # (persistent or not, as it was).
     for tensor_name, tensor in tensors.items():
-        if tensor_name in module._parameters:
-            module._parameters[tensor_name] = tensor  # type: ignore[assignment]
-        else:
-            module._buffers[tensor_name] = (
-                tensor.detach() if isinstance(tensor, Parameter) else tensor
-            )
+        setattr(module, tensor_name, tensor)
 
 
 def copy_own_slice(shard: Tensor, full: Tensor) -> None:

@@ -10,6 +10,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gangs import Gangs
+from gangs.torch_versions import private_apis_refused, private_apis_supported
 from runtime.parallel.materialize import has_meta_tensors
 from runtime.training.sparse_gradients import sparse_parameters
 
@@ -61,7 +62,9 @@ def apply_data_parallel(
     ``find_unused_parameters``, ``static_graph`` and ``gradient_as_bucket_view`` are passed to
     DDP. DDP leaves out the weights of embeddings with ``sparse=True`` (it sums sparse gradients
     where it averages dense ones): they are broadcast from DP rank 0 here, and the Trainer
-    reduces their gradients (see :mod:`runtime.training.sparse_gradients`).
+    reduces their gradients (see :mod:`runtime.training.sparse_gradients`). Only torch's private
+    API can make DDP leave them out: off the tested torch versions (:mod:`gangs.torch_versions`)
+    a sparse embedding under DDP is a clear error.
     """
     if kind not in ("ddp", "fsdp", "hsdp"):
         raise ValueError(f"kind must be 'ddp', 'fsdp' or 'hsdp', but is '{kind}' instead.")
@@ -123,14 +126,15 @@ def _leave_sparse_out_of_ddp(model: Module, gangs: Gangs) -> None:
     sparse = sparse_parameters(model)
     if not sparse:
         return
-    # The setter DDP has offered since torch 1.8; no public way to say this exists.
-    ignore = getattr(DDP, "_set_params_and_buffers_to_ignore_for_model", None)
-    if ignore is None:
+    # No public API makes DDP ignore a parameter: only this private setter, so only on the
+    # torch versions it is tested with (see gangs.torch_versions), and no fallback elsewhere.
+    if not private_apis_supported():
         raise ValueError(
-            f"This torch version cannot leave the sparse embeddings {', '.join(sparse)} out of "
-            "DDP. Use sparse=False for them, or a torch version of 2.0 or newer."
+            f"DDP can leave the sparse embeddings {', '.join(sparse)} out only through a private "
+            f"torch API, {private_apis_refused()}. Use sparse=False for them, or a tested torch "
+            "version."
         )
-    ignore(model, list(sparse))
+    DDP._set_params_and_buffers_to_ignore_for_model(model, list(sparse))  # type: ignore[no-untyped-call]
     with torch.no_grad():
         for param in sparse.values():
             gangs.dp.broadcast(param.data, source_rank=0)

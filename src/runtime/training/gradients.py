@@ -2,6 +2,13 @@
 
 DDP, FSDP2 and DTensor are imported only where a process group exists: without one nothing can
 be any of them, and a single-process run spares importing them (seconds).
+
+Two paths, chosen by :func:`gangs.torch_versions.private_apis_supported`: on the tested torch
+versions, torch's private foreach kernels (``_amp_foreach_non_finite_check_and_unscale_``,
+``_foreach_mul_``) do a group of gradients per op; on any other torch (or with
+``TRAINKIT_TORCH_PRIVATE_APIS=public``), public per-tensor ops do the same arithmetic, one op
+per gradient. Both make the same bits (see :func:`_scale_and_check`), and neither waits on the
+device.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from torch.nn import Module
 from typing_extensions import TypeIs
 
 from gangs import Gang
+from gangs.torch_versions import private_apis_supported
 from runtime.training.sparse_gradients import SparseGradients, sparse_parameters
 
 if TYPE_CHECKING:
@@ -100,7 +108,7 @@ def clip_gradient_norm(model: Module, max_norm: float | None) -> Tensor:
 # The gradient dtypes the fused unscale kernel takes: it multiplies in float32 by a float32 factor
 # and rounds once. For float32 those are the bits of ``_foreach_mul_`` with a Python float; for
 # bfloat16 and float16 more exact ones (``_foreach_mul_`` rounds the factor to their dtype first).
-# Float64 would lose the factor's precision, so it takes ``_foreach_mul_``.
+# Float64 would lose the factor's precision, so it takes ``mul_`` with the Python float.
 _FUSED_DTYPES: Final = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -117,6 +125,7 @@ class Gradients:
 
     def __init__(self, model: Module, *, dp_gang: Gang | None = None) -> None:
         self._model = model
+        self._private = private_apis_supported()
         self._sparse = SparseGradients(dp_gang)
         self._sparse_params: list[Tensor] = []
         # Each group's parameters, whether the group is plain, and whether its local tensors
@@ -138,7 +147,8 @@ class Gradients:
             firsts = [group[0] for group in groups] + self._sparse_params
             self._device = _local(firsts[0]).device if firsts else None
             self._groups = [
-                (group, _is_plain(group), _is_fusable(group, self._device)) for group in groups
+                (group, _is_plain(group), self._private and _is_fusable(group, self._device))
+                for group in groups
             ]
         grouped = []
         for group, plain, fused in self._groups:
@@ -177,13 +187,8 @@ class Gradients:
                 torch._amp_foreach_non_finite_check_and_unscale_(
                     local, self._non_finite, self._inverse
                 )
-                continue
-            if factor != 1.0:
-                torch._foreach_mul_(local, factor)
-            for tensor in local:
-                # Rare layouts only (float64, or mixed devices): a check per tensor.
-                bad = torch.isfinite(tensor).logical_not().any()
-                self._non_finite.add_(bad.to(self._non_finite.device, torch.float32))
+            else:
+                _scale_and_check(local, factor, self._inverse, self._non_finite)
         if sparse:
             self._sparse.normalize(sparse, factor, self._non_finite)
         return self._non_finite
@@ -206,13 +211,44 @@ class Gradients:
         ``max_norm``."""
         clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
         for grads, _, _ in self._grads():
-            torch._foreach_mul_(grads, clip_coef.to(grads[0].dtype))
+            coef = clip_coef.to(grads[0].dtype)
+            if self._private:
+                torch._foreach_mul_(grads, coef)
+                continue
+            # The local shard: scaling it scales the DTensor, without DTensor's dispatch per op.
+            for grad in grads:
+                _local(grad).mul_(coef)
         self._sparse.clip(self._sparse_grads(), clip_coef)
 
 
 def _local(tensor: Tensor) -> Tensor:
     """The tensor this rank holds: a DTensor's local shard, a plain tensor itself."""
     return tensor.to_local() if _is_dtensor(tensor) else tensor
+
+
+def _scale_and_check(
+    tensors: list[Tensor], factor: float, inverse: Tensor, non_finite: Tensor
+) -> None:
+    """Multiply each of ``tensors`` by ``factor`` and count a non-finite one into ``non_finite``,
+    one tensor at a time: the public path, and the rare layouts (float64, or mixed devices) on
+    the private one.
+
+    A tensor the fused kernel would take is multiplied as it does, in float32 by ``inverse``
+    (``factor`` in float32) and rounded once: the same bits. The check reads the product, so a
+    finite gradient that a factor above 1 overflows counts too, where the fused kernel checks
+    its input; with a factor of at most 1 the flags agree. The flag only grows on the device.
+    """
+    for tensor in tensors:
+        if factor == 1.0:
+            pass
+        elif tensor.device != inverse.device or tensor.dtype not in _FUSED_DTYPES:
+            tensor.mul_(factor)
+        elif tensor.dtype == torch.float32:
+            tensor.mul_(inverse)
+        else:
+            tensor.copy_(tensor.float().mul_(inverse))
+        bad = torch.isfinite(tensor).logical_not().any()
+        non_finite.add_(bad.to(non_finite.device, torch.float32))
 
 
 def _is_fusable(group: list[torch.nn.Parameter], device: torch.device | None) -> bool:

@@ -59,3 +59,25 @@ def test_ddp_options_are_refused_for_fsdp() -> None:
             find_unused_parameters=True,
             static_graph=True,
         )
+
+
+def test_sparse_embeddings_leave_ddp_only_through_the_private_setter(
+    monkeypatch: pytest.MonkeyPatch, torch_private_apis: str
+) -> None:
+    # No public API makes DDP ignore a parameter: off the tested torch versions a sparse
+    # embedding under DDP is refused before DDP is made, naming the reason.
+    from gangs.torch_versions import PRIVATE_APIS_ENV_VAR
+    from runtime.parallel.wrapping import _leave_sparse_out_of_ddp
+
+    model = nn.Sequential(nn.Embedding(5, 2, sparse=True), nn.Linear(2, 2))
+    if torch_private_apis == "private":
+        _leave_sparse_out_of_ddp(model, Gangs.single())
+        assert model[0].weight._ddp_ignored
+        return
+    monkeypatch.setattr("torch.__version__", "2.15.0")
+    with pytest.raises(
+        ValueError, match=r"sparse embeddings 0\.weight out only through a private"
+    ) as ex:
+        _leave_sparse_out_of_ddp(model, Gangs.single())
+    assert f"this is torch 2.15.0, or {PRIVATE_APIS_ENV_VAR} is 'public'" in str(ex.value)
+    assert not hasattr(model[0].weight, "_ddp_ignored")

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from gangs.torch_versions import PRIVATE_APIS_ENV_VAR
 from runtime import clip_gradient_norm
 from runtime.training.gradients import Gradients
+from tests.conftest import make_toy_trainer
+from tests.workers.train_toy import PoisonedToyUnit, ToyModel
+
+# The tests of Gradients run on torch's private foreach kernels and on their public fallback.
+on_both_paths = pytest.mark.usefixtures("torch_private_apis")
 
 
 def model_with_grads(dtype: torch.dtype, *, seed: int = 0) -> nn.Sequential:
@@ -23,6 +31,7 @@ def grads_of(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
+@on_both_paths
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_normalize_makes_the_bits_of_foreach_mul(dtype: torch.dtype) -> None:
     model = model_with_grads(dtype)
@@ -37,6 +46,7 @@ def test_normalize_makes_the_bits_of_foreach_mul(dtype: torch.dtype) -> None:
     assert flag is not None and flag.item() == 0
 
 
+@on_both_paths
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_normalize_scales_half_gradients_by_a_float32_factor(dtype: torch.dtype) -> None:
     # _foreach_mul_ with a Python float rounds the factor to the gradient's dtype first (for
@@ -53,6 +63,7 @@ def test_normalize_scales_half_gradients_by_a_float32_factor(dtype: torch.dtype)
         assert actual.dtype == dtype and torch.equal(actual, wanted)
 
 
+@on_both_paths
 def test_a_changed_factor_is_applied_and_the_flag_is_one_tensor_for_the_run() -> None:
     model = model_with_grads(torch.float32)
     gradients = Gradients(model)
@@ -64,6 +75,7 @@ def test_a_changed_factor_is_applied_and_the_flag_is_one_tensor_for_the_run() ->
         assert torch.equal(actual, original * 0.5 * 0.25)
 
 
+@on_both_paths
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("poison", [math.nan, math.inf, -math.inf])
 def test_a_non_finite_gradient_raises_the_flag_and_it_stays_raised(
@@ -85,6 +97,7 @@ def test_a_non_finite_gradient_raises_the_flag_and_it_stays_raised(
     assert flag.item() != 0  # a later finite step does not clear it
 
 
+@on_both_paths
 def test_parameters_without_gradients_are_left_alone() -> None:
     model = model_with_grads(torch.float32)
     frozen = nn.Linear(2, 2)  # in the model, never used: its grad stays None
@@ -95,6 +108,7 @@ def test_parameters_without_gradients_are_left_alone() -> None:
     assert Gradients(nn.Linear(2, 2)).normalize(0.5) is None  # no gradients at all
 
 
+@on_both_paths
 def test_norm_and_clip_are_those_of_torch() -> None:
     model = model_with_grads(torch.float32)
     reference = model_with_grads(torch.float32)
@@ -105,3 +119,77 @@ def test_norm_and_clip_are_those_of_torch() -> None:
     assert torch.equal(norm, expected_norm)
     for actual, wanted in zip(grads_of(model), grads_of(reference), strict=True):
         torch.testing.assert_close(actual, wanted, rtol=1e-6, atol=0)
+
+
+def test_the_public_path_calls_no_private_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PRIVATE_APIS_ENV_VAR, "public")
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("a private kernel ran on the public path")
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", refuse)
+    monkeypatch.setattr(torch, "_foreach_mul_", refuse)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        model = model_with_grads(dtype)
+        gradients = Gradients(model)
+        flag = gradients.normalize(0.5)
+        gradients.clip(0.01, gradients.norm())
+        assert flag is not None and flag.item() == 0
+
+
+def count_private_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the calls of the two private kernels from here on, by name, into the dict."""
+    calls = {"unscale": 0, "mul": 0}
+    kernels = {"unscale": "_amp_foreach_non_finite_check_and_unscale_", "mul": "_foreach_mul_"}
+    for name, attribute in kernels.items():
+        monkeypatch.setattr(torch, attribute, _counting(getattr(torch, attribute), name, calls))
+    return calls
+
+
+def _counting(kernel: Any, name: str, calls: dict[str, int]) -> Any:
+    def counted(*args: Any) -> Any:
+        calls[name] += 1
+        return kernel(*args)
+
+    return counted
+
+
+def nan_gradients_at_step_2() -> dict[str, Any]:
+    unit = PoisonedToyUnit(
+        ToyModel(), poison=1.0, steps=[2], rank=0, my_rank=0, gradients_only=True
+    )
+    return {"unit": unit, "nan_policy": "skip"}
+
+
+RUNS: dict[str, Any] = {
+    "plain": dict,
+    "clipping": lambda: {"max_gradient_norm": 0.05},
+    "fp16": lambda: {"dtype": torch.float16, "amp": True},
+    "accumulation_and_momentum": lambda: {"num_accumulate": 2, "momentum": 0.9},
+    "nan_gradients_skipped": nan_gradients_at_step_2,
+}
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_both_paths_train_the_same_bits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run: str
+) -> None:
+    trained = {}
+    for path in ("private", "public"):
+        monkeypatch.setenv(PRIVATE_APIS_ENV_VAR, path)
+        calls = count_private_kernel_calls(monkeypatch)
+        torch.manual_seed(0)
+        options = RUNS[run]()
+        model = options["unit"].model if "unit" in options else ToyModel()
+        options.setdefault("model", model)
+        trainer = make_toy_trainer(tmp_path / path, max_num_steps=6, **options)
+        assert trainer.run() == 0
+        trained[path] = [p.detach().clone() for p in model.parameters()]
+        # The private run took the fused kernel every step (and clipped with _foreach_mul_);
+        # the public one took neither.
+        expected_unscales = 6 if path == "private" else 0
+        clipped = path == "private" and run == "clipping"
+        assert calls == {"unscale": expected_unscales, "mul": 6 if clipped else 0}
+    for private, public in zip(trained["private"], trained["public"], strict=True):
+        assert torch.isfinite(private).all()
+        assert private.dtype == public.dtype and torch.equal(private, public)

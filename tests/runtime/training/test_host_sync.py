@@ -14,6 +14,7 @@ from tests.sync_detector import FEATURES, HostSyncDetector, assert_as_pinned, wa
 
 
 @pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.usefixtures("torch_private_apis")
 def test_a_steady_step_host_syncs_only_where_pinned(tmp_path: Path, feature: str) -> None:
     assert_as_pinned(feature, watched_syncs(tmp_path, feature).detector.syncs)
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from gangs.torch_versions import PRIVATE_APIS_ENV_VAR
 from tests.conftest import assert_ok, rank_reports, torchrun
 from tests.sync_detector import FEATURES, assert_as_pinned
 
@@ -22,20 +23,35 @@ LAYOUTS = {
 }
 
 
+def _slow(name: str, path: str) -> bool:
+    # make test: each layout of two processes on torch's private APIs, and FSDP2's DTensor
+    # gradients on their public fallback (gangs.torch_versions); make test-all: the rest.
+    return LAYOUTS[name][0] > 2 or (path == "public" and name != "fsdp2")
+
+
 @pytest.fixture(
     scope="module",
     params=[
-        pytest.param(name, marks=[pytest.mark.slow] if LAYOUTS[name][0] > 2 else [])
+        pytest.param(
+            (name, path),
+            id=name if path == "private" else f"{name}-public",
+            marks=[pytest.mark.slow] if _slow(name, path) else [],
+        )
         for name in LAYOUTS
+        for path in ("private", "public")
     ],
 )
 def syncs_by_rank(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> list[dict[str, Any]]:
-    """Each rank's syncs in the steady steps of each feature, under the layout of the param."""
-    nproc, kind, tp_size = LAYOUTS[request.param]
-    out = tmp_path_factory.mktemp(request.param)
-    assert_ok(torchrun(nproc, "tests/workers/host_sync.py", str(out), kind, str(tp_size)))
+    """Each rank's syncs in the steady steps of each feature, under the layout of the param and
+    on its torch path."""
+    name, path = request.param
+    nproc, kind, tp_size = LAYOUTS[name]
+    out = tmp_path_factory.mktemp(name)
+    env = {PRIVATE_APIS_ENV_VAR: path}
+    worker = "tests/workers/host_sync.py"
+    assert_ok(torchrun(nproc, worker, str(out), kind, str(tp_size), env=env))
     reports: list[dict[str, Any]] = rank_reports(out, nproc)
     return reports
 

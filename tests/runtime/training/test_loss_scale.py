@@ -75,6 +75,7 @@ class ParamSnapshots(TrainerCallback):
         self.by_step[step_nr] = [p.detach().clone() for p in self._model.parameters()]
 
 
+@pytest.mark.usefixtures("torch_private_apis")
 def test_trainer_skips_an_overflowing_step_and_forgets_its_metrics(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = ToyModel()

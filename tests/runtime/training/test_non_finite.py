@@ -40,6 +40,7 @@ def test_a_nan_loss_stops_the_run_before_any_checkpoint_of_it(tmp_path: Path) ->
     assert checkpoint_steps(tmp_path) == [2, 4]
 
 
+@pytest.mark.usefixtures("torch_private_apis")
 def test_nan_gradients_name_the_unchecked_steps_and_the_loss_they_poisoned(
     tmp_path: Path,
 ) -> None:
@@ -61,6 +62,7 @@ def test_nan_gradients_name_the_unchecked_steps_and_the_loss_they_poisoned(
     assert checkpoint_steps(tmp_path) == []
 
 
+@pytest.mark.usefixtures("torch_private_apis")
 def test_skip_leaves_the_weights_of_a_non_finite_step_and_counts_it(tmp_path: Path) -> None:
     unit = PoisonedToyUnit(ToyModel(), poison=math.inf, steps=[3], rank=0, my_rank=0)
     model = unit.model
@@ -152,6 +154,7 @@ def test_two_ranks_stop_on_a_nan_of_one_rank_naming_step_and_rank(
 
 
 @pytest.mark.distributed
+@pytest.mark.usefixtures("torch_private_apis")
 def test_fsdp_ranks_stop_on_nan_gradients_of_a_finite_loss(
     run_torchrun: RunTorch, tmp_path: Path
 ) -> None:
@@ -211,6 +214,7 @@ def test_two_ranks_skip_the_same_steps(run_torchrun: RunTorch, tmp_path: Path) -
         pytest.param("fsdp", 2, 2, id="tp", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.usefixtures("torch_private_apis")
 def test_fp16_overflow_on_one_rank_backs_off_on_every_rank_and_grows_again(
     run_torchrun: RunTorch, tmp_path: Path, kind: str, tp_size: int, nproc: int
 ) -> None:

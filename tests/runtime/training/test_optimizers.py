@@ -75,6 +75,7 @@ def assert_close_params(actual: dict[str, Tensor], expected: dict[str, Tensor]) 
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.usefixtures("torch_private_apis")
 def test_sparse_and_dense_optimizers_match_a_hand_written_loop(tmp_path: Path) -> None:
     result = train_here(tmp_path, batch_size=4, num_accumulate=2, max_num_steps=6)
     expected, norms = hand_loop(num_steps=6, batch_size=4, num_accumulate=2)
@@ -93,6 +94,7 @@ def test_sparse_and_dense_optimizers_match_a_hand_written_loop(tmp_path: Path) -
     assert records[0]["lr/opt1/group0"] == pytest.approx(0.05 / 2)
 
 
+@pytest.mark.usefixtures("torch_private_apis")
 def test_clipping_counts_the_sparse_gradients(tmp_path: Path) -> None:
     result = train_here(tmp_path, batch_size=8, max_num_steps=3, max_gradient_norm=0.05)
     expected, norms = hand_loop(num_steps=3, batch_size=8, num_accumulate=1, max_norm=0.05)
@@ -105,6 +107,7 @@ def test_clipping_counts_the_sparse_gradients(tmp_path: Path) -> None:
     assert [r["grad_norm"] for r in records] == pytest.approx(norms, rel=1e-5)
 
 
+@pytest.mark.usefixtures("torch_private_apis")
 def test_a_nan_sparse_gradient_in_fp16_skips_both_optimizers(tmp_path: Path) -> None:
     result = train_here(
         tmp_path, batch_size=8, max_num_steps=3, dtype="float16", nan_sparse_at_step=2

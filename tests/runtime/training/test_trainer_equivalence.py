@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from gangs.torch_versions import PRIVATE_APIS_ENV_VAR
 from tests.conftest import RunTorch, assert_ok, rank_reports, torchrun
 
 pytestmark = pytest.mark.distributed
@@ -84,13 +85,29 @@ def test_tp2_matches_tp1(
     assert_same_params(params, single_process_reference)
 
 
-def test_dp2_x_tp2_matches_dp1(
-    run_torchrun: RunTorch, tmp_path: Path, single_process_reference: dict[str, Tensor]
+def test_dp2_x_tp2_matches_dp1_with_the_same_bits_on_both_torch_paths(
+    run_torchrun: RunTorch,
+    tmp_path: Path,
+    single_process_reference: dict[str, Tensor],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    params = train(
-        run_torchrun, tmp_path, 4, batch_size=4, max_gradient_norm=0.5, tp_size=2, kind="fsdp"
-    )
-    assert_same_params(params, single_process_reference)
+    # The public path normalizes and clips the DTensor gradients' local shards one by one.
+    trained = {}
+    for path in ("private", "public"):
+        monkeypatch.setenv(PRIVATE_APIS_ENV_VAR, path)
+        (tmp_path / path).mkdir()
+        trained[path] = train(
+            run_torchrun,
+            tmp_path / path,
+            4,
+            batch_size=4,
+            max_gradient_norm=0.5,
+            tp_size=2,
+            kind="fsdp",
+        )
+        assert_same_params(trained[path], single_process_reference)
+    for name, private in trained["private"].items():
+        assert torch.equal(private, trained["public"][name]), name
 
 
 def test_hsdp_2x2_matches_ddp_on_4_and_dp1(
@@ -110,6 +127,24 @@ def test_hsdp_2x2_matches_ddp_on_4_and_dp1(
     assert_same_params(hsdp, single_process_reference)
     ddp = train(run_torchrun, tmp_path / "ddp", 4, batch_size=2, max_gradient_norm=0.5)
     assert_same_params(ddp, single_process_reference)
+
+
+@pytest.mark.usefixtures("torch_private_apis")
+def test_fsdp_over_the_whole_dp_gang_of_an_hsdp_layout_matches_dp1(
+    run_torchrun: RunTorch, tmp_path: Path, single_process_reference: dict[str, Tensor]
+) -> None:
+    # kind="fsdp" shards over Gangs.dp_mesh: HSDP's dims flattened on the private path, a mesh
+    # of the DP gang's public process group on the public one.
+    params = train(
+        run_torchrun,
+        tmp_path,
+        4,
+        batch_size=2,
+        max_gradient_norm=0.5,
+        kind="fsdp",
+        dp_shard_size=2,
+    )
+    assert_same_params(params, single_process_reference)
 
 
 @pytest.mark.slow

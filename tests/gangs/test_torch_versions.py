@@ -1,0 +1,72 @@
+"""The one check of the torch versions that private torch APIs are used on, and its switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gangs.torch_versions import (
+    PRIVATE_APIS_ENV_VAR,
+    private_apis_refused,
+    private_apis_supported,
+    private_path_chosen,
+    torch_version_tested,
+)
+
+
+@pytest.mark.parametrize(
+    ("version", "tested"),
+    [
+        ("2.13.0+cpu", True),
+        ("2.13.2", True),
+        ("2.13.0a0+git1234", False),
+        ("2.12.1", False),
+        ("2.14.0.dev20260101", False),
+        ("2.14.0", False),
+    ],
+)
+def test_private_apis_are_used_only_on_the_tested_torch_versions(
+    version: str, tested: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(PRIVATE_APIS_ENV_VAR, raising=False)
+    monkeypatch.setattr(torch, "__version__", version)
+    assert torch_version_tested(version) is tested
+    assert private_apis_supported() is tested
+
+
+def test_the_running_torch_is_a_tested_one() -> None:
+    # pyproject.toml's torch range is the tested one: the suite runs where the private paths do.
+    assert torch_version_tested()
+
+
+@pytest.mark.parametrize(("choice", "private"), [("private", True), ("public", False)])
+def test_the_environment_forces_either_path(
+    choice: str, private: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(PRIVATE_APIS_ENV_VAR, choice)
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    assert private_apis_supported() is private
+
+
+def test_an_unknown_choice_is_a_clear_error_of_the_callers_type(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(PRIVATE_APIS_ENV_VAR, "fast")
+    with pytest.raises(
+        ValueError,
+        match="TRAINKIT_TORCH_PRIVATE_APIS must be 'private', 'public' or unset, but is 'fast'",
+    ):
+        private_apis_supported()
+    monkeypatch.setenv("SOME_SWITCH", "yes")
+    with pytest.raises(KeyError, match="SOME_SWITCH must be 'on', 'public' or unset"):
+        private_path_chosen("SOME_SWITCH", private="on", error=KeyError)
+
+
+def test_the_refusal_names_the_range_and_the_running_version(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch, "__version__", "2.15.1")
+    assert private_apis_refused() == (
+        "used only on torch >=2.13,<2.14.0.dev0 (this is torch 2.15.1, or "
+        "TRAINKIT_TORCH_PRIVATE_APIS is 'public')"
+    )
