@@ -264,6 +264,17 @@ def torch_private_apis(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
     return str(request.param)
 
 
+def public_torch_path_in_test_all(test: Callable[..., None]) -> Callable[..., None]:
+    """For a multi-process test of :func:`torch_private_apis` whose public path a quicker test
+    covers too: `make test` runs it on the private path only, `make test-all` on both."""
+    on_both_paths = pytest.mark.usefixtures("torch_private_apis")(test)
+    return pytest.mark.parametrize(
+        "torch_private_apis",
+        ["private", pytest.param("public", marks=pytest.mark.slow)],
+        indirect=True,
+    )(on_both_paths)
+
+
 @pytest.fixture(autouse=True)
 def fail_on_logging_errors(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A test fails when a log record could not be written ("--- Logging error ---"): a handler

@@ -24,9 +24,9 @@ LAYOUTS = {
 
 
 def _slow(name: str, path: str) -> bool:
-    # make test: each layout of two processes on torch's private APIs, and FSDP2's DTensor
-    # gradients on their public fallback (gangs.torch_versions); make test-all: the rest.
-    return LAYOUTS[name][0] > 2 or (path == "public" and name != "fsdp2")
+    # make test: each layout of two processes on torch's private APIs (test_host_sync watches
+    # the public fallbacks in one process); make test-all: the rest.
+    return LAYOUTS[name][0] > 2 or path == "public"
 
 
 @pytest.fixture(

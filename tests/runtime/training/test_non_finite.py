@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from runtime import NonFiniteError, TrainerError
-from tests.conftest import RunTorch, assert_ok, make_toy_trainer, read_jsonl
+from tests.conftest import (
+    RunTorch,
+    assert_ok,
+    make_toy_trainer,
+    public_torch_path_in_test_all,
+    read_jsonl,
+)
 from tests.workers.train_toy import PoisonedToyUnit, ToyModel
 
 WORKER = "tests/workers/train_toy.py"
@@ -154,7 +160,7 @@ def test_two_ranks_stop_on_a_nan_of_one_rank_naming_step_and_rank(
 
 
 @pytest.mark.distributed
-@pytest.mark.usefixtures("torch_private_apis")
+@public_torch_path_in_test_all
 def test_fsdp_ranks_stop_on_nan_gradients_of_a_finite_loss(
     run_torchrun: RunTorch, tmp_path: Path
 ) -> None:
@@ -214,7 +220,7 @@ def test_two_ranks_skip_the_same_steps(run_torchrun: RunTorch, tmp_path: Path) -
         pytest.param("fsdp", 2, 2, id="tp", marks=pytest.mark.slow),
     ],
 )
-@pytest.mark.usefixtures("torch_private_apis")
+@public_torch_path_in_test_all
 def test_fp16_overflow_on_one_rank_backs_off_on_every_rank_and_grows_again(
     run_torchrun: RunTorch, tmp_path: Path, kind: str, tp_size: int, nproc: int
 ) -> None:
