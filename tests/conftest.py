@@ -265,8 +265,8 @@ def torch_private_apis(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
 
 
 def public_torch_path_in_test_all(test: Callable[..., None]) -> Callable[..., None]:
-    """For a multi-process test of :func:`torch_private_apis` whose public path a quicker test
-    covers too: `make test` runs it on the private path only, `make test-all` on both."""
+    """For a long multi-process test of :func:`torch_private_apis`: `make test` runs it on the
+    private path (the one the tested torch versions take), `make test-all` on both."""
     on_both_paths = pytest.mark.usefixtures("torch_private_apis")(test)
     return pytest.mark.parametrize(
         "torch_private_apis",

@@ -409,6 +409,7 @@ def test_resume_with_another_world_size_fails_clearly(resumed_run: Any, tmp_path
     assert not list((tmp_path / "checkpoints").glob("*.damaged*"))
 
 
+@pytest.mark.slow
 def test_a_resume_under_fsdp_of_a_ddp_checkpoint_loads_and_warns_it_is_not_bit_identical(
     resumed_run: Any, tmp_path: Path
 ) -> None:

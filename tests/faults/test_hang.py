@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import public_torch_path_in_test_all
 from tests.faults.conftest import Tally, trial_counts
 from tests.faults.jobs import rank_log, run_job
 
@@ -14,7 +15,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.distributed]
 
 
 @pytest.mark.parametrize("trials", trial_counts(1, 3))
-@pytest.mark.usefixtures("torch_private_apis")  # the store the ranks report to
+@public_torch_path_in_test_all  # the store the ranks report to
 def test_a_hung_rank_is_named_with_the_collective_and_the_step(
     trials: int, tmp_path: Path, tally: Tally
 ) -> None:

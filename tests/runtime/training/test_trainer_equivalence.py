@@ -129,6 +129,13 @@ def test_hsdp_2x2_matches_ddp_on_4_and_dp1(
     assert_same_params(ddp, single_process_reference)
 
 
+@pytest.mark.parametrize(
+    "torch_private_apis",
+    # make test: the public mesh (DeviceMesh.from_group), which no other test trains over; the
+    # private one (DeviceMesh._flatten) also makes the DP gang of every HSDP test.
+    ["public", pytest.param("private", marks=pytest.mark.slow)],
+    indirect=True,
+)
 @pytest.mark.usefixtures("torch_private_apis")
 def test_fsdp_over_the_whole_dp_gang_of_an_hsdp_layout_matches_dp1(
     run_torchrun: RunTorch, tmp_path: Path, single_process_reference: dict[str, Tensor]
