@@ -65,6 +65,8 @@ def test_two_processes_data_parallel(run_torchrun: RunTorch, tmp_path: Path) -> 
 
 
 @pytest.mark.distributed
+# `make test` checks the same DP and TP members under an HSDP x TP layout, below.
+@pytest.mark.slow
 def test_four_processes_dp_x_tp_layout(run_torchrun: RunTorch, tmp_path: Path) -> None:
     reports = run_gang_check(run_torchrun, tmp_path, 4, 2)
     for rank, report in enumerate(reports):
