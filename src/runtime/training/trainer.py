@@ -123,16 +123,13 @@ class Trainer(Generic[BatchT]):
         # The keywords above, each turned into the option group that uses it; from here on only
         # the groups travel.
         schedules = _schedules(
-            publish_every=publish_metrics_every_n_steps,
+            publish_every=publish_metrics_every_n_steps, gc_every=gc_every_n_steps,
             validate=(validate_every_n_steps, validate_after_n_steps, validate_every_n_data_epochs),
             checkpoint=(
-                checkpoint_every_n_steps,
-                checkpoint_after_n_steps,
-                checkpoint_every_n_data_epochs,
+                checkpoint_every_n_steps, checkpoint_after_n_steps, checkpoint_every_n_data_epochs
             ),
-            gc_every=gc_every_n_steps,
             validate_at_start=validate_at_start,
-        )
+        )  # fmt: skip
         scoring = Scoring(score_metric_name, lower_better, early_stopper)
         retention = RetentionPolicy(
             keep_last_n_checkpoints, keep_best_n_checkpoints, keep_last_n_models, keep_best_n_models
