@@ -409,9 +409,16 @@ _TIMEOUT_REPORT_GRACE = 10.0
 """The most seconds a timed-out rank waits for the others to report their own timeouts."""
 
 
+_TIMEOUT_WORDINGS = ("timed out", "timeout caused pair closure")
+"""How gloo and nccl word a collective's timeout. gloo says the second when the timeout struck
+another operation on the same connection first (DDP's gradient all-reduce on its own thread,
+say): the operation that then fails timed out all the same."""
+
+
 def is_collective_timeout(ex: BaseException) -> bool:
-    """Whether ``ex`` is a backend's collective timeout (gloo and nccl word it this way)."""
-    return isinstance(ex, RuntimeError) and "timed out" in str(ex).lower()
+    """Whether ``ex`` is a backend's collective timeout."""
+    message = str(ex).lower()
+    return isinstance(ex, RuntimeError) and any(words in message for words in _TIMEOUT_WORDINGS)
 
 
 @final

@@ -14,6 +14,7 @@ from gangs import (
     GangError,
     Gangs,
     ReduceOperation,
+    is_collective_timeout,
     setup_gangs,
     setup_parallel_gangs,
 )
@@ -176,3 +177,18 @@ def test_bad_world_size_env_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("WORLD_SIZE", "two")
     with pytest.raises(GangError, match="WORLD_SIZE must be an integer, but is 'two'"):
         setup_gangs()
+
+
+@pytest.mark.parametrize(
+    ("error", "timeout"),
+    [
+        (RuntimeError("[../gloo/transport/tcp/pair.cc:534] Read error: Timed out"), True),
+        # gloo, when the timeout struck another operation on the same connection first.
+        (RuntimeError("Application timeout caused pair closure"), True),
+        (RuntimeError("Watchdog caught collective operation timeout: WorkNCCL timed out"), True),
+        (RuntimeError("Connection reset by peer"), False),
+        (ValueError("timed out"), False),
+    ],
+)
+def test_collective_timeouts_are_told_from_other_errors(error: Exception, timeout: bool) -> None:
+    assert is_collective_timeout(error) is timeout
