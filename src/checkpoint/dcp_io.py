@@ -2,9 +2,10 @@
 
 Two ways through DCP, chosen by :func:`fast_io_supported` alone:
 
-- the fast one, for the torch versions it is tested with (:data:`FAST_IO_TORCH_VERSIONS`): it
-  stages asynchronous saves into reused buffers, hashes files as a load reads them, and reads
-  whole tensors in place (:func:`read_items`). It leans on DCP internals that change between
+- the fast one, for the torch versions it is tested with
+  (:data:`gangs.torch_versions.TESTED_TORCH_VERSIONS`): it stages asynchronous saves into reused
+  buffers, hashes files as a load reads them, and reads whole tensors in place
+  (:func:`read_items`). It leans on DCP internals that change between
   torch releases, imported only where that path runs.
 - the public one, on any other torch (or with ``TRAINKIT_CHECKPOINT_IO=public``): DCP's public
   writer, reader and planners only; a load's files are hashed after it, in a second read.
@@ -64,7 +65,7 @@ from checkpoint.integrity import (
     ReadDigests,
     assign_hashing,
 )
-from gangs.torch_versions import TESTED_TORCH_VERSIONS, private_path_chosen
+from gangs.torch_versions import private_path_chosen
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
@@ -75,10 +76,6 @@ _METADATA_MODULES = frozenset(
 _PATH_CLASSES = frozenset({"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"})
 
 Gather: TypeAlias = Callable[[Any], list[Any]]
-
-FAST_IO_TORCH_VERSIONS: Final = TESTED_TORCH_VERSIONS
-"""The torch versions the fast path is tested with (:data:`gangs.torch_versions.
-TESTED_TORCH_VERSIONS`, those of every private path)."""
 
 IO_ENV_VAR: Final = "TRAINKIT_CHECKPOINT_IO"
 """``public`` forces the public path; ``fast`` the fast one (tests); unset chooses by version."""

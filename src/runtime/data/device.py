@@ -153,7 +153,12 @@ class DeviceDataReader(DataReader[BatchT]):
         return _StepAhead(moved, state_before, copied)
 
     def _move(self, batches: list[BatchT]) -> list[BatchT]:
-        return [move_to_device(batch, self._device) for batch in batches]
+        """``batches`` on the device now, on the current stream (pinned and non-blocking on
+        CUDA, where a caller turned reading ahead off)."""
+        cuda = self._copies is not None
+        if cuda:
+            batches = [pin_memory(batch) for batch in batches]
+        return [move_to_device(b, self._device, non_blocking=cuda) for b in batches]
 
     @override
     def reset(self) -> None:

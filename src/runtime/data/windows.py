@@ -5,7 +5,8 @@ name them to sort: ``2026-01-01T00``, ``window_000042``). A window is *ready* on
 :data:`READY_MARKER` file, which its producer writes last: a window still being written is never
 read, and the windows after it wait for it: none is skipped. A :data:`STOP_MARKER` file in
 ``root`` says that no window after those already ready will come (a window not ready by then
-never will be, and is skipped). Names starting with ``.`` or ``_`` are never windows (temporary directories of producers).
+never will be, and is skipped). Names starting with ``.`` or ``_`` are never windows (temporary
+directories of producers).
 """
 
 from __future__ import annotations
