@@ -2,8 +2,9 @@
 steps each (W1 in one process; W3 under ``torchrun``, where every rank takes the same turns and
 the hand-written loop is DDP on the same process group).
 
-``python -m benchmarks.paired_worker [--quick] [--block-size N] [--workload mlp|gpu_mlp]``
-(``gpu_mlp``: the GPU host-overhead case, on one GPU). Rank 0 prints
+``python -m benchmarks.paired_worker [--quick] [--block-size N] [--workload mlp|gpu_mlp]
+[--hand plain|counted]`` (``gpu_mlp``: the GPU host-overhead case, on one GPU; ``counted``: the
+hand-written DDP loop normalizes over the ranks as the Trainer does). Rank 0 prints
 ``BENCH_RESULT {"trainer_step_s": ..., "hand_step_s": ..., "extra_s": ..., "ratio": ...}``: over
 the blocks after warm-up, the medians of the Trainer's time per step, of the hand-written
 loop's, of their difference and of their ratio. Each Trainer block is compared with the mean of
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.loops.hand_loop import hand_step, slice_starts
+from benchmarks.loops.hand_loop import HAND_STEPS, slice_starts
 from benchmarks.loops.registry import LoopOptions
 from benchmarks.loops.trainer_loop import make_trainer
 from benchmarks.probe import emit, exit_now, rank, use_one_thread, world_size
@@ -45,9 +46,15 @@ class BlockTurns(TrainerCallback):
     own model and optimizer, under DDP on several ranks); records each block's time per step."""
 
     def __init__(
-        self, workload: Workload, *, block_size: int, synchronize: Callable[[], None] | None = None
+        self,
+        workload: Workload,
+        *,
+        block_size: int,
+        hand: str = "plain",
+        synchronize: Callable[[], None] | None = None,
     ) -> None:
         self._workload = workload
+        self._hand_step = HAND_STEPS[hand]
         # On a GPU the clock is read with the device idle, so neither loop's block is charged
         # for work the other queued.
         self._synchronize = synchronize or (lambda: None)
@@ -74,7 +81,7 @@ class BlockTurns(TrainerCallback):
         if self._trainer_start is not None:
             self.trainer_blocks.append((trainer_end - self._trainer_start) / self._block_size)
         for _ in range(self._block_size):
-            hand_step(self._workload, self._model, self._optimizer, next(self._starts))
+            self._hand_step(self._workload, self._model, self._optimizer, next(self._starts))
         self._synchronize()
         self._trainer_start = time.perf_counter()
         self.hand_blocks.append((self._trainer_start - trainer_end) / self._block_size)
@@ -106,13 +113,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--block-size", type=int, help="steps per turn (default 50, 10 quick)")
     parser.add_argument("--workload", choices=("mlp", "gpu_mlp"), default="mlp")
+    parser.add_argument("--hand", choices=tuple(HAND_STEPS), default="plain")
     args = parser.parse_args()
+    if args.hand == "counted" and world_size() == 1:
+        parser.error("--hand counted normalizes over DDP ranks; run it under torchrun.")
     use_one_thread()
     workload = make_workload(args.workload)
     plan = workload.plan(quick=args.quick)
     block_size = args.block_size or (10 if args.quick else 50)
     synchronize = torch.cuda.synchronize if args.workload == "gpu_mlp" else None
-    turns = BlockTurns(workload, block_size=block_size, synchronize=synchronize)
+    turns = BlockTurns(workload, block_size=block_size, hand=args.hand, synchronize=synchronize)
     make_trainer(workload, plan, LoopOptions(), turns).run()
     emit(
         block_figures(

@@ -21,6 +21,8 @@ STEP_TIME = Metric("step_time_s", "step time", "s")
 PEAK_RSS = Metric("max_rss_bytes", "peak RSS", "bytes")
 HAND_WRITTEN = LOOPS["hand"].label
 PAIRED = "this project, taking turns with the hand-written loop"
+PAIRED_COUNTED = "this project, taking turns with the hand-written loop normalizing as it does"
+_PAIRED_NAMES = {"plain": PAIRED, "counted": PAIRED_COUNTED}
 
 
 def step_contender(
@@ -71,10 +73,12 @@ def paired_comparison(
     settings: SuiteSettings,
     nproc: int = 1,
     workload: str = "mlp",
+    hands: tuple[str, ...] = ("plain",),
     skip_reason: str | None = None,
 ) -> Comparison:
     """The Trainer and the hand-written loop taking turns on ``workload`` (W1's by default) in
-    ``nproc`` processes (DDP over gloo when more than one)."""
+    ``nproc`` processes (DDP over gloo when more than one): one contender for each of ``hands``,
+    the hand-written steps of :data:`~benchmarks.loops.hand_loop.HAND_STEPS`."""
     notes = [
         "The loops alternate in blocks of 50 steps (10 with --quick); each Trainer block is "
         "compared with the mean of the hand-written blocks before and after it, so each pair "
@@ -96,14 +100,18 @@ def paired_comparison(
             Metric("extra_s", "Trainer step - hand-written step", "s", ratio=False),
             Metric("ratio", "Trainer step / hand-written step", "ratio", ratio=False),
         ),
-        contenders=(
+        contenders=tuple(
             Contender(
-                name=PAIRED,
+                name=_PAIRED_NAMES[hand],
                 module="benchmarks.paired_worker",
-                args=("--workload", workload, *(("--quick",) if settings.quick else ())),
+                args=(
+                    *("--workload", workload, "--hand", hand),
+                    *(("--quick",) if settings.quick else ()),
+                ),
                 nproc=nproc,
                 skip_reason=skip_reason,
-            ),
+            )
+            for hand in hands
         ),
         notes=tuple(notes),
     )

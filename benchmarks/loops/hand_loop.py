@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -50,3 +50,32 @@ def hand_step(workload: Workload, model: nn.Module, optimizer: Optimizer, start:
     (loss / num_targets).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def hand_step_counted(
+    workload: Workload, model: nn.Module, optimizer: Optimizer, start: int
+) -> None:
+    """One step normalized as the Trainer normalizes it: the gradients of the summed loss divided
+    by the targets of every rank, whose sum an all-reduce started before the backward brings.
+    Under DDP only; the hand-written loop's own step averages per-rank mean losses instead."""
+    batch = workload.slice_batch(start, start + workload.batch_size)
+    loss, num_targets = workload.loss(model, batch)
+    total = torch.tensor([float(num_targets)], dtype=torch.float64)
+    summing = dist.all_reduce(total, async_op=True)
+    loss.backward()
+    summing.wait()
+    # DDP averaged the ranks' gradients: times the number of ranks, over all their targets.
+    scale = dist.get_world_size() / total.item()
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad.mul_(scale)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+HAND_STEPS: dict[str, Callable[[Workload, nn.Module, Optimizer, int], None]] = {
+    "plain": hand_step,
+    "counted": hand_step_counted,
+}
+"""The paired cases' hand-written steps by name: ``plain`` as a user writes it, ``counted``
+normalized over the ranks as the Trainer does."""

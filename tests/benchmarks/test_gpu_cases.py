@@ -23,7 +23,7 @@ def test_the_gpu_cases_are_registered() -> None:
     assert set(GPU_KEYS) <= set(CASE_KEYS)
     settings = SuiteSettings(quick=True, checkpoint_params_millions=2.0)
     [paired] = gpu_overhead.comparisons(settings)
-    assert paired.contenders[0].args == ("--workload", "gpu_mlp", "--quick")
+    assert paired.contenders[0].args == ("--workload", "gpu_mlp", "--hand", "plain", "--quick")
     [llama] = gpu_llama.comparisons(settings)
     assert [c.name for c in llama.contenders] == [
         "hand-written",

@@ -1,9 +1,23 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
-from benchmarks.loops.hand_loop import slice_starts
+import pytest
+import torch
+import torch.distributed as dist
+
+from benchmarks.loops.hand_loop import hand_step, hand_step_counted, slice_starts
 from benchmarks.workloads import make_workload
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def test_the_ranks_take_consecutive_batches_and_wrap_at_the_epoch_end() -> None:
@@ -20,3 +34,19 @@ def test_the_ranks_take_consecutive_batches_and_wrap_at_the_epoch_end() -> None:
     )
     assert max(rank1) + batch_size <= workload.num_examples()
     assert rank0[-1] == 0
+
+
+def test_the_counted_step_is_the_plain_step_on_one_rank(one_rank_group: None) -> None:
+    # On one rank the targets of all ranks are this rank's: normalizing the gradients by their
+    # all-reduced count is dividing the loss by it.
+    workload = make_workload("mlp")
+    plain, counted = workload.make_model(), workload.make_model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=workload.lr)
+    counted_opt = torch.optim.AdamW(counted.parameters(), lr=workload.lr)
+    initial = [p.detach().clone() for p in plain.parameters()]
+    for start in itertools.islice(slice_starts(workload, num_ranks=1, rank=0), 3):
+        hand_step(workload, plain, plain_opt, start)
+        hand_step_counted(workload, counted, counted_opt, start)
+    for before, a, b in zip(initial, plain.parameters(), counted.parameters(), strict=True):
+        assert not torch.equal(before, a)
+        torch.testing.assert_close(a, b)

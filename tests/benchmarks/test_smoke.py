@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.cases.base import PAIRED, PAIRED_COUNTED
 from tests.conftest import assert_ok, run_python, run_quick_benchmark
 
 
@@ -49,22 +50,30 @@ def test_quick_suite_writes_json_and_markdown(tmp_path: Path) -> None:
     assert "vs hand-written" in table
 
 
-@pytest.mark.parametrize("key", ["W1-paired", pytest.param("W3-paired", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    ("key", "names"),
+    [
+        ("W1-paired", [PAIRED]),
+        # 2 ranks under torchrun, each taking the same turns, against both hand-written loops.
+        pytest.param("W3-paired", [PAIRED, PAIRED_COUNTED], marks=pytest.mark.slow),
+    ],
+)
 def test_the_paired_case_reports_both_steps_their_difference_and_ratio(
-    tmp_path: Path, key: str
+    tmp_path: Path, key: str, names: list[str]
 ) -> None:
-    # W3-paired runs 2 ranks under torchrun, each taking the same turns.
     assert_ok(run_quick_benchmark(key, tmp_path))
     [comparison] = json.loads((tmp_path / "results.json").read_text())["comparisons"]
     assert comparison["key"] == key
-    [contender] = comparison["contenders"]
-    assert contender["status"] == "ok", contender["note"]
-    figures = contender["metrics"]
-    assert set(figures) == {"trainer_step_s", "hand_step_s", "extra_s", "ratio"}
-    trainer, hand = figures["trainer_step_s"]["median"], figures["hand_step_s"]["median"]
-    assert trainer > 0 and hand > 0
-    # Medians of per-block figures: the ratio is near that of the medians, not a fixed number.
-    assert 0.5 < figures["ratio"]["median"] / (trainer / hand) < 2
+    contenders = comparison["contenders"]
+    assert [contender["name"] for contender in contenders] == names
+    for contender in contenders:
+        assert contender["status"] == "ok", contender["note"]
+        figures = contender["metrics"]
+        assert set(figures) == {"trainer_step_s", "hand_step_s", "extra_s", "ratio"}
+        trainer, hand = figures["trainer_step_s"]["median"], figures["hand_step_s"]["median"]
+        assert trainer > 0 and hand > 0
+        # Medians of per-block figures: the ratio is near that of the medians, not a fixed one.
+        assert 0.5 < figures["ratio"]["median"] / (trainer / hand) < 2
     table = (tmp_path / "results.md").read_text()
     assert "| Trainer step / hand-written step (median) |" in table
 
