@@ -56,8 +56,8 @@ def hand_step_counted(
     workload: Workload, model: nn.Module, optimizer: Optimizer, start: int
 ) -> None:
     """One step normalized as the Trainer normalizes it: the gradients of the summed loss divided
-    by the targets of every rank, whose sum an all-reduce started before the backward brings.
-    Under DDP only; the hand-written loop's own step averages per-rank mean losses instead."""
+    by the targets of every rank, whose sum an all-reduce started before the backward brings
+    (so it needs a process group). :func:`hand_step` averages per-rank mean losses instead."""
     batch = workload.slice_batch(start, start + workload.batch_size)
     loss, num_targets = workload.loss(model, batch)
     total = torch.tensor([float(num_targets)], dtype=torch.float64)
