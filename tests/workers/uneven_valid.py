@@ -2,7 +2,8 @@
 evenly over the DP ranks, under a sharded layout, each next to its one-process value.
 
 Options: ``layout`` (``fsdp``, ``hsdp`` on 2 x 2, ``fsdp_tp`` with TP 2, ``ddp``), ``sizes`` (the
-valid set sizes to evaluate with ``evaluate_units``), ``user_readers`` (the readers of
+valid set sizes to evaluate with ``evaluate_units`` through a MapDataReader), ``iterable_sizes``
+(the same through an IterableDataReader), ``user_readers`` (the readers of
 :class:`RaggedReader`), ``trainer`` (a Trainer that validates and evaluates a checkpoint) and
 ``compile`` (the Linear blocks compiled). Rank 0 writes ``OUT/result.json``; every rank waits for
 the collectives of the others with a short timeout, so a mismatch fails fast.
@@ -28,6 +29,7 @@ from gangs import Gangs, setup_gangs
 from runtime import (
     DataParallelKind,
     DataReader,
+    IterableDataReader,
     MapDataReader,
     Trainer,
     apply_data_parallel,
@@ -106,6 +108,17 @@ def _select(batch: ToyBatch, rows: list[int]) -> ToyBatch:
     return ToyBatch(x=batch.x[rows], y=batch.y[rows], mask=mask, num_targets=int(mask.sum()))
 
 
+def iterable_reader(gangs: Gangs, size: int) -> IterableDataReader[ToyBatch]:
+    """``ToyDataset(size)`` read as a stream, sharded by hand over the DP ranks."""
+    dataset, dp = ToyDataset(size), gangs.dp
+    return IterableDataReader(
+        make_iterator=lambda epoch: (dataset[i] for i in range(dp.rank, size, dp.size)),
+        batch_size=BATCH_SIZE,
+        collate=collate,
+        gang=dp,
+    )
+
+
 def evaluate(model: nn.Module, gangs: Gangs, reader: DataReader[Any]) -> dict[str, Any]:
     unit = ToyEvalUnit(model)
     results = evaluate_units(
@@ -164,7 +177,7 @@ def main(out: Path, options: dict[str, Any]) -> None:
     )
     kind: DataParallelKind = "hsdp" if layout == "hsdp" else "ddp" if layout == "ddp" else "fsdp"
     model = apply_data_parallel(model, gangs, kind=kind, fsdp_units=(nn.Linear,))
-    result: dict[str, Any] = {"sizes": {}, "user_readers": {}}
+    result: dict[str, Any] = {"sizes": {}, "iterable_sizes": {}, "user_readers": {}}
     if options.get("compile"):
         result["compiled"] = compile_blocks(model, block_types=(nn.Linear,), backend="eager")
     for size in options.get("sizes", []):
@@ -179,6 +192,12 @@ def main(out: Path, options: dict[str, Any]) -> None:
         )
         result["sizes"][size] = [
             evaluate(model, gangs, reader.for_evaluation()),
+            expected(reference, size),
+        ]
+    for size in options.get("iterable_sizes", []):
+        iterable = iterable_reader(gangs, size).for_evaluation()
+        result["iterable_sizes"][size] = [
+            evaluate(model, gangs, iterable),
             expected(reference, size),
         ]
     for last_batches in options.get("user_readers", []):

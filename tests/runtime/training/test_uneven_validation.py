@@ -45,7 +45,15 @@ def fsdp_result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     that run out on one rank, and a Trainer that validates and evaluates a checkpoint."""
     sizes = list(range(1, 2 * 2 * BATCH_SIZE + 2))
     out = tmp_path_factory.mktemp("fsdp")
-    return run_worker(out, 2, layout="fsdp", sizes=sizes, user_readers=[0, 1], trainer=True)
+    return run_worker(
+        out,
+        2,
+        layout="fsdp",
+        sizes=sizes,
+        iterable_sizes=[1, 9],
+        user_readers=[0, 1],
+        trainer=True,
+    )
 
 
 @pytest.mark.distributed
@@ -54,6 +62,10 @@ def test_every_valid_size_scores_the_one_process_mean_under_fsdp(
 ) -> None:
     assert list(fsdp_result["sizes"]) == [str(size) for size in range(1, 18)]
     assert_one_process_values(fsdp_result["sizes"])
+    # An IterableDataReader, sharded by hand: rank 1 reads nothing of 1 example, and one batch
+    # to rank 0's two of 9.
+    assert list(fsdp_result["iterable_sizes"]) == ["1", "9"]
+    assert_one_process_values(fsdp_result["iterable_sizes"])
 
 
 @pytest.mark.distributed
