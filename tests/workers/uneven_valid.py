@@ -4,7 +4,8 @@ evenly over the DP ranks, under a sharded layout, each next to its one-process v
 Options: ``layout`` (``fsdp``, ``hsdp`` on 2 x 2, ``fsdp_tp`` with TP 2, ``ddp``), ``sizes`` (the
 valid set sizes to evaluate with ``evaluate_units`` through a MapDataReader), ``iterable_sizes``
 (the same through an IterableDataReader), ``user_readers`` (the readers of
-:class:`RaggedReader`), ``trainer`` (a Trainer that validates and evaluates a checkpoint) and
+:class:`RaggedReader`), ``unpicklable`` (a batch that cannot be sent to the rank without one), ``trainer`` (a Trainer
+that validates and evaluates a checkpoint) and
 ``compile`` (the Linear blocks compiled). Rank 0 writes ``OUT/result.json``; every rank waits for
 the collectives of the others with a short timeout, so a mismatch fails fast.
 """
@@ -14,7 +15,8 @@ from __future__ import annotations
 import copy
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from gangs import Gangs, setup_gangs
 from runtime import (
     DataParallelKind,
     DataReader,
+    DataReaderError,
     IterableDataReader,
     MapDataReader,
     Trainer,
@@ -101,6 +104,27 @@ class RaggedReader(DataReader[ToyBatch]):
     @property
     def num_accumulate(self) -> int:
         return 1
+
+
+@dataclass
+class UnpicklableBatch(ToyBatch):
+    hook: Callable[[], None] = lambda: None
+
+
+def unpicklable_failure(model: nn.Module, gangs: Gangs) -> list[str]:
+    """Every rank's error when the one valid batch (rank 0's) cannot be sent to rank 1."""
+    reader = MapDataReader(
+        dataset=ToyDataset(1),
+        batch_size=BATCH_SIZE,
+        collate=lambda examples: UnpicklableBatch(**vars(collate(examples))),
+        gang=gangs.dp,
+    )
+    try:
+        evaluate(model, gangs, reader.for_evaluation())
+        error = "no error"
+    except DataReaderError as ex:
+        error = str(ex)
+    return gangs.root.all_gather_objects(error)
 
 
 def _select(batch: ToyBatch, rows: list[int]) -> ToyBatch:
@@ -206,6 +230,8 @@ def main(out: Path, options: dict[str, Any]) -> None:
             evaluate(model, gangs, ragged),
             expected(reference, ragged.size),
         ]
+    if options.get("unpicklable"):
+        result["unpicklable"] = unpicklable_failure(model, gangs)
     if options.get("trainer"):
         result["trainer"] = [run_trainer(model, gangs, out), expected(reference, 5)]
         result["trainer_valid"] = (out / "metrics" / "valid.jsonl").read_text()
