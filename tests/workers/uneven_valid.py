@@ -4,10 +4,10 @@ evenly over the DP ranks, under a sharded layout, each next to its one-process v
 Options: ``layout`` (``fsdp``, ``hsdp`` on 2 x 2, ``fsdp_tp`` with TP 2, ``ddp``), ``sizes`` (the
 valid set sizes to evaluate with ``evaluate_units`` through a MapDataReader), ``iterable_sizes``
 (the same through an IterableDataReader), ``user_readers`` (the readers of
-:class:`RaggedReader`), ``unpicklable`` (a batch that cannot be sent to the rank without one), ``trainer`` (a Trainer
-that validates and evaluates a checkpoint) and
-``compile`` (the Linear blocks compiled). Rank 0 writes ``OUT/result.json``; every rank waits for
-the collectives of the others with a short timeout, so a mismatch fails fast.
+:class:`RaggedReader`), ``unpicklable`` (a batch that cannot be sent to the rank without one),
+``trainer`` (a Trainer that validates and evaluates a checkpoint) and ``compile`` (the Linear
+blocks compiled). Rank 0 writes ``OUT/result.json``; every rank waits for the collectives of the
+others with a short timeout, so a mismatch fails fast.
 """
 
 from __future__ import annotations
@@ -89,8 +89,7 @@ class RaggedReader(DataReader[ToyBatch]):
         if self._step_nr == 3:
             raise StopIteration
         self._step_nr += 1
-        step = self._batches[self._step_nr - 1 : self._step_nr]
-        return step
+        return self._batches[self._step_nr - 1 : self._step_nr]  # [] once this rank ran out
 
     def reset(self) -> None:
         self._step_nr = 0
