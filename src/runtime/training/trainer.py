@@ -120,6 +120,9 @@ class Trainer(Generic[BatchT]):
     ) -> None:
         gangs = _resolve_gangs(gangs, root_gang, dp_gang, tp_gang)
         check_model_device(unit.model, gangs.root.device)
+        for bag in (unit.metric_bag, *(u.metric_bag for u in valid_units or ())):
+            # Units update their metrics with the losses they compute, on the gangs' device.
+            bag.to(gangs.root.device)
         # The keywords above, each turned into the option group that uses it; from here on only
         # the groups travel.
         schedules = _schedules(
