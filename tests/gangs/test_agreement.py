@@ -3,25 +3,20 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, final
 
 import pytest
 import torch
-from torch import Tensor
-from torch.distributed import ProcessGroup
 
 from gangs import (
     FakeGang,
-    Gang,
     ReduceOperation,
     agree,
     decide_on_rank_zero,
     find_disagreements,
     run_on_all_ranks,
 )
-from tests.conftest import RunTorch, assert_ok
+from tests.conftest import RunTorch, TwinRanksGang, assert_ok
 
 
 def test_one_process_agrees_with_itself() -> None:
@@ -56,35 +51,9 @@ def test_two_ranks_agree_on_failures_votes_and_decisions(
     assert reports[1]["decision_failure"] == "ValueError: stopper: KeyError: 'no such score'"
 
 
-@final
-class _DeviceRecordingGang(Gang):
-    """A gang of two ranks on a CUDA device (never touched) that records the device of each
-    tensor a collective is given, and answers as if the other rank agreed."""
-
-    def __init__(self) -> None:
-        self.collective_devices: list[torch.device] = []
-
-    rank = property(lambda self: 0)
-    size = property(lambda self: 2)
-    device = property(lambda self: torch.device("cuda", 0))
-
-    def all_reduce(self, tensor: Tensor, op: ReduceOperation) -> None:
-        self.collective_devices.append(tensor.device)
-
-    def close(self) -> None: ...
-    def make_gang(self, ranks: Sequence[int]) -> Gang | None: ...
-    def as_process_group(self) -> ProcessGroup: ...
-    def barrier(self) -> None: ...
-    def all_gather(self, output_tensor: Tensor, input_tensor: Tensor) -> None: ...
-    def all_gather_to_list(self, output_tensors: list[Tensor], input_tensor: Tensor) -> None: ...
-    def broadcast(self, tensor: Tensor, source_rank: int = 0) -> None: ...
-    def broadcast_objects(self, objects: list[Any], source_rank: int = 0) -> None: ...
-    def all_gather_objects(self, obj: Any) -> list[Any]: ...
-
-
 def test_agreement_makes_no_collective_on_the_compute_device() -> None:
     """On a CUDA gang, agreeing runs on CPU tensors (gloo): no host sync, no NCCL call."""
-    gang = _DeviceRecordingGang()
+    gang = TwinRanksGang(torch.device("cuda", 0))
     assert agree(gang, failed=False, vote=4, vote_op=ReduceOperation.MIN) == (False, 4)
     assert find_disagreements(gang, {"a": 1, "b": 2}) == {}
     assert gang.collective_devices == [torch.device("cpu")] * 2
