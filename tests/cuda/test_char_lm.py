@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.metrics.train_metrics import peak_bf16_flops
+from runtime.metrics.device_peaks import peak_flops
 from tests.conftest import assert_ok, read_jsonl, run_python
 from tests.cuda.conftest import CUDA_SUITE, run_char_lm
 from tests.test_readme import tutorial_code
@@ -48,7 +48,7 @@ def test_peak_memory_is_the_allocators_and_mfu_is_published(tmp_path: Path) -> N
     out = tmp_path / "run"
     assert_ok(run_char_lm(out, "trainer.max_num_steps=20"))
     total = torch.cuda.get_device_properties(0).total_memory
-    known_peak = peak_bf16_flops(torch.cuda.get_device_name(0))
+    known_peak = peak_flops(torch.cuda.get_device_name(0), "bf16")
     for record in read_jsonl(out / "metrics" / "train.jsonl"):
         # The process's resident set (torch, CUDA's libraries) is over 1 GiB; the tiny model's
         # tensors on the GPU are a few MiB.

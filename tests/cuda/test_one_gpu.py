@@ -21,7 +21,7 @@ from torch import nn
 from checkpoint import CheckpointManager
 from gangs import Gangs
 from runtime.data import DeviceDataReader, MapDataReader
-from runtime.metrics.train_metrics import peak_bf16_flops
+from runtime.metrics.device_peaks import peak_flops
 from tests.conftest import REPO_ROOT, assert_ok, child_env, read_jsonl
 from tests.cuda.conftest import CUDA_RUN, CUDA_SUITE, load_params, report, run_cuda_run
 from tests.faults.jobs import committed
@@ -106,7 +106,7 @@ def test_the_published_peak_memory_is_cuda_allocators(tmp_path: Path, amp: bool)
     peaks = json.loads((out / "allocator_peaks.json").read_text())
     records = read_jsonl(out / "metrics" / "train.jsonl")
     assert [r["step_nr"] for r in records] == [5, 10, 15, 20]
-    known_peak = peak_bf16_flops(torch.cuda.get_device_name(0))
+    known_peak = peak_flops(torch.cuda.get_device_name(0), "bf16")
     for record in records:
         # What max_memory_allocated said at the step's end, plus the publish's few small tensors;
         # reset at each publish, so each window has its own peak.
