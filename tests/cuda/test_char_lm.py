@@ -1,5 +1,5 @@
-"""The char-LM recipe and the README tutorial on one GPU: they learn, in float32, bf16 autocast
-and FSDP2 bf16; CUDA's allocator gives the peak memory, mfu is published, a compiled run
+"""The char-LM recipe and the README tutorial on one GPU: they learn, in float32, TF32, bf16
+autocast (the default on CUDA) and FSDP2 bf16; CUDA's allocator gives the peak memory, mfu is published, a compiled run
 matches eager, and the profiler records CUDA kernels."""
 
 from __future__ import annotations
@@ -23,10 +23,14 @@ pytestmark = CUDA_SUITE
 @pytest.mark.parametrize(
     "precision",
     [
-        pytest.param((), id="float32"),
-        pytest.param(("trainer.amp=true", "trainer.dtype=bfloat16"), id="bf16-autocast"),
+        pytest.param(("trainer.amp=false", "trainer.tf32=false"), id="float32"),
+        pytest.param(("trainer.amp=false",), id="tf32"),
+        pytest.param((), id="bf16-autocast-default"),
         # On one process FSDP2 has no ranks to shard over; tests/cuda/test_two_gpus.py shards.
-        pytest.param(("data_parallel=fsdp", "fsdp.param_dtype=bfloat16"), id="fsdp2-bf16"),
+        pytest.param(
+            ("data_parallel=fsdp", "fsdp.param_dtype=bfloat16", "trainer.amp=false"),
+            id="fsdp2-bf16",
+        ),
     ],
 )
 def test_the_char_lm_recipe_learns_on_one_gpu(tmp_path: Path, precision: tuple[str, ...]) -> None:
