@@ -12,7 +12,10 @@ def test_the_row_counts_are_gathered_on_the_cpu_and_the_rows_on_the_device() -> 
     """The counts are shapes the host knows: gathered in CPU tensors (gloo), read without
     waiting for the GPU. Only the rows travel on the gradient's device."""
     grad = torch.sparse_coo_tensor(
-        torch.tensor([[4, 1, 4]]), torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]), (6, 2)
+        torch.tensor([[4, 1, 4]]),
+        torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]),
+        (6, 2),
+        check_invariants=True,
     ).coalesce()
     gang = TwinRanksGang(torch.device("cuda", 0))
     reduced = reduce_sparse_gradient(grad, gang)
