@@ -298,6 +298,17 @@ def describe_machine() -> list[str]:
     return lines
 
 
+def trainer_against_hand(out_dir: Path) -> list[str]:
+    """The G2 goal's figure: the Trainer's tokens per second over the hand-written loop's."""
+    hand = bench_result(out_dir / "logs" / "bench_1b_hand.log")
+    trainer = bench_result(out_dir / "logs" / "bench_1b_trainer.log")
+    if not hand or not trainer or not hand.get("tokens_per_s"):
+        return []
+    ratio = trainer.get("tokens_per_s", 0.0) / hand["tokens_per_s"]
+    return [f"- G2, 1.1 B Llama: Trainer / hand-written loop tokens per second = {ratio:.3f} "
+            "(goal: >= 0.98)"]  # fmt: skip
+
+
 def write_report(out_dir: Path, rows: list[Row], header: list[str], title: str) -> Path:
     lines = [f"# {title}", "", *header, "", "| part | what | result | figure | time | log |",
              "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
@@ -392,9 +403,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return dry_run(parts, out_dir)
     started = time.monotonic()
-    header = describe_machine()
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    header = [f"- Run: {stamp}, parts {', '.join(p.name for p in parts)}", *describe_machine()]
     rows = run_parts(parts, out_dir, BUDGET_S - (time.monotonic() - started))
     header.append(f"- Parts took {time.monotonic() - started:.0f} s of a {BUDGET_S} s budget")
+    header += trainer_against_hand(out_dir)
     report = write_report(out_dir, rows, header, "GPU check")
     # The logs in one small file, to carry back beside the report.
     shutil.make_archive(str(out_dir / "logs"), "gztar", out_dir, "logs")

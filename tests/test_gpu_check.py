@@ -77,3 +77,12 @@ def test_each_part_has_its_time_limit_and_the_report_its_figure(tmp_path: Path) 
     report = gpu_check.write_report(tmp_path, rows, ["- Device: none"], "GPU check").read_text()
     assert "| fast | fast | passed | x 2.5 |" in report and "logs/hung.log |" in report
     assert "import time" in (tmp_path / "logs" / "hung.log").read_text()
+
+
+def test_the_report_compares_the_trainer_with_the_hand_written_loop(tmp_path: Path) -> None:
+    (tmp_path / "logs").mkdir()
+    for loop, tokens_per_s in (("hand", 1000.0), ("trainer", 990.0)):
+        log = tmp_path / "logs" / f"bench_1b_{loop}.log"
+        log.write_text(f'warming up\nBENCH_RESULT {{"tokens_per_s": {tokens_per_s}}}\n')
+    (line,) = gpu_check.trainer_against_hand(tmp_path)
+    assert "tokens per second = 0.990 (goal: >= 0.98)" in line
