@@ -11,7 +11,7 @@ BENCH_ARGS ?=
 
 BIN := $(VENV)/bin
 
-.PHONY: train test test-gpu test-all soak lint bench clean
+.PHONY: train test test-gpu test-all soak lint bench clean gpu-wheels gpu-check
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,15 @@ test-gpu: $(BIN)/.installed
 	else \
 		echo "test-gpu: no CUDA device here; skipping the CUDA suite."; \
 	fi
+
+# The first run on a GPU machine (docs/gpu.md): its own python3 and torch, no network. Fill
+# wheels/ here first (`make gpu-wheels`), copy the repo with it, then `make gpu-check` there.
+GPU_CHECK_DIR ?= gpu_check_out
+gpu-wheels:
+	scripts/gpu_wheels.sh
+
+gpu-check:
+	scripts/gpu_check.sh $(GPU_CHECK_DIR)
 
 test-all: $(BIN)/.installed
 	$(BIN)/python -m pytest -q

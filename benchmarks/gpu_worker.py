@@ -220,7 +220,7 @@ LOOPS = {
 
 
 def bench_loop(loop: str, shape: LlamaShape, *, quick: bool) -> dict[str, float]:
-    from runtime.metrics.train_metrics import peak_bf16_flops
+    from runtime.metrics.device_peaks import peak_flops
 
     num_warmup, num_steps = (3, 8) if quick else (10, 40)
     timer = CudaStepTimer(num_warmup=num_warmup, num_steps=num_steps)
@@ -232,7 +232,7 @@ def bench_loop(loop: str, shape: LlamaShape, *, quick: bool) -> dict[str, float]
         "tokens_per_s": tokens_per_s,
         "peak_memory_bytes": float(timer.peak_memory_bytes),
     }
-    peak = peak_bf16_flops(torch.cuda.get_device_name())
+    peak = peak_flops(torch.cuda.get_device_name(), "bf16")
     if peak is not None:
         num_parameters = sum(p.numel() for p in model.parameters())
         figures["mfu"] = tokens_per_s * shape.flops_per_token(num_parameters) / peak

@@ -67,9 +67,15 @@ class TrainerSection:
     early_stop_min_delta: float = 0.0
     """How much lower the validation loss must be to count as an improvement."""
     max_gradient_norm: float | None = 1.0
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """With ``amp``, the forward runs in this dtype; float16 also turns on loss scaling."""
-    amp: bool = False
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """With ``amp``, the forward runs in this dtype; float16 also turns on loss scaling. None:
+    bfloat16 with ``amp``, float32 without."""
+    amp: bool | None = None
+    """Autocast the forward to ``dtype``. None: on with CUDA (bf16, what an H100 is fast at), off
+    on a CPU, whose runs stay in float32."""
+    tf32: bool = True
+    """On CUDA, float32 matmuls (those outside autocast, or all of them with ``amp=false``) run
+    on TF32 tensor cores: torch.set_float32_matmul_precision("high")."""
     seed: int = 2
     profile: bool = False
     """Trace ``profile_record_steps`` steps after ``profile_skip_steps`` to OUTPUT_DIR/profile."""
@@ -140,6 +146,17 @@ def adamw_with_schedule(
     return optimizer, scheduler
 
 
+def precision_options(t: TrainerSection, device: torch.device) -> dict[str, Any]:
+    """The Trainer's ``dtype`` and ``amp``: bf16 autocast with TF32 on CUDA unless the config says
+    otherwise, float32 on a CPU. Sets torch's float32 matmul precision on CUDA (``tf32``)."""
+    cuda = device.type == "cuda"
+    amp = cuda if t.amp is None else t.amp
+    dtype = t.dtype or ("bfloat16" if amp else "float32")
+    if cuda:
+        torch.set_float32_matmul_precision("high" if t.tf32 else "highest")
+    return {"dtype": getattr(torch, dtype), "amp": amp}
+
+
 def trainer_options(
     t: TrainerSection,
     *,
@@ -171,7 +188,7 @@ def trainer_options(
     options: dict[str, Any] = {
         "checkpoint_manager": CheckpointManager(output_dir / "checkpoints", gangs),
         "gangs": gangs,
-        "dtype": getattr(torch, t.dtype),
+        **precision_options(t, gangs.root.device),
         "max_num_steps": t.max_num_steps,
         "max_num_data_epochs": t.max_num_data_epochs,
         "validate_every_n_steps": t.validate_every_n_steps if validates else None,
@@ -190,7 +207,6 @@ def trainer_options(
         "wandb_project": wandb_project,
         "wandb_dir": output_dir,
         "max_gradient_norm": t.max_gradient_norm,
-        "amp": t.amp,
         "profiler": profiler,
         "seed": t.seed,
         "init_from": init_from,

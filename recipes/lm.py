@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -393,8 +394,18 @@ def build_model(config: LMConfig, gangs: Gangs, tokenizer: Tokenizer) -> BuiltMo
         model = apply_data_parallel(model, gangs, kind="ddp")
     if config.compile:
         compile_blocks(model, block_types=block_types)
-    num_params = sum(p.numel() for p in model.parameters())
-    return BuiltModel(model, block_types, 6.0 * num_params, hf)
+    return BuiltModel(model, block_types, flops_per_token(model, hf, config.data.seq_len), hf)
+
+
+def flops_per_token(model: nn.Module, hf: Mapping[str, Any], seq_len: int) -> float:
+    """Forward and backward FLOPs per token, as PaLM (appendix B) and torchtitan count them:
+    6 per parameter that multiplies (an embedding's lookup does not; tied to the output layer,
+    it does), plus attention's scores and weighted sum, 12 * layers * hidden size * seq_len."""
+    multiplying = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - multiplying
+    num_params = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
+    attention = 12.0 * hf["num_hidden_layers"] * hf["hidden_size"] * seq_len
+    return 6.0 * num_params + attention
 
 
 def _hf_model(path: Path) -> tuple[nn.Module, Any, dict[str, ParallelStyle], dict[str, Any]]:
@@ -473,7 +484,8 @@ def recipe(config: LMConfig, output_dir: Path) -> Trainer[Any]:
     )
     tokenizer = load_recipe_tokenizer(config)
     built = build_model(config, gangs, tokenizer)
-    log.info("Model: %s, %d parameters.", type(built.model).__name__, built.flops_per_token / 6)
+    num_params = sum(p.numel() for p in built.model.parameters())
+    log.info("Model: %s, %d parameters.", type(built.model).__name__, num_params)
     if gangs.root.rank == 0:
         write_hf_files(config, built.hf_config, tokenizer, output_dir)
     train_reader, valid_reader = build_readers(config, tokenizer, gangs)

@@ -11,15 +11,16 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, final
 
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from checkpoint import CheckpointManager
-from gangs import Gangs
+from gangs import Gang, Gangs, ReduceOperation
 from runtime import MapDataReader, MetricRecorder, Trainer
 from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit, collate
 from units import TrainUnit
@@ -298,3 +299,36 @@ def round_trip(state: Mapping[str, object]) -> dict[str, Any]:
     buffer.seek(0)
     loaded: dict[str, Any] = torch.load(buffer, weights_only=True)
     return loaded
+
+
+@final
+class TwinRanksGang(Gang):
+    """A gang of two ranks, the other one a twin that holds what this one holds, on ``device``
+    (never touched: a CUDA one works without CUDA). It records the device of each tensor its
+    collectives are given, so a test sees which device a collective would run on."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self.collective_devices: list[torch.device] = []
+
+    rank = property(lambda self: 0)
+    size = property(lambda self: 2)
+    device = property(lambda self: self._device)
+
+    def all_reduce(self, tensor: Tensor, op: ReduceOperation) -> None:
+        self.collective_devices.append(tensor.device)
+        if op is ReduceOperation.SUM:
+            tensor.mul_(2)
+
+    def all_gather(self, output_tensor: Tensor, input_tensor: Tensor) -> None:
+        self.collective_devices.append(input_tensor.device)
+        output_tensor.copy_(input_tensor.unsqueeze(0).expand_as(output_tensor))
+
+    def close(self) -> None: ...
+    def make_gang(self, ranks: Sequence[int]) -> Gang | None: ...
+    def as_process_group(self) -> ProcessGroup: ...
+    def barrier(self) -> None: ...
+    def all_gather_to_list(self, output_tensors: list[Tensor], input_tensor: Tensor) -> None: ...
+    def broadcast(self, tensor: Tensor, source_rank: int = 0) -> None: ...
+    def broadcast_objects(self, objects: list[Any], source_rank: int = 0) -> None: ...
+    def all_gather_objects(self, obj: Any) -> list[Any]: ...

@@ -2,6 +2,10 @@
 
 Every rank of the gang must make the same calls in the same order; each helper costs one
 collective (two for :func:`decide_on_rank_zero` with a failure).
+
+The values travel in CPU tensors whatever the gang's device: on CUDA the gang's CPU backend
+(gloo) carries them, so agreeing never waits for the GPU's queued work, nor reads a result
+back from it (a data reader agrees at every step).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ def agree(
     if vote_op not in (ReduceOperation.MIN, ReduceOperation.MAX):
         raise ValueError(f"vote_op must be MIN or MAX, but is {vote_op} instead.")
     sign = 1 if vote_op is ReduceOperation.MAX else -1
-    flags = torch.tensor([int(failed), sign * vote], device=gang.device)
+    flags = torch.tensor([int(failed), sign * vote], dtype=torch.int64, device="cpu")
     gang.all_reduce(flags, ReduceOperation.MAX)
     any_failed, reduced = flags.tolist()
     return bool(any_failed), sign * int(reduced)
@@ -89,7 +93,7 @@ def find_disagreements(gang: Gang, values: Mapping[str, int]) -> dict[str, tuple
     One all-reduce of the values and their negatives gives each value's maximum and minimum.
     """
     local = list(values.values())
-    tensor = torch.tensor(local + [-v for v in local], device=gang.device, dtype=torch.int64)
+    tensor = torch.tensor(local + [-v for v in local], dtype=torch.int64, device="cpu")
     gang.all_reduce(tensor, ReduceOperation.MAX)
     reduced = tensor.tolist()
     highs, lows = reduced[: len(local)], [-v for v in reduced[len(local) :]]

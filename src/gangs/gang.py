@@ -260,8 +260,9 @@ class ProcessGroupGang(Gang):
     def make_gang(self, ranks: Sequence[int]) -> Gang | None:
         _check_ranks(ranks, self._size)
         global_ranks = [dist.get_global_rank(self._pg, r) for r in ranks]
-        # new_group is collective over the default group, so every rank makes every group.
-        group = self._run("make_gang", lambda: dist.new_group(global_ranks))
+        # new_group is collective over the default group, so every rank makes every group. Without
+        # a timeout it would get torch's default (30 minutes), not this gang's.
+        group = self._run("make_gang", lambda: dist.new_group(global_ranks, timeout=self._timeout))
         if self._rank not in ranks:
             return None
         if len(ranks) == 1:

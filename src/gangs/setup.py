@@ -180,6 +180,12 @@ def _public_dp_gang(mesh: DeviceMesh, root: Gang, timeout: timedelta | None) -> 
     return ProcessGroupGang(mine, device=root.device, timeout=timeout)
 
 
+def _set_timeout(group: dist.ProcessGroup, timeout: timedelta | None) -> None:
+    """Give ``group``'s future collectives ``timeout`` (None: leave torch's default)."""
+    if timeout is not None:
+        group.set_timeout(timeout)
+
+
 def default_device() -> torch.device:
     """The device of this process: ``cuda:LOCAL_RANK`` when CUDA is present, otherwise the CPU."""
     if torch.cuda.is_available():
@@ -251,7 +257,14 @@ def setup_parallel_gangs(
     def gang_of(dim_mesh: DeviceMesh) -> Gang:
         if dim_mesh.size() == 1:
             return FakeGang(device=root.device)
-        return ProcessGroupGang(dim_mesh.get_group(), device=root.device, timeout=timeout)
+        group = dim_mesh.get_group()
+        _set_timeout(group, timeout)
+        return ProcessGroupGang(group, device=root.device, timeout=timeout)
+
+    for name in names:
+        # The mesh's groups get torch's default timeout (30 minutes), not the root gang's;
+        # FSDP2 and TP run their collectives on them.
+        _set_timeout(mesh[name].get_group(), timeout)
 
     if dp_shard_size is None or private_apis_supported():
         dp = gang_of(_flat_dp_mesh(mesh))

@@ -29,6 +29,7 @@ class MetricBag:
         self._metrics: dict[str, Metric[Any]] = {}
         self._persistent: set[str] = set()
         self._snapshot: dict[str, dict[str, Any]] | None = None
+        self._device: torch.device | None = None
 
     def register_metric(self, name: str, metric: Metric[Any], persistent: bool = True) -> None:
         """Add ``metric`` as ``name``; a non-persistent metric resets after each publish."""
@@ -38,7 +39,7 @@ class MetricBag:
             )
         if name in self._metrics:
             raise ValueError(f"A metric named '{name}' is already registered in this bag.")
-        self._metrics[name] = metric
+        self._metrics[name] = metric.to(self._device) if self._device is not None else metric
         if persistent:
             self._persistent.add(name)
 
@@ -54,6 +55,18 @@ class MetricBag:
     @property
     def metrics(self) -> Mapping[str, Metric[Any]]:
         return self._metrics
+
+    def to(self, device: torch.device) -> MetricBag:
+        """Keep every metric's state on ``device``, and those registered later too.
+
+        A torcheval metric keeps its state on the CPU unless it is given a device, and updating
+        it with a tensor of another device fails; the Trainer moves its units' bags to the
+        device it trains on.
+        """
+        self._device = device
+        for metric in self._metrics.values():
+            metric.to(device)
+        return self
 
     def reset_metrics(self) -> None:
         for metric in self._metrics.values():
@@ -127,7 +140,10 @@ class MetricBag:
                 f"({sorted(self._metrics)}). Register the same metrics as the saved run."
             )
         for name, state in state_dict.items():
-            self._metrics[name].load_state_dict(state)
+            metric = self._metrics[name]
+            metric.load_state_dict(state)
+            # A checkpoint's states come back on the CPU; keep the metric's device.
+            metric.to(metric.device)
 
 
 def _merge(metric: Metric[Any], other_states: list[dict[str, Any]]) -> Metric[Any]:

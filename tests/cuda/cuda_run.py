@@ -7,8 +7,8 @@ Trainer did it already), so the run works whoever places the data. Deterministic
 on: two runs of one config give the same bits.
 
 A run that finishes writes the full parameters to ``OUTPUT_DIR/params.pt`` and, on rank 0,
-``OUTPUT_DIR/allocator_peaks.json``: CUDA's ``max_memory_allocated`` at the end of each
-publishing step, read just before the Trainer reads and resets it.
+``OUTPUT_DIR/allocator_peaks.json``: CUDA's ``max_memory_allocated`` of each publishing step's
+window, read as the publish resets it (a callback's ``on_step_end`` comes after the reset).
 
 - ``oom_at_step``: the forward of that step asks for twice the device's memory (a real CUDA
   out-of-memory error);
@@ -119,13 +119,24 @@ class _Observer(TrainerCallback):
         self._output_dir = output_dir
         self._rank = rank
         self.allocator_peaks: dict[int, int] = {}
+        self._peak_before_reset: int | None = None
+        # On a CPU (a smoke run of this worker) there is no allocator to read.
+        if torch.cuda.is_available():
+            # The publish resets the peak before on_step_end runs: read it as the reset comes.
+            reset = torch.cuda.reset_peak_memory_stats
+
+            def read_then_reset(device: Any = None) -> None:
+                self._peak_before_reset = torch.cuda.max_memory_allocated(device)
+                reset(device)
+
+            torch.cuda.reset_peak_memory_stats = read_then_reset
 
     def on_step_end(self, *, step_nr: int, metrics: object = None) -> None:
         if self._config.step_sleep:
             time.sleep(self._config.step_sleep)
-        # On a CPU (a smoke run of this worker) there is no allocator to read.
-        if step_nr % self._config.publish_every == 0 and torch.cuda.is_available():
-            self.allocator_peaks[step_nr] = torch.cuda.max_memory_allocated()
+        if step_nr % self._config.publish_every == 0 and self._peak_before_reset is not None:
+            self.allocator_peaks[step_nr] = self._peak_before_reset
+            self._peak_before_reset = None
         if self._config.mark_steps and self._rank == 0:
             progress = self._output_dir / "progress"
             progress.mkdir(exist_ok=True)

@@ -1,5 +1,5 @@
-"""The char-LM recipe and the README tutorial on one GPU: they learn, in float32, bf16 autocast
-and FSDP2 bf16; CUDA's allocator gives the peak memory, mfu is published, a compiled run
+"""The char-LM recipe and the README tutorial on one GPU: they learn, in float32, TF32, bf16
+autocast (the default on CUDA) and FSDP2 bf16; CUDA's allocator gives the peak memory, mfu is published, a compiled run
 matches eager, and the profiler records CUDA kernels."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.metrics.train_metrics import peak_bf16_flops
+from runtime.metrics.device_peaks import peak_flops
 from tests.conftest import assert_ok, read_jsonl, run_python
 from tests.cuda.conftest import CUDA_SUITE, run_char_lm
 from tests.test_readme import tutorial_code
@@ -23,10 +23,14 @@ pytestmark = CUDA_SUITE
 @pytest.mark.parametrize(
     "precision",
     [
-        pytest.param((), id="float32"),
-        pytest.param(("trainer.amp=true", "trainer.dtype=bfloat16"), id="bf16-autocast"),
+        pytest.param(("trainer.amp=false", "trainer.tf32=false"), id="float32"),
+        pytest.param(("trainer.amp=false",), id="tf32"),
+        pytest.param((), id="bf16-autocast-default"),
         # On one process FSDP2 has no ranks to shard over; tests/cuda/test_two_gpus.py shards.
-        pytest.param(("data_parallel=fsdp", "fsdp.param_dtype=bfloat16"), id="fsdp2-bf16"),
+        pytest.param(
+            ("data_parallel=fsdp", "fsdp.param_dtype=bfloat16", "trainer.amp=false"),
+            id="fsdp2-bf16",
+        ),
     ],
 )
 def test_the_char_lm_recipe_learns_on_one_gpu(tmp_path: Path, precision: tuple[str, ...]) -> None:
@@ -48,7 +52,7 @@ def test_peak_memory_is_the_allocators_and_mfu_is_published(tmp_path: Path) -> N
     out = tmp_path / "run"
     assert_ok(run_char_lm(out, "trainer.max_num_steps=20"))
     total = torch.cuda.get_device_properties(0).total_memory
-    known_peak = peak_bf16_flops(torch.cuda.get_device_name(0))
+    known_peak = peak_flops(torch.cuda.get_device_name(0), "bf16")
     for record in read_jsonl(out / "metrics" / "train.jsonl"):
         # The process's resident set (torch, CUDA's libraries) is over 1 GiB; the tiny model's
         # tensors on the GPU are a few MiB.

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from gangs import (
     FakeGang,
@@ -15,7 +16,7 @@ from gangs import (
     find_disagreements,
     run_on_all_ranks,
 )
-from tests.conftest import RunTorch, assert_ok
+from tests.conftest import RunTorch, TwinRanksGang, assert_ok
 
 
 def test_one_process_agrees_with_itself() -> None:
@@ -48,3 +49,11 @@ def test_two_ranks_agree_on_failures_votes_and_decisions(
     # Rank 0 raises its own error; the others raise the one on_failure makes of it.
     assert reports[0]["decision_failure"] == "KeyError: 'no such score'"
     assert reports[1]["decision_failure"] == "ValueError: stopper: KeyError: 'no such score'"
+
+
+def test_agreement_makes_no_collective_on_the_compute_device() -> None:
+    """On a CUDA gang, agreeing runs on CPU tensors (gloo): no host sync, no NCCL call."""
+    gang = TwinRanksGang(torch.device("cuda", 0))
+    assert agree(gang, failed=False, vote=4, vote_op=ReduceOperation.MIN) == (False, 4)
+    assert find_disagreements(gang, {"a": 1, "b": 2}) == {}
+    assert gang.collective_devices == [torch.device("cpu")] * 2

@@ -61,6 +61,8 @@ def test_two_processes_data_parallel(run_torchrun: RunTorch, tmp_path: Path) -> 
         assert report["broadcast_from_last"] == 1.0
         assert report["broadcast_objects"] == ["hello from 0", 0]
         assert report["mesh"] == [["dp", "tp"], [[0], [1]]]
+        # Every group behind a gang or a mesh dim has the gang's timeout, not torch's default.
+        assert report["timeouts"] and set(report["timeouts"]) == {14 * 60.0}
     assert reports[0]["make_gang_single"] == [0, 1]
     assert reports[1]["make_gang_single"] is None
 

@@ -18,6 +18,7 @@ from torch import nn
 from checkpoint import CheckpointManager
 from gangs import Gangs
 from recipes.llama import Llama, hf_config, llama_args
+from recipes.lm import flops_per_token
 from runtime.data.text import (
     IGNORE_INDEX,
     InstructionDataset,
@@ -474,3 +475,20 @@ def test_an_uneven_valid_set_scores_under_fsdp_what_it_scores_in_one_process(
     one, two = (read_jsonl(tmp_path / run / "metrics" / "valid.jsonl") for run in ("one", "two"))
     assert [r["step_nr"] for r in two] == [0, 1]
     assert two[0]["nll_loss"] == pytest.approx(one[0]["nll_loss"], rel=1e-5)
+
+
+def test_flops_per_token_count_what_multiplies_and_attention() -> None:
+    """6 per multiplying parameter (an embedding's lookup is not one, unless it is tied to the
+    output layer), plus 12 * layers * hidden size * seq_len for attention."""
+    model = nn.ModuleDict(
+        {
+            "embed": nn.Embedding(10, 4),
+            "block": nn.Linear(4, 4),
+            "head": nn.Linear(4, 10, bias=False),
+        }
+    )
+    hf = {"num_hidden_layers": 2, "hidden_size": 4}
+    attention = 12.0 * 2 * 4 * 16
+    assert flops_per_token(model, hf, 16) == 6.0 * (20 + 40) + attention
+    model["head"].weight = model["embed"].weight  # tied: one table, and it multiplies
+    assert flops_per_token(model, hf, 16) == 6.0 * (20 + 40) + attention

@@ -93,3 +93,26 @@ def test_state_of_other_metrics_is_rejected() -> None:
     other.register_metric("accuracy", Mean())
     with pytest.raises(ValueError, match="Register the same metrics"):
         make_bag().load_state_dict(other.state_dict())
+
+
+def _state_devices(bag: MetricBag) -> set[torch.device]:
+    return {
+        value.device
+        for metric in bag.metrics.values()
+        for value in metric.state_dict().values()
+        if isinstance(value, torch.Tensor)
+    } | {metric.device for metric in bag.metrics.values()}
+
+
+def test_to_moves_every_metric_and_keeps_them_there() -> None:
+    """The bag's metrics stay on its device: those registered after to(), and states loaded
+    from a checkpoint (on the CPU)."""
+    meta = torch.device("meta")
+    bag = make_bag()
+    saved = make_bag().state_dict()
+    assert bag.to(meta) is bag
+    bag.register_metric("later", Sum())
+    assert _state_devices(bag) == {meta}
+    saved["later"] = Sum().state_dict()
+    bag.load_state_dict(saved)
+    assert _state_devices(bag) == {meta}

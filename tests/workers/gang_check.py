@@ -4,16 +4,33 @@ from __future__ import annotations
 
 import json
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
-from gangs import FakeGang, GangError, ReduceOperation, setup_gangs
+from gangs import FakeGang, Gang, GangError, ProcessGroupGang, ReduceOperation, setup_gangs
 from tests.workers.leave import leave
+
+GANG_TIMEOUT = timedelta(minutes=14)
+"""Not torch's default (30 minutes), so a group that did not get the gang's timeout shows."""
+
+
+def _timeouts(*gangs_and_mesh: object) -> list[float]:
+    """The collective timeout, in seconds, of each process group behind the gangs and the mesh
+    dims (read from the CPU backend's options: torch has no public getter)."""
+    groups = []
+    for item in gangs_and_mesh:
+        if isinstance(item, ProcessGroupGang):
+            groups.append(item.as_process_group())
+        elif item is not None and not isinstance(item, Gang):
+            groups += [item[name].get_group() for name in item.mesh_dim_names]  # type: ignore[attr-defined]
+    options = [g._get_backend(torch.device("cpu")).options for g in groups]
+    return [o._timeout.total_seconds() for o in options]
 
 
 def main(output_dir: Path, tp_size: int, dp_shard_size: int | None) -> None:
-    gangs = setup_gangs(tp_size=tp_size, dp_shard_size=dp_shard_size)
+    gangs = setup_gangs(tp_size=tp_size, dp_shard_size=dp_shard_size, timeout=GANG_TIMEOUT)
     root, dp, tp = gangs.root, gangs.dp, gangs.tp
     report: dict[str, object] = {
         "root": [root.rank, root.size],
@@ -60,6 +77,8 @@ def main(output_dir: Path, tp_size: int, dp_shard_size: int | None) -> None:
             report["dp_mesh"] = gangs.dp_mesh.mesh.tolist()
         except GangError as ex:  # HSDP x TP off the private path (gangs.torch_versions)
             report["dp_mesh_error"] = str(ex)
+    everyone = root.make_gang(list(range(root.size)))
+    report["timeouts"] = _timeouts(root, gangs.dp, gangs.tp, everyone, mesh)
     root.barrier()
     (output_dir / f"rank_{root.rank}.json").write_text(json.dumps(report))
     leave(root)

@@ -46,16 +46,25 @@ def tensor_devices(batch: Any) -> set[torch.device]:
 
 def pin_memory(batch: T) -> T:
     """``batch`` with every CPU tensor inside it in pinned (page-locked) host memory, so that a
-    ``non_blocking`` copy to CUDA does not make the host wait."""
+    ``non_blocking`` copy to CUDA does not make the host wait. An object that moves itself with
+    ``to()`` is pinned by its ``pin_memory()`` method, when it has one (as torch's own batches
+    do); without one, its copy waits for the host."""
     pinned: T = _map_tensors(
-        batch, lambda t: t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t
+        batch,
+        lambda t: t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t,
+        pin=True,
     )
     return pinned
 
 
 def _map_tensors(
-    value: Any, fn: Callable[[Tensor], Tensor], device: torch.device | None = None
+    value: Any,
+    fn: Callable[[Tensor], Tensor],
+    device: torch.device | None = None,
+    pin: bool = False,
 ) -> Any:
+    """``value`` with ``fn`` applied to each tensor inside it; other leaves move to ``device``
+    with their ``to()``, or pin with their ``pin_memory()`` with ``pin``, when they can."""
     if isinstance(value, Tensor):
         return fn(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -63,18 +72,20 @@ def _map_tensors(
         for field in dataclasses.fields(value):
             # object.__setattr__: frozen dataclasses too.
             object.__setattr__(
-                moved, field.name, _map_tensors(getattr(value, field.name), fn, device)
+                moved, field.name, _map_tensors(getattr(value, field.name), fn, device, pin)
             )
         return moved
     if isinstance(value, Mapping):
-        items = {key: _map_tensors(item, fn, device) for key, item in value.items()}
+        items = {key: _map_tensors(item, fn, device, pin) for key, item in value.items()}
         return items if type(value) is dict else _rebuild(value, items)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
-        return type(value)(*(_map_tensors(item, fn, device) for item in value))
+        return type(value)(*(_map_tensors(item, fn, device, pin) for item in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(_map_tensors(item, fn, device) for item in value)
+        return type(value)(_map_tensors(item, fn, device, pin) for item in value)
     if device is not None and callable(getattr(value, "to", None)):
         return value.to(device, non_blocking=True)
+    if pin and callable(getattr(value, "pin_memory", None)):
+        return value.pin_memory()
     return value
 
 

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from checkpoint.arguments import check_positive
 from gangs import Gangs, ReduceOperation
+from runtime.metrics.device_peaks import matmul_precision, peak_flops
 from runtime.training.non_finite import NonFiniteGuard
 from runtime.training.state import check_state_keys
 from runtime.training.step import StepOutput
@@ -32,29 +33,6 @@ _WINDOW_KEYS = (
     "num_steps",
     "num_skipped_steps",
 )
-
-
-# Dense (not sparse) bf16 tensor-core peaks from the data sheets, by a part of the name CUDA
-# gives the device; the first match wins, so a variant comes before its family.
-PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989e12),
-    ("H200", 989e12),
-    ("H800", 989e12),
-    ("A100", 312e12),
-    ("A800", 312e12),
-    ("L40S", 362e12),
-    ("L4", 121e12),
-)
-
-
-def peak_bf16_flops(device_name: str) -> float | None:
-    """The dense bf16 peak FLOP/s of the device CUDA names ``device_name``; None if unknown."""
-    for part, flops in PEAK_BF16_FLOPS:
-        if part in device_name:
-            return flops
-    return None
 
 
 @final
@@ -86,21 +64,27 @@ class Throughput:
         *,
         device_name: str | None,
         num_parameters: int,
+        compute_dtype: torch.dtype = torch.bfloat16,
     ) -> Throughput:
         """What ``mfu`` needs, with the gaps filled where the device is known.
 
-        On a device of :data:`PEAK_BF16_FLOPS` (``device_name``, None for a CPU), a missing
-        ``device_peak_flops`` is its dense bf16 peak, and a missing ``flops_per_target`` is
-        ``6 * num_parameters`` (forward and backward of a dense transformer, attention left
-        out). On a CUDA device of unknown peak, ``mfu`` is not published unless
-        ``device_peak_flops`` is given; on a CPU both are the caller's to give.
+        On a device of :data:`~runtime.metrics.device_peaks.PEAK_FLOPS` (``device_name``, None
+        for a CPU), a missing ``device_peak_flops`` is its dense peak in the precision a model
+        computing in ``compute_dtype`` runs its matmuls in (float32 counts as TF32 when torch
+        allows TF32), and a missing ``flops_per_target`` is ``6 * num_parameters`` (forward and
+        backward of a dense transformer, attention left out). On a CUDA device of unknown peak,
+        ``mfu`` is not published unless ``device_peak_flops`` is given; on a CPU both are the
+        caller's to give.
         """
         if device_peak_flops is None and device_name is not None:
-            device_peak_flops = peak_bf16_flops(device_name)
+            precision = matmul_precision(compute_dtype)
+            device_peak_flops = peak_flops(device_name, precision)
             if device_peak_flops is None:
                 log.warning(
-                    "mfu is not published: the peak FLOP/s of a %s is not known. Give the "
-                    "Trainer device_peak_flops (its dense bf16 peak) to publish it.",
+                    "mfu is not published: the %s peak FLOP/s of a %s is not known. Give the "
+                    "Trainer device_peak_flops (its dense peak in the training precision) to "
+                    "publish it.",
+                    precision,
                     device_name,
                 )
                 return Throughput()

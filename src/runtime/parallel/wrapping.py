@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal
 
@@ -21,6 +22,14 @@ if TYPE_CHECKING:
 # it applies, so a run without them never pays for it.
 
 DataParallelKind = Literal["ddp", "fsdp", "hsdp"]
+
+_FSDP_PARAM_DTYPES: weakref.WeakKeyDictionary[Module, torch.dtype] = weakref.WeakKeyDictionary()
+"""The ``param_dtype`` each model was sharded with: FSDP2 has no public getter of its policy."""
+
+
+def fsdp_param_dtype(model: Module) -> torch.dtype | None:
+    """The dtype :func:`apply_data_parallel` had FSDP2 compute ``model`` in, if it gave one."""
+    return _FSDP_PARAM_DTYPES.get(model)
 
 
 def apply_tensor_parallel(model: Module, gangs: Gangs, plan: Mapping[str, ParallelStyle]) -> Module:
@@ -97,6 +106,8 @@ def apply_data_parallel(
             if isinstance(module, fsdp_units):
                 fully_shard(module, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
+        if param_dtype is not None:
+            _FSDP_PARAM_DTYPES[model] = param_dtype
         return model
     return _wrap_ddp(model, gangs, ddp_options)
 

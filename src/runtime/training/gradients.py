@@ -176,8 +176,9 @@ class Gradients:
         if not grouped and not sparse:
             return None
         if self._non_finite is None or self._inverse is None:
-            self._non_finite = torch.zeros((), device=self._device)
-            self._inverse = torch.full((), factor, device=self._device)
+            # float32 whatever the default dtype: the fused kernel takes nothing else.
+            self._non_finite = torch.zeros((), dtype=torch.float32, device=self._device)
+            self._inverse = torch.full((), factor, dtype=torch.float32, device=self._device)
         elif factor != self._factor:
             self._inverse.fill_(factor)
         self._factor = factor
@@ -200,7 +201,7 @@ class Gradients:
         norms = [_group_norm(grads) for grads, _, _ in grouped]
         norms += self._sparse.norms(self._sparse_grads())
         if not norms:
-            return torch.zeros(())
+            return torch.zeros((), dtype=torch.float32)
         # With one group, sqrt(norm ** 2) is norm exactly (binary floating point), so skip the ops.
         if len(norms) == 1:
             return norms[0]

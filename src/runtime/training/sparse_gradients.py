@@ -56,8 +56,10 @@ def check_sparse_outside_ddp(model: Module) -> None:
 def reduce_sparse_gradient(grad: Tensor, gang: Gang) -> Tensor:
     """The mean of the coalesced sparse ``grad`` over ``gang``, coalesced."""
     indices, values = grad.indices(), grad.values()
-    nnz = torch.tensor([indices.shape[1]], dtype=torch.int64, device=values.device)
-    counts = torch.empty((gang.size, 1), dtype=torch.int64, device=values.device)
+    # The row count is a shape, known on the host: gathered in CPU tensors (gloo on CUDA), the
+    # counts are read without waiting for the device.
+    nnz = torch.tensor([indices.shape[1]], dtype=torch.int64, device="cpu")
+    counts = torch.empty((gang.size, 1), dtype=torch.int64, device="cpu")
     gang.all_gather(counts, nnz)
     sizes = counts.flatten().tolist()
     longest = max(sizes)

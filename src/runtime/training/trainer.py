@@ -23,6 +23,7 @@ from checkpoint import AbstractCheckpointManager, CheckpointChoice, RetentionPol
 from gangs import Gang, Gangs
 from runtime.data import DataReader
 from runtime.data.device import DeviceDataReader
+from runtime.metrics.device_peaks import compute_dtype
 from runtime.metrics.profiler import TorchProfiler
 from runtime.metrics.progress import make_progress_display
 from runtime.metrics.recorders import MetricRecorder, RecorderOptions, make_recorder
@@ -120,6 +121,9 @@ class Trainer(Generic[BatchT]):
     ) -> None:
         gangs = _resolve_gangs(gangs, root_gang, dp_gang, tp_gang)
         check_model_device(unit.model, gangs.root.device)
+        for bag in (unit.metric_bag, *(u.metric_bag for u in valid_units or ())):
+            # Units update their metrics with the losses they compute, on the gangs' device.
+            bag.to(gangs.root.device)
         # The keywords above, each turned into the option group that uses it; from here on only
         # the groups travel.
         schedules = _schedules(
@@ -145,6 +149,7 @@ class Trainer(Generic[BatchT]):
         self._unit, self._gangs, self._anomaly_detection = unit, gangs, anomaly_detection
         self._callbacks = CallbackList(callbacks)
         self._checkpoint_manager, self._scoring = checkpoint_manager, scoring
+        precision = Precision(dtype, amp, fp16_loss_scale)
         batch_device = gangs.root.device if move_batches_to_device else None
         data_reader, valid_data_readers = self._take_readers(
             data_reader, valid_data_readers, batch_device
@@ -155,7 +160,7 @@ class Trainer(Generic[BatchT]):
             optimizer=optimizer,
             gangs=gangs,
             lr_scheduler=lr_scheduler,
-            precision=Precision(dtype, amp, fp16_loss_scale),
+            precision=precision,
             max_gradient_norm=max_gradient_norm,
             nan_policy=nan_policy,
             max_consecutive_skipped_steps=max_consecutive_skipped_steps,
@@ -166,7 +171,7 @@ class Trainer(Generic[BatchT]):
         self._progress = make_progress_display(enabled=progress and gangs.root.rank == 0)
         self._validator = self._make_validator(valid_units, valid_data_readers, max_num_valid_steps)
         self._checkpointer = self._make_checkpointer(self._train_step.optimizers, checkpointing)
-        throughput = _throughput(unit, gangs, flops_per_target, device_peak_flops)
+        throughput = _throughput(unit, gangs, flops_per_target, device_peak_flops, precision)
         self._loop = TrainLoop(
             data_reader=data_reader,
             train_step=self._train_step,
@@ -341,6 +346,7 @@ def _throughput(
     gangs: Gangs,
     flops_per_target: float | None,
     device_peak_flops: float | None,
+    precision: Precision,
 ) -> Throughput:
     device = gangs.root.device
     # numel() of a DTensor (FSDP2, TP) is that of the whole parameter, not of this rank's shard.
@@ -349,6 +355,9 @@ def _throughput(
         device_peak_flops,
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         num_parameters=sum(p.numel() for p in unit.model.parameters()),
+        compute_dtype=compute_dtype(
+            unit.model, autocast_dtype=precision.dtype if precision.amp else None
+        ),
     )
 
 

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from gangs import Gangs
 from runtime import apply_data_parallel
-from runtime.data import DeviceDataReader, MapDataReader, move_to_device
+from runtime.data import DeviceDataReader, MapDataReader, move_to_device, pin_memory
 from runtime.parallel.placement import check_model_device
 from tests.conftest import make_toy_trainer
 
@@ -60,6 +60,28 @@ def test_every_tensor_inside_a_batch_moves_and_other_leaves_stay() -> None:
     assert moved["name"] == "batch 1"
     # The batch the reader made is left as it was.
     assert batch["x"].device.type == "cpu" and batch["frozen"].tokens.device.type == "cpu"
+
+
+class PinnableMovable(Movable):
+    """An object that moves itself, and pins itself as torch's own batches do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pinned = False
+
+    def pin_memory(self) -> PinnableMovable:
+        pinned = PinnableMovable()
+        pinned.pinned = True
+        return pinned
+
+
+def test_objects_that_move_themselves_are_pinned_by_their_pin_memory() -> None:
+    """Else their non-blocking copy from pageable memory makes the host wait. An object without
+    pin_memory() stays as it is."""
+    plain = Movable()
+    batch = pin_memory({"pinnable": [PinnableMovable()], "plain": plain, "label": "x"})
+    assert batch["pinnable"][0].pinned
+    assert batch["plain"] is plain and batch["label"] == "x"
 
 
 def test_a_tensor_already_on_the_device_is_not_copied() -> None:

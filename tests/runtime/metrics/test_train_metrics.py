@@ -12,10 +12,13 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from gangs import Gangs
 from runtime import NonFiniteError, TrainerCallback
-from runtime.metrics.train_metrics import Throughput, TrainMetrics, peak_bf16_flops
+from runtime.metrics.device_peaks import compute_dtype, peak_flops
+from runtime.metrics.train_metrics import Throughput, TrainMetrics
+from runtime.parallel import wrapping
 from runtime.training.non_finite import NonFiniteGuard
 from runtime.training.step import StepOutput
 from tests.conftest import make_toy_trainer, read_jsonl
@@ -129,11 +132,12 @@ def test_memory_and_throughput_are_published(
         ("NVIDIA A100-SXM4-80GB", 312e12),
         ("NVIDIA L40S", 362e12),
         ("NVIDIA L4", 121e12),
+        ("NVIDIA L40", 181e12),  # not an L4
         ("Tesla V100-SXM2-32GB", None),
     ],
 )
 def test_the_peak_of_common_cuda_devices_is_known(device_name: str, peak: float | None) -> None:
-    assert peak_bf16_flops(device_name) == peak
+    assert peak_flops(device_name, "bf16") == peak
 
 
 def test_mfu_on_a_known_cuda_device_needs_no_arguments() -> None:
@@ -149,6 +153,47 @@ def test_mfu_on_a_known_cuda_device_needs_no_arguments() -> None:
     assert given.mfu(1e5) == pytest.approx(1e5 * 8e6 / 500e12)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "matmul_precision", "peak"),
+    [
+        (torch.bfloat16, "highest", 989e12),
+        (torch.float16, "highest", 989e12),
+        (torch.float32, "high", 495e12),  # TF32 allowed
+        (torch.float32, "highest", 67e12),  # torch's default: no TF32
+    ],
+)
+def test_mfu_divides_by_the_peak_of_the_precision_that_runs(
+    dtype: torch.dtype, matmul_precision: str, peak: float
+) -> None:
+    """A float32 run over the bf16 peak would report a fifteenth of its utilization."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(matmul_precision)
+    try:
+        throughput = Throughput.for_device(
+            None,
+            None,
+            device_name="NVIDIA H100 80GB HBM3",
+            num_parameters=1_000_000,
+            compute_dtype=dtype,
+        )
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert throughput.device_peak_flops == peak
+
+
+def test_the_compute_dtype_is_autocasts_then_fsdp2s_then_the_parameters() -> None:
+    model = nn.Linear(2, 2)
+    assert compute_dtype(model, autocast_dtype=None) == torch.float32
+    assert compute_dtype(model, autocast_dtype=torch.bfloat16) == torch.bfloat16
+    assert compute_dtype(model.to(torch.bfloat16), autocast_dtype=None) == torch.bfloat16
+    # FSDP2's param_dtype, as apply_data_parallel gave it (its policy has no public getter).
+    # (A weak key: it goes with the module.)
+    sharded = nn.Linear(2, 2)
+    wrapping._FSDP_PARAM_DTYPES[sharded] = torch.bfloat16
+    assert compute_dtype(sharded, autocast_dtype=None) == torch.bfloat16
+    assert compute_dtype(sharded, autocast_dtype=torch.float16) == torch.float16
+
+
 def test_mfu_on_an_unknown_device_is_not_published_unless_its_peak_is_given(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -157,7 +202,7 @@ def test_mfu_on_an_unknown_device_is_not_published_unless_its_peak_is_given(
             8e6, None, device_name="Tesla V100-SXM2-32GB", num_parameters=10
         )
     assert unknown.mfu(1e5) is None
-    assert "the peak FLOP/s of a Tesla V100-SXM2-32GB is not known" in caplog.text
+    assert "the bf16 peak FLOP/s of a Tesla V100-SXM2-32GB is not known" in caplog.text
     # On a CPU nothing is guessed: no arguments, no mfu.
     assert Throughput.for_device(None, None, device_name=None, num_parameters=10).mfu(1.0) is None
 

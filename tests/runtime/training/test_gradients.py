@@ -47,6 +47,30 @@ def test_normalize_makes_the_bits_of_foreach_mul(dtype: torch.dtype) -> None:
 
 
 @on_both_paths
+def test_normalize_norm_and_clip_under_a_bfloat16_default_dtype() -> None:
+    """The factor and the flag are float32 whatever torch's default dtype (a model built under
+    ``set_default_dtype(torch.bfloat16)`` to save memory)."""
+    model = model_with_grads(torch.bfloat16)
+    factor = 2.0 / 37.0
+    expected = [
+        (g.float() * torch.tensor(factor, dtype=torch.float32)).bfloat16() for g in grads_of(model)
+    ]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        gradients = Gradients(model)
+        flag = gradients.normalize(factor)
+        gradients.clip(1e-3, gradients.norm())
+        empty_norm = Gradients(nn.Linear(2, 2)).norm()
+    finally:
+        torch.set_default_dtype(previous)
+    assert flag is not None and flag.dtype == torch.float32 and flag.item() == 0
+    assert empty_norm.dtype == torch.float32
+    for actual, wanted in zip(grads_of(model), expected, strict=True):
+        assert actual.abs().max() <= wanted.abs().max()
+
+
+@on_both_paths
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_normalize_scales_half_gradients_by_a_float32_factor(dtype: torch.dtype) -> None:
     # _foreach_mul_ with a Python float rounds the factor to the gradient's dtype first (for

@@ -778,3 +778,32 @@ def test_max_num_valid_steps_must_be_positive(tmp_path: Path) -> None:
 def test_a_validation_schedule_without_valid_units_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no valid_units are given"):
         make_toy_trainer(tmp_path, validate_every_n_steps=2)
+
+
+def test_the_trainer_moves_every_unit_metric_to_its_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torcheval keeps a metric on the CPU unless told otherwise, where a unit's update with a
+    CUDA loss fails: the Trainer moves the train and valid units' metrics to the gangs' device.
+    On the CPU no move shows, so every metric's to() is watched."""
+    from torcheval.metrics import Metric
+
+    moved_to: dict[int, torch.device] = {}
+    original_to = Metric.to
+
+    def watched_to(metric: Metric[Any], device: Any, *args: Any, **kwargs: Any) -> Any:
+        moved_to[id(metric)] = torch.device(device)
+        return original_to(metric, device, *args, **kwargs)
+
+    monkeypatch.setattr(Metric, "to", watched_to)
+    model = ToyModel()
+    unit = ToyUnit(model, mean_loss=False, zero_targets=False)
+    valid_units = [ToyEvalUnit(model, "a"), ToyEvalUnit(model, "b")]
+    assert not moved_to
+    trainer = make_trainer(
+        tmp_path, unit=unit, units=lambda _: valid_units, validate_every_n_steps=3
+    )
+    device = trainer.gangs.root.device
+    for bag in [unit.metric_bag, *(u.metric_bag for u in valid_units)]:
+        for name, metric in bag.metrics.items():
+            assert moved_to.get(id(metric)) == device, name

@@ -1,0 +1,88 @@
+"""scripts/gpu_check.sh, the first run on a GPU machine: its dry run checks every part here, and
+its parts run under their own time limits into one report."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from tests.conftest import REPO_ROOT, child_env
+
+
+def load_gpu_check() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO_ROOT / "scripts/gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_check = load_gpu_check()
+
+
+def test_the_dry_run_checks_every_part(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [str(REPO_ROOT / "scripts/gpu_check.sh"), str(tmp_path), "--dry-run"],
+        env=child_env({"PYTHON": sys.executable, "WHEELS_DIR": str(tmp_path / "no-wheels")}),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = (tmp_path / "report.md").read_text()
+    for part in gpu_check.make_parts(tmp_path):
+        assert f"| {part.name} | {part.what} | checked |" in report
+    assert (tmp_path / "data" / "train.txt").stat().st_size > 0
+
+
+def test_the_dry_run_names_what_would_stop_a_part(tmp_path: Path) -> None:
+    part = gpu_check.Part(
+        "broken",
+        "a recipe with a key it does not have",
+        [sys.executable, "-m", "recipes.no_such_recipe"],
+        10,
+        gpu_check.training_figure,
+        [("recipes.char_lm", "CharLMConfig", ["trainer.max_num_stepz=3"])],
+    )
+    problems = gpu_check.check_part(part)
+    assert problems[0] == "no module recipes.no_such_recipe"
+    assert "max_num_stepz" in problems[1]
+
+
+def python_part(name: str, code: str, timeout_s: int) -> object:
+    return gpu_check.Part(
+        name, name, [sys.executable, "-c", code], timeout_s, gpu_check.bench_figure(("x",))
+    )
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="needs coreutils' timeout")
+def test_each_part_has_its_time_limit_and_the_report_its_figure(tmp_path: Path) -> None:
+    fast = python_part("fast", "print('BENCH_RESULT {\"x\": 2.5}')", 30)
+    hung = python_part("hung", "import time; time.sleep(60)", 1)
+    rows = gpu_check.run_parts([fast, hung], tmp_path, budget_s=60)
+    late = gpu_check.run_parts([fast], tmp_path, budget_s=5)  # no time left for it
+    assert [row.status for row in rows + late] == [
+        "passed",
+        "timed out (1 s)",
+        "not run: the budget is spent; rerun with --parts fast",
+    ]
+    assert rows[0].figure == "x 2.5"
+    report = gpu_check.write_report(tmp_path, rows, ["- Device: none"], "GPU check").read_text()
+    assert "| fast | fast | passed | x 2.5 |" in report and "logs/hung.log |" in report
+    assert "import time" in (tmp_path / "logs" / "hung.log").read_text()
+
+
+def test_the_report_compares_the_trainer_with_the_hand_written_loop(tmp_path: Path) -> None:
+    (tmp_path / "logs").mkdir()
+    for loop, tokens_per_s in (("hand", 1000.0), ("trainer", 990.0)):
+        log = tmp_path / "logs" / f"bench_1b_{loop}.log"
+        log.write_text(f'warming up\nBENCH_RESULT {{"tokens_per_s": {tokens_per_s}}}\n')
+    (line,) = gpu_check.trainer_against_hand(tmp_path)
+    assert "tokens per second = 0.990 (goal: >= 0.98)" in line
