@@ -17,6 +17,9 @@ from pathlib import Path
 from torch import Tensor
 
 HF_FILES_DIR = "hf"
+PEFT_FILES_DIR = "peft"
+"""Where a LoRA run keeps peft's ``adapter_config.json`` (not in ``hf/``: ``from_pretrained``
+would take a directory holding one for an adapter)."""
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 
