@@ -8,7 +8,8 @@ worker processes and packed into sequences (``task=pretrain``), or prompt/respon
 on the responses only (``task=sft``). Run it with
 ``torchrun --standalone --nproc-per-node 8 -m recipes.lm OUTPUT_DIR --config model.hf_path=DIR
 data.train=train.jsonl``; ``python -m runtime export OUTPUT_DIR DEST --format hf`` writes a
-Hugging Face directory of the result.
+Hugging Face directory of the result. ``lora.rank=N`` fine-tunes LoRA adapters instead (peft; see
+:mod:`recipes.lora`), which ``--format peft`` exports.
 """
 
 from __future__ import annotations
