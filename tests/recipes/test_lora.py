@@ -17,6 +17,7 @@ import torch
 from checkpoint import CheckpointManager
 from checkpoint.dcp_io import load_whole
 from gangs import Gangs
+from recipes.lm import LMConfig, build_model, load_recipe_tokenizer
 from tests.conftest import (
     REPO_ROOT,
     assert_ok,
@@ -127,6 +128,7 @@ def test_a_lora_run_under_ddp_resumes_bitwise_after_kill_9(tmp_path: Path) -> No
     train = write_jsonl(tmp_path / "train.jsonl", [{"text": s} for s in repeated(300, seed=2)])
     config = lora_config(
         model_dir, train, "data_parallel=ddp", "lora.dropout=0.1", "trainer.max_num_steps=12",
+        "model.activation_checkpointing=true",
         "trainer.checkpoint_every_n_steps=4", "trainer.keep_last_n_checkpoints=null",
     )  # fmt: skip
     reference = tmp_path / "reference"
@@ -203,7 +205,6 @@ def test_a_lora_checkpoint_is_a_fraction_of_a_full_one(tmp_path: Path) -> None:
 def test_a_lora_config_that_cannot_work_is_refused_with_the_fix(
     tmp_path: Path, changes: dict[str, dict[str, object]], message: str
 ) -> None:
-    from recipes.lm import LMConfig
     from runtime.cli.config import ConfigError, config_from_dict
 
     (tmp_path / "config.json").write_text("{}")
@@ -231,3 +232,34 @@ def test_target_modules_that_match_no_layer_name_the_linear_layers() -> None:
         model = transformers.LlamaForCausalLM(config)
     with pytest.raises(ValueError, match=r"\['wq'\] names no layer .* down_proj, gate_proj"):
         apply_lora(model, LoraSection(rank=2, target_modules=["wq"]), lambda name, module: None)
+
+
+def test_the_adapted_model_starts_as_its_base(tmp_path: Path) -> None:
+    """Built on meta and materialized by the recipe, then the base loaded from init_from under
+    the adapted names: B is zero and A is not, so the logits are the base model's."""
+    from runtime.cli.config import config_from_dict
+    from runtime.training.initial_weights import load_initial_weights
+
+    model_dir = make_hf_llama_dir(tmp_path / "model")
+    config = config_from_dict(
+        LMConfig,
+        {"model": {"hf_path": str(model_dir)}, "data": {"train": "x"}, "lora": {"rank": 4}},
+    )
+    gangs = Gangs.single()
+    built = build_model(config, gangs, load_recipe_tokenizer(config))
+    assert built.lora is not None
+    source = built.lora.trainer_options(model_dir)["init_from"]
+    loaded = load_initial_weights(built.model, source, gangs=gangs)
+    assert sorted(loaded.skipped_keys) == sorted(
+        name for name, param in built.model.named_parameters() if param.requires_grad
+    )
+    for name, param in built.model.named_parameters():
+        assert param.requires_grad == (".lora_" in name), name
+        if ".lora_B." in name:
+            assert not param.any(), name
+        elif ".lora_A." in name:
+            assert param.abs().min() > 0, name
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokens = torch.randint(0, base.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(built.model.eval()(tokens).logits, base(tokens).logits)
