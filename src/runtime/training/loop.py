@@ -117,7 +117,7 @@ class TrainLoop(Generic[BatchT]):
         frozen base of a LoRA run, say).
         """
         self._seed_rngs(step_nr=0)
-        reloads_initial_weights = self._checkpointer.options.exclude
+        reloads_initial_weights = bool(self._checkpointer.options.exclude)
         if reloads_initial_weights:
             self._checkpointer.load_initial_weights()
         loaded = self._checkpointer.load_last()
