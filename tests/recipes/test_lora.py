@@ -69,15 +69,26 @@ def directory_bytes(path: Path) -> int:
 
 
 @pytest.mark.distributed
-def test_lora_under_fsdp2_trains_the_adapters_and_exports_them(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("nproc", "layout"),
+    [
+        (2, ("data_parallel=fsdp",)),
+        pytest.param(
+            4, ("data_parallel=hsdp", "gang.dp_shard_size=2"), id="hsdp", marks=pytest.mark.slow
+        ),
+    ],
+    ids=["fsdp2", "hsdp"],
+)
+def test_lora_sharded_trains_the_adapters_and_exports_them(
+    tmp_path: Path, nproc: int, layout: tuple[str, ...]
+) -> None:
     model_dir = make_hf_llama_dir(tmp_path / "model")
     train = write_jsonl(tmp_path / "train.jsonl", [{"text": s} for s in repeated(200, seed=2)])
     out = tmp_path / "run"
     config = lora_config(
-        model_dir, train, "data_parallel=fsdp", "trainer.max_num_steps=8",
-        "trainer.checkpoint_every_n_steps=8",
-    )  # fmt: skip
-    assert_ok(torchrun(2, *recipe_args(out, *config), timeout=600))
+        model_dir, train, *layout, "trainer.max_num_steps=8", "trainer.checkpoint_every_n_steps=8"
+    )
+    assert_ok(torchrun(nproc, *recipe_args(out, *config), timeout=600))
     values = losses(out)
     assert len(values) == 8 and values[-1] < values[0], values
 
