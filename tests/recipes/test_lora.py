@@ -18,10 +18,12 @@ from checkpoint import CheckpointManager
 from checkpoint.dcp_io import load_whole
 from gangs import Gangs
 from recipes.lm import LMConfig, build_model, load_recipe_tokenizer
+from runtime.cli.tools import main as export_main
 from tests.conftest import (
     REPO_ROOT,
     assert_ok,
     child_env,
+    make_toy_trainer,
     run_python,
     torchrun,
     torchrun_command,
@@ -104,10 +106,7 @@ def test_lora_sharded_trains_the_adapters_and_exports_them(
 
     merged_dir, adapter_dir = tmp_path / "merged", tmp_path / "adapter"
     for destination, format in ((merged_dir, "hf"), (adapter_dir, "peft")):
-        result = run_python(
-            "-m", "runtime", "export", str(out), str(destination), "--format", format
-        )
-        assert_ok(result)
+        assert export_main(["export", str(out), str(destination), "--format", format]) == 0
     assert {p.name for p in adapter_dir.iterdir()} == {
         "adapter_config.json",
         "adapter_model.safetensors",
@@ -274,3 +273,13 @@ def test_the_adapted_model_starts_as_its_base(tmp_path: Path) -> None:
     tokens = torch.randint(0, base.config.vocab_size, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(built.model.eval()(tokens).logits, base(tokens).logits)
+
+
+def test_exporting_adapters_of_a_run_without_lora_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    make_toy_trainer(tmp_path, checkpoint_every_n_steps=1).run()
+    destination = tmp_path / "adapter"
+    assert export_main(["export", str(tmp_path), str(destination), "--format", "peft"]) == 2
+    assert "it is not a LoRA run, so it has no adapters to export" in capsys.readouterr().err
+    assert not destination.exists()

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
 from torch import Tensor
 
-from runtime.cli.hf_export import PEFT_FILES_DIR
+from runtime.cli.hf_export import PEFT_FILES_DIR, partial_directory, publish_directory
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -63,22 +62,16 @@ def write_peft_directory(
     from safetensors.torch import save_file  # type: ignore[import-not-found,unused-ignore]
 
     config = _adapter_config(output_dir)
-    _check_destination(destination)
+    partial = partial_directory(destination)
     tensors = {
         f"base_model.model.{layer}.lora_{ab}.weight": tensor.detach().contiguous().clone()
         for layer, pair in _adapters(state).items()
         for ab, tensor in pair.items()
     }
-    partial = destination.with_name(destination.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
     save_file(tensors, str(partial / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config["inference_mode"] = True
     (partial / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    if destination.exists():
-        destination.rmdir()
-    partial.replace(destination)
-    return sorted(destination.iterdir())
+    return publish_directory(partial, destination)
 
 
 def merged_state(state: Mapping[str, object], output_dir: Path) -> dict[str, Tensor]:
@@ -109,8 +102,3 @@ def merged_state(state: Mapping[str, object], output_dir: Path) -> dict[str, Ten
         delta = scaling * (pair["B"].float() @ pair["A"].float())
         merged[key] = (weight.float() + delta).to(weight.dtype)
     return merged
-
-
-def _check_destination(destination: Path) -> None:
-    if destination.exists() and any(destination.iterdir()):
-        raise ValueError(f"{destination} exists and is not empty. Give a new directory.")
