@@ -42,8 +42,9 @@ def check_frozen_run(out: Path) -> None:
         pytest.param(2, {"kinds": ["ddp", "fsdp"]}, marks=pytest.mark.slow),
         pytest.param(2, {"kinds": ["tp"], "tp_size": 2}, id="tp", marks=pytest.mark.slow),
         pytest.param(4, {"kinds": ["hsdp"], "dp_shard_size": 2}, id="hsdp", marks=pytest.mark.slow),
+        pytest.param(4, {"kinds": ["fsdp"], "tp_size": 2}, id="fsdp-tp", marks=pytest.mark.slow),
     ],
-    ids=["ddp-fsdp", "tp", "hsdp"],
+    ids=["ddp-fsdp", "tp", "hsdp", "fsdp-tp"],
 )
 def test_frozen_parameters_stay_frozen_and_are_restored(
     tmp_path: Path, run_torchrun: RunTorch, nproc: int, options: dict[str, object]
