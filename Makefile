@@ -17,7 +17,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e '.[dev,hf]'
+	$(BIN)/pip install --quiet -e '.[dev,hf,lora]'
 	touch $@
 
 train: $(BIN)/.installed
@@ -60,7 +60,7 @@ lint: $(BIN)/.installed
 
 # The frameworks the suite compares against come from the `bench` extra.
 $(BIN)/.bench-installed: $(BIN)/.installed
-	$(BIN)/pip install --quiet -e '.[dev,hf,bench]'
+	$(BIN)/pip install --quiet -e '.[dev,hf,lora,bench]'
 	touch $@
 
 bench: $(BIN)/.bench-installed

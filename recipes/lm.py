@@ -8,11 +8,13 @@ worker processes and packed into sequences (``task=pretrain``), or prompt/respon
 on the responses only (``task=sft``). Run it with
 ``torchrun --standalone --nproc-per-node 8 -m recipes.lm OUTPUT_DIR --config model.hf_path=DIR
 data.train=train.jsonl``; ``python -m runtime export OUTPUT_DIR DEST --format hf`` writes a
-Hugging Face directory of the result.
+Hugging Face directory of the result. ``lora.rank=N`` fine-tunes LoRA adapters instead (peft; see
+:mod:`recipes.lora`), which ``--format peft`` exports.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import shutil
@@ -42,6 +44,7 @@ from recipes.common import (
     trainer_options,
 )
 from recipes.llama import Llama, hf_config, llama_args, tensor_parallel_plan
+from recipes.lora import LoraAdapters, LoraSection, apply_lora
 from runtime import (
     DataReader,
     MapDataReader,
@@ -130,6 +133,7 @@ class LMConfig:
     optimizer: OptimizerSection = field(default_factory=lambda: OptimizerSection(lr=3e-4))
     trainer: TrainerSection = field(default_factory=TrainerSection)
     fsdp: FsdpSection = field(default_factory=FsdpSection)
+    lora: LoraSection = field(default_factory=LoraSection)
     data_parallel: Literal["auto", "ddp", "fsdp", "hsdp"] = "auto"
     """auto: HSDP with gang.dp_shard_size, else FSDP2 with TP, else DDP."""
     compile: bool = False
@@ -165,10 +169,35 @@ class LMConfig:
             ("gang.tp_size", self.gang.tp_size),
         ):
             check_positive(name, value)
+        if self.lora.rank is not None:
+            self._validate_lora()
         if self.data.document_mask and (model.hf_path is not None or self.task == "sft"):
             raise ValueError(
                 "data.document_mask needs the project's model (model.name) and task=pretrain: a "
                 "Hugging Face model gets no per-document mask here. Leave document_mask false."
+            )
+
+    def _validate_lora(self) -> None:
+        check_positive("lora.rank", self.lora.rank)
+        if self.model.hf_path is None or self.model.from_scratch:
+            raise ValueError(
+                "lora.rank adapts the weights of a Hugging Face model: give model.hf_path (and "
+                "leave model.from_scratch false), or drop lora.rank to train every weight."
+            )
+        if self.gang.tp_size > 1:
+            raise ValueError(
+                f"lora.rank trains under DDP and FSDP2/HSDP, not tensor parallelism, but "
+                f"gang.tp_size is {self.gang.tp_size}. Use gang.tp_size=1 (with "
+                "data_parallel=fsdp to shard the model)."
+            )
+        if not self.lora.target_modules:
+            raise ValueError(
+                "lora.target_modules is empty. Name the layers to adapt, e.g. [q_proj, v_proj]."
+            )
+        if importlib.util.find_spec("peft") is None:
+            raise ValueError(
+                "lora.rank needs the peft package, which is not installed. Install it with "
+                "pip install 'trainkit[lora]' (or pip install peft)."
             )
 
 
@@ -351,6 +380,7 @@ class BuiltModel:
     block_types: tuple[type[nn.Module], ...]
     flops_per_token: float
     hf_config: dict[str, Any]
+    lora: LoraAdapters | None = None
 
 
 def build_model(config: LMConfig, gangs: Gangs, tokenizer: Tokenizer) -> BuiltModel:
@@ -367,6 +397,9 @@ def build_model(config: LMConfig, gangs: Gangs, tokenizer: Tokenizer) -> BuiltMo
         init_fn, plan = model.init_module, tensor_parallel_plan(model)
         hf = hf_config(args, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
     block_types = _block_types(model)
+    lora = None
+    if config.lora.rank is not None:
+        lora, init_fn = apply_lora(model, config.lora, init_fn)
     kind = data_parallel_kind(config, gangs)
     if hf.get("tie_word_embeddings") and (kind != "ddp" or gangs.tp.size > 1):
         raise ValueError(
@@ -394,7 +427,8 @@ def build_model(config: LMConfig, gangs: Gangs, tokenizer: Tokenizer) -> BuiltMo
         model = apply_data_parallel(model, gangs, kind="ddp")
     if config.compile:
         compile_blocks(model, block_types=block_types)
-    return BuiltModel(model, block_types, flops_per_token(model, hf, config.data.seq_len), hf)
+    flops = flops_per_token(model, hf, config.data.seq_len)
+    return BuiltModel(model, block_types, flops, hf, lora)
 
 
 def flops_per_token(model: nn.Module, hf: Mapping[str, Any], seq_len: int) -> float:
@@ -495,6 +529,20 @@ def recipe(config: LMConfig, output_dir: Path) -> Trainer[Any]:
     init_from = config.init_from
     if init_from is None and config.model.hf_path is not None and not config.model.from_scratch:
         init_from = config.model.hf_path
+    options = trainer_options(
+        config.trainer,
+        output_dir=output_dir,
+        gangs=gangs,
+        wandb_project=config.wandb_project,
+        init_from=init_from,
+        flops_per_target=lambda: built.flops_per_token,
+        validates=valid_reader is not None,
+    )
+    if built.lora is not None:
+        assert init_from is not None  # LMConfig.validate: LoRA needs the base's weights
+        options |= built.lora.trainer_options(init_from)
+        if gangs.root.rank == 0:
+            built.lora.write_adapter_config(init_from, output_dir)
     return Trainer(
         unit=LMTrainUnit(built.model),
         data_reader=train_reader,
@@ -502,15 +550,7 @@ def recipe(config: LMConfig, output_dir: Path) -> Trainer[Any]:
         lr_scheduler=lr_scheduler,
         valid_units=[LMEvalUnit(built.model)] if valid_reader is not None else [],
         valid_data_readers=[valid_reader] if valid_reader is not None else [],
-        **trainer_options(
-            config.trainer,
-            output_dir=output_dir,
-            gangs=gangs,
-            wandb_project=config.wandb_project,
-            init_from=init_from,
-            flops_per_target=lambda: built.flops_per_token,
-            validates=valid_reader is not None,
-        ),
+        **options,
     )
 
 

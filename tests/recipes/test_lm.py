@@ -75,22 +75,24 @@ def write_jsonl(path: Path, records: list[dict[str, object]]) -> Path:
     return path
 
 
-def make_hf_llama_dir(directory: Path) -> Path:
-    """A tiny Hugging Face Llama saved here: config.json, model.safetensors, tokenizer files."""
+def make_hf_llama_dir(directory: Path, **overrides: object) -> Path:
+    """A tiny Hugging Face Llama saved here: config.json, model.safetensors, tokenizer files;
+    ``overrides`` change its ``LlamaConfig``."""
     make_tokenizer_dir(directory, sentences(200, seed=0))
     vocab_size = load_tokenizer(directory).vocab_size
-    config = transformers.LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    options: dict[str, object] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    config = transformers.LlamaConfig(**(options | overrides))
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
     return directory

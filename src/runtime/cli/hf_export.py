@@ -17,6 +17,9 @@ from pathlib import Path
 from torch import Tensor
 
 HF_FILES_DIR = "hf"
+PEFT_FILES_DIR = "peft"
+"""Where a LoRA run keeps peft's ``adapter_config.json`` (not in ``hf/``: ``from_pretrained``
+would take a directory holding one for an adapter)."""
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 
@@ -37,17 +40,13 @@ def write_hf_directory(
             "Hugging Face directory. --format hf needs a run of a recipe that keeps one "
             "(recipes.lm does); export to a .pt file instead."
         )
-    if destination.exists() and any(destination.iterdir()):
-        raise ValueError(f"{destination} exists and is not empty. Give a new directory.")
+    partial = partial_directory(destination)
     tensors = {
         key: value.detach().contiguous().clone()
         for key, value in state.items()
         if isinstance(value, Tensor)
     }
     shards = _shards(tensors, max_shard_bytes)
-    partial = destination.with_name(destination.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
     names = (
         ["model.safetensors"]
         if len(shards) == 1
@@ -66,6 +65,22 @@ def write_hf_directory(
     for file in sorted(source.iterdir()):
         if file.is_file():
             shutil.copy2(file, partial / file.name)
+    return publish_directory(partial, destination)
+
+
+def partial_directory(destination: Path) -> Path:
+    """A fresh, empty directory beside ``destination`` (which must be new or empty) to write an
+    export into; :func:`publish_directory` renames it to ``destination`` when complete."""
+    if destination.exists() and any(destination.iterdir()):
+        raise ValueError(f"{destination} exists and is not empty. Give a new directory.")
+    partial = destination.with_name(destination.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    return partial
+
+
+def publish_directory(partial: Path, destination: Path) -> list[Path]:
+    """Rename the complete ``partial`` to ``destination``; the files in it."""
     if destination.exists():
         destination.rmdir()
     partial.replace(destination)

@@ -14,6 +14,7 @@ from torch import Tensor
 from checkpoint import CheckpointChoice, CheckpointError, CheckpointManager
 from gangs import Gangs
 from runtime.cli.hf_export import write_hf_directory
+from runtime.cli.peft_export import is_lora_run, merged_state, write_peft_directory
 
 
 def list_checkpoints(output_dir: Path) -> str:
@@ -50,21 +51,27 @@ def export_model(
     step_nr: int | None,
     best: bool,
     lower_better: bool,
-    format: Literal["pt", "hf"] = "pt",
+    format: Literal["pt", "hf", "peft"] = "pt",
 ) -> tuple[int, list[Path]]:
     """Write the model of a checkpoint as one ``state_dict`` file for plain ``torch.load``.
 
     When the ``safetensors`` package is importable, a ``.safetensors`` file (the format other
     tools read) is written beside it; a ``destination`` ending in ``.safetensors`` gets only
     that. With ``format="hf"``, ``destination`` is a Hugging Face model directory instead (see
-    :mod:`runtime.cli.hf_export`). Returns the step exported (``step_nr``, the best scored one,
-    or by default the last) and the files written.
+    :mod:`runtime.cli.hf_export`; a LoRA run's adapters merged into its base), and with
+    ``format="peft"`` the adapters of a LoRA run (see :mod:`runtime.cli.peft_export`). Returns
+    the step exported (``step_nr``, the best scored one, or by default the last) and the files
+    written.
     """
     manager = CheckpointManager(output_dir / "checkpoints", Gangs.single())
     which: CheckpointChoice = step_nr if step_nr is not None else "best" if best else "last"
     step_nr = manager.select_checkpoint(which, lower_better=lower_better)
     state = manager.read_model_state(step_nr)
+    if format == "peft":
+        return step_nr, write_peft_directory(state, output_dir, destination)
     if format == "hf":
+        if is_lora_run(output_dir):
+            state = merged_state(state, output_dir)
         return step_nr, write_hf_directory(state, output_dir, destination)
     destination.parent.mkdir(parents=True, exist_ok=True)
     save_file = _safetensors_writer(required=destination.suffix == ".safetensors")
@@ -109,15 +116,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     listing.add_argument("output_dir", type=Path, metavar="OUTPUT_DIR")
 
     export = commands.add_parser(
-        "export", help="write a checkpoint's model as one state_dict file or a Hugging Face dir"
+        "export",
+        help="write a checkpoint's model as one state_dict file, a Hugging Face dir or an adapter",
     )
     export.add_argument("output_dir", type=Path, metavar="OUTPUT_DIR")
     export.add_argument("destination", type=Path, metavar="DEST")
     export.add_argument(
         "--format",
-        choices=("pt", "hf"),
+        choices=("pt", "hf", "peft"),
         default="pt",
-        help="pt: a state_dict file (and .safetensors); hf: a Hugging Face model directory",
+        help="pt: a state_dict file (and .safetensors); hf: a Hugging Face model directory "
+        "(a LoRA run's adapters merged in); peft: a LoRA run's adapters for PeftModel",
     )
     which = export.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, help="the step to export (default: the last)")

@@ -213,7 +213,30 @@ class _DcpLoader(_Loader):
             load(targets, process_group=self._gangs.root.as_process_group(), **safe)
 
 
+def read_weights(path: Path) -> Mapping[str, Tensor]:
+    """The tensors of the source ``path`` by name, in one process: a weights file or a Hugging
+    Face model directory (each tensor read when it is asked for), or a checkpoint (whole)."""
+    from checkpoint.dcp_io import load_whole
+
+    if path.is_file():
+        return _file_state(path)
+    if _is_hf_model_dir(path):
+        return _SafetensorsFiles(_hf_files_by_key(path))
+    if path.is_dir():
+        state = load_whole(find_step_dir(path) / "model")
+        return {key: value for key, value in state.items() if isinstance(value, Tensor)}
+    raise InitialWeightsError(
+        f"{path} does not exist: give a weights file, a Hugging Face model directory or a "
+        "checkpoint directory."
+    )
+
+
 def _file_source(path: Path) -> tuple[list[str], _Loader]:
+    tensors = _file_state(path)
+    return list(tensors), _FileLoader(path, tensors)
+
+
+def _file_state(path: Path) -> Mapping[str, Tensor]:
     state: Mapping[str, Tensor]
     if path.suffix == ".safetensors":
         try:
@@ -232,8 +255,7 @@ def _file_source(path: Path) -> tuple[list[str], _Loader]:
                 "file written by `python -m runtime export`."
             )
         state = loaded
-    tensors = {key: value for key, value in state.items() if isinstance(value, Tensor)}
-    return list(tensors), _FileLoader(path, tensors)
+    return {key: value for key, value in state.items() if isinstance(value, Tensor)}
 
 
 _HF_INDEX = "model.safetensors.index.json"
@@ -270,17 +292,20 @@ class _SafetensorsFiles(Mapping[str, Tensor]):
 
 
 def _hf_model_source(path: Path) -> tuple[list[str], _Loader]:
+    files_by_key = _hf_files_by_key(path)
+    return list(files_by_key), _FileLoader(path, _SafetensorsFiles(files_by_key))
+
+
+def _hf_files_by_key(path: Path) -> dict[str, Path]:
     import json
 
     if (path / _HF_INDEX).is_file():
         weight_map = json.loads((path / _HF_INDEX).read_text())["weight_map"]
-        files_by_key = {key: path / name for key, name in weight_map.items()}
-    else:
-        from safetensors import safe_open
+        return {key: path / name for key, name in weight_map.items()}
+    from safetensors import safe_open
 
-        with safe_open(str(path / _HF_SINGLE), framework="pt", device="cpu") as file:
-            files_by_key = {key: path / _HF_SINGLE for key in file.keys()}  # noqa: SIM118
-    return list(files_by_key), _FileLoader(path, _SafetensorsFiles(files_by_key))
+    with safe_open(str(path / _HF_SINGLE), framework="pt", device="cpu") as file:
+        return {key: path / _HF_SINGLE for key in file.keys()}  # noqa: SIM118
 
 
 def find_step_dir(path: Path) -> Path:

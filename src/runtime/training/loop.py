@@ -112,11 +112,18 @@ class TrainLoop(Generic[BatchT]):
         """Seed this rank, then load the newest intact checkpoint if there is one.
 
         A fresh run (no checkpoint) starts from the Trainer's ``init_from`` weights, if given.
+        A run whose checkpoints leave entries out (``checkpoint_exclude``) loads ``init_from``
+        under every checkpoint too: the entries left out come back from where they started (the
+        frozen base of a LoRA run, say).
         """
         self._seed_rngs(step_nr=0)
+        reloads_initial_weights = bool(self._checkpointer.options.exclude)
+        if reloads_initial_weights:
+            self._checkpointer.load_initial_weights()
         loaded = self._checkpointer.load_last()
         if loaded is None:
-            self._checkpointer.load_initial_weights()
+            if not reloads_initial_weights:
+                self._checkpointer.load_initial_weights()
             return
         self.load_state_dict(loaded.trainer_state, resharded=loaded.resharded)
         log.info("Resumed from the checkpoint of step %d.", self.state.step_nr)

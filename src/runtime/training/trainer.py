@@ -319,6 +319,9 @@ class Trainer(Generic[BatchT]):
         """
         evaluator = self._validator.evaluator(run_prefix="eval")
         try:
+            if self._checkpointer.options.exclude:
+                # What the checkpoints leave out comes from init_from, as on resume.
+                self._checkpointer.load_initial_weights()
             return evaluator.evaluate_checkpoint(
                 self._checkpoint_manager, which, lower_better=self._scoring.lower_better
             )

@@ -15,8 +15,9 @@ from torch import nn
 from checkpoint import CheckpointManager
 from gangs import Gangs
 from runtime import Trainer, TrainerCallback
-from tests.conftest import make_toy_trainer
+from tests.conftest import make_toy_trainer, read_jsonl
 from tests.workers.train_toy import ToyBatch, ToyModel
+from tests.workers.valid_toy import ToyEvalUnit, make_valid_reader
 
 EXCLUDE = ["up.*", "norm.bias"]
 
@@ -87,3 +88,47 @@ def test_a_pattern_that_matches_nothing_is_a_clear_error(tmp_path: Path) -> None
         ValueError, match=re.escape("The checkpoint_exclude pattern 'embed.*' matches no")
     ):
         make_trainer(tmp_path, checkpoint_exclude=["embed.*"])
+
+
+def test_with_init_from_a_resume_and_an_evaluation_take_the_excluded_entries_from_it(
+    tmp_path: Path,
+) -> None:
+    """The frozen base of a LoRA run: left out of checkpoints, loaded again from init_from."""
+    torch.manual_seed(5)
+    base = tmp_path / "base.pt"
+    torch.save(ToyModel().state_dict(), base)
+    initial = torch.load(base, weights_only=True)
+
+    def with_validation(**kwargs: Any) -> Trainer[ToyBatch]:
+        torch.manual_seed(0)
+        model = ToyModel()
+        model.up.requires_grad_(False)
+        with torch.no_grad():
+            model.up.weight.fill_(0.5)
+        return make_toy_trainer(
+            tmp_path,
+            model=model,
+            init_from=base,
+            checkpoint_exclude=["up.*"],
+            checkpoint_every_n_steps=2,
+            valid_units=[ToyEvalUnit(model)],
+            valid_data_readers=[make_valid_reader(Gangs.single().dp)],
+            validate_every_n_steps=2,
+            metrics_dir=tmp_path / "metrics",
+            **kwargs,
+        )
+
+    with_validation(max_num_steps=2).run()
+    saved = CheckpointManager(tmp_path / "checkpoints", Gangs.single()).read_model_state(2)
+    resumed = with_validation(max_num_steps=4)
+    resumed.add_callback(snapshot := Snapshot(resumed._unit.model))
+    resumed.run()
+    assert resumed.step_nr == 4
+    for name in ("up.weight", "up.bias"):
+        assert torch.equal(snapshot.state[name], initial[name]), name
+    for name in ("down.weight", "down.bias", "norm.weight", "norm.bias"):
+        assert torch.equal(snapshot.state[name], saved[name]), name
+
+    valid = read_jsonl(tmp_path / "metrics" / "valid.jsonl")[-1]
+    results = with_validation(max_num_steps=4).evaluate_checkpoint("last")
+    assert results["eval"]["mse"] == pytest.approx(valid["mse"])
