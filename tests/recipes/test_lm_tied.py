@@ -123,11 +123,11 @@ def test_a_tied_model_resumes_exactly_and_reshards_with_its_tie(tmp_path: Path) 
     for key in expected:
         assert torch.equal(expected[key], actual[key]), key
 
-    # The FSDP2 checkpoint in a TP run: the replicated tied pair loads from both names.
+    # The FSDP2 checkpoint (one DTensor) in a DDP run (one plain tensor), on the same data.
     resharded = tmp_path / "resharded"
-    tp_config = tied_config(tmp_path, "gang.tp_size=2", "trainer.reshard_on_resume=true")
+    ddp_config = tied_config(tmp_path, "data_parallel=ddp", "trainer.reshard_on_resume=true")
     assert_ok(
-        torchrun(2, *recipe_args(resharded, *tp_config), "--resume-from", step_3, timeout=600)
+        torchrun(2, *recipe_args(resharded, *ddp_config), "--resume-from", step_3, timeout=600)
     )
     trained = assert_tied_and_trained(resharded, tmp_path / "model")
     torch.testing.assert_close(trained, expected[EMBED], rtol=1e-4, atol=1e-5)

@@ -118,7 +118,8 @@ def assert_trained_tied(result: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("nproc", "options"),
     [
-        pytest.param(2, {"kind": "fsdp"}, id="fsdp2"),
+        # recipes.lm's tied Qwen2 trains under FSDP2 in make test (tests/recipes/test_lm_tied).
+        pytest.param(2, {"kind": "fsdp"}, id="fsdp2", marks=pytest.mark.slow),
         pytest.param(2, {"kind": "ddp"}, id="ddp", marks=pytest.mark.slow),
         pytest.param(4, {"kind": "hsdp", "dp_shard_size": 2}, id="hsdp2x2", marks=pytest.mark.slow),
         pytest.param(4, {"kind": "fsdp", "tp_size": 2}, id="fsdp2xtp2", marks=pytest.mark.slow),
