@@ -22,6 +22,7 @@ from tests.recipes.test_lm import (
 )
 
 transformers = pytest.importorskip("transformers")
+safe_open = pytest.importorskip("safetensors").safe_open
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -43,8 +44,6 @@ def make_hf_tied_dir(directory: Path) -> Path:
     )
     torch.manual_seed(0)
     transformers.Qwen2ForCausalLM(config).save_pretrained(directory)
-    from safetensors import safe_open
-
     with safe_open(str(directory / "model.safetensors"), framework="pt") as file:
         assert EMBED in file.keys() and HEAD not in file.keys()  # noqa: SIM118
     return directory
@@ -102,6 +101,8 @@ def test_a_tied_model_trains_and_exports_tied(
 
     destination = tmp_path / "exported"
     assert_ok(run_python("-m", "runtime", "export", str(out), str(destination), "--format", "hf"))
+    with safe_open(str(destination / "model.safetensors"), framework="pt") as file:
+        assert EMBED in file.keys() and HEAD not in file.keys()  # noqa: SIM118
     exported = transformers.AutoModelForCausalLM.from_pretrained(destination)
     embeddings = exported.get_input_embeddings().weight
     assert embeddings is exported.get_output_embeddings().weight
