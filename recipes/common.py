@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal, Protocol, TypedDict, cast
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +105,54 @@ def data_parallel_kind(config: ParallelConfig, gangs: Gangs) -> DataParallelKind
     if config.gang.dp_shard_size is not None:
         return "hsdp"
     return "fsdp" if gangs.tp.size > 1 else "ddp"
+
+
+class CheckpointingOptions(Protocol):
+    """The activation checkpointing switches of a recipe's model section."""
+
+    @property
+    def activation_checkpointing(self) -> bool: ...
+    @property
+    def activation_checkpointing_every_n(self) -> int: ...
+
+
+class BuildConfig(ParallelConfig, Protocol):
+    """The parts of a recipe's config that say how its model is sharded and wrapped."""
+
+    fsdp: FsdpSection
+    trainer: TrainerSection
+    compile: bool
+
+    @property
+    def model(self) -> CheckpointingOptions: ...
+
+
+class ParallelOptions(TypedDict):
+    """``parallelize_model``'s keyword arguments that come from the shared config sections."""
+
+    kind: DataParallelKind
+    seed: int
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    compile: bool
+    activation_checkpointing_every_n: int | None
+
+
+def parallel_options(config: BuildConfig, gangs: Gangs) -> ParallelOptions:
+    """``parallelize_model``'s keyword arguments from ``config``: the layout, seed, FSDP2 mixed
+    precision, compilation and activation checkpointing."""
+    return {
+        "kind": data_parallel_kind(config, gangs),
+        "seed": config.trainer.seed,
+        "param_dtype": dtype_of(config.fsdp.param_dtype),
+        "reduce_dtype": dtype_of(config.fsdp.reduce_dtype),
+        "compile": config.compile,
+        "activation_checkpointing_every_n": (
+            config.model.activation_checkpointing_every_n
+            if config.model.activation_checkpointing
+            else None
+        ),
+    }
 
 
 def dtype_of(name: str | None) -> torch.dtype | None:

@@ -38,8 +38,7 @@ from recipes.common import (
     OptimizerSection,
     TrainerSection,
     adamw_with_schedule,
-    data_parallel_kind,
-    dtype_of,
+    parallel_options,
     summed_nll_loss,
     trainer_options,
 )
@@ -50,12 +49,8 @@ from runtime import (
     MapDataReader,
     SyncMode,
     Trainer,
-    apply_activation_checkpointing,
-    apply_data_parallel,
-    apply_tensor_parallel,
-    compile_blocks,
     main,
-    materialize_model,
+    parallelize_model,
 )
 from runtime.cli.hf_export import HF_FILES_DIR
 from runtime.data.text import (
@@ -384,7 +379,8 @@ class BuiltModel:
 
 
 def build_model(config: LMConfig, gangs: Gangs, tokenizer: Tokenizer) -> BuiltModel:
-    """Build on meta, then TP, activation checkpointing, FSDP2/HSDP, materialize, DDP, compile."""
+    """Build on meta, then shard, wrap and initialize (``parallelize_model``); tied input and
+    output embeddings stay one weight in every layout."""
     if config.model.hf_path is not None:
         model, init_fn, plan, hf = _hf_model(config.model.hf_path)
     else:
@@ -400,33 +396,14 @@ def build_model(config: LMConfig, gangs: Gangs, tokenizer: Tokenizer) -> BuiltMo
     lora = None
     if config.lora.rank is not None:
         lora, init_fn = apply_lora(model, config.lora, init_fn)
-    kind = data_parallel_kind(config, gangs)
-    if hf.get("tie_word_embeddings") and (kind != "ddp" or gangs.tp.size > 1):
-        raise ValueError(
-            f"{config.model.hf_path} ties its input and output embeddings, which this recipe "
-            "trains with DDP only. Use data_parallel=ddp and gang.tp_size=1."
-        )
-    model = apply_tensor_parallel(model, gangs, plan)
-    if config.model.activation_checkpointing:
-        apply_activation_checkpointing(
-            model, block_types=block_types, every_n=config.model.activation_checkpointing_every_n
-        )
-    if kind != "ddp":
-        model = apply_data_parallel(
-            model,
-            gangs,
-            kind=kind,
-            fsdp_units=block_types,
-            param_dtype=dtype_of(config.fsdp.param_dtype),
-            reduce_dtype=dtype_of(config.fsdp.reduce_dtype),
-        )
-    materialize_model(model, device=gangs.root.device, seed=config.trainer.seed, init_fn=init_fn)
-    if hf.get("tie_word_embeddings"):
-        model.tie_weights()  # type: ignore[operator]
-    if kind == "ddp":
-        model = apply_data_parallel(model, gangs, kind="ddp")
-    if config.compile:
-        compile_blocks(model, block_types=block_types)
+    model = parallelize_model(
+        model,
+        gangs,
+        **parallel_options(config, gangs),
+        block_types=block_types,
+        tp_plan=plan,
+        init_fn=init_fn,
+    )
     flops = flops_per_token(model, hf, config.data.seq_len)
     return BuiltModel(model, block_types, flops, hf, lora)
 
