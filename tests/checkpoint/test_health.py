@@ -16,8 +16,10 @@ from checkpoint import (
     RetentionPolicy,
 )
 from gangs import Gangs
+from runtime import TrainerCallback
 from runtime.cli.tools import main as cli_main
 from tests.checkpoint.test_manager import make_model, save
+from tests.conftest import make_toy_trainer
 
 SPIKE = "Loss spike at step 35"
 
@@ -183,3 +185,29 @@ def test_an_interrupted_mark_leaves_the_checkpoint_unmarked_and_whole(
     assert json.loads((manager.checkpoint_dir / "step_10" / "unhealthy.json.partial").read_text())
     manager.mark_unhealthy([10], reason=SPIKE)  # a retry marks it
     assert not reopened(manager).is_healthy(10)
+
+
+def test_the_trainer_keeps_snapshots_and_resumes_from_the_newest_healthy_checkpoint(
+    tmp_path: Path,
+) -> None:
+    schedule = {"checkpoint_every_n_steps": 2, "keep_last_n_checkpoints": 1}
+    first = make_toy_trainer(tmp_path, max_num_steps=9, keep_checkpoint_every_n_steps=4, **schedule)
+    assert first.run() == 0
+    manager = CheckpointManager(tmp_path / "checkpoints", Gangs.single())
+    infos = manager.list_checkpoints()
+    assert [(i.step_nr, i.permanent) for i in infos] == [(4, True), (8, True), (9, False)]
+
+    manager.mark_unhealthy([9], reason=SPIKE)
+    begins = BeginStep()
+    assert make_toy_trainer(tmp_path, max_num_steps=10, callbacks=[begins], **schedule).run() == 0
+    assert begins.step_nr == 8
+    # Step 10 is the last healthy one now; keep-last-1 took no snapshot and no unhealthy one.
+    assert healthy_steps(manager) == {4: True, 8: True, 9: False, 10: True}
+
+
+class BeginStep(TrainerCallback):
+    def __init__(self) -> None:
+        self.step_nr: int | None = None
+
+    def on_train_begin(self, *, step_nr: int) -> None:
+        self.step_nr = step_nr
