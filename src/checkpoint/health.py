@@ -18,7 +18,7 @@ from typing import Any, Final
 
 from checkpoint import directory
 from checkpoint.directory import write_json_durably
-from checkpoint.errors import CheckpointNotFoundError
+from checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from checkpoint.retention import RetentionPolicy
 
 log = logging.getLogger(__name__)
@@ -75,3 +75,24 @@ def mark_permanent(checkpoint_dir: Path, policy: RetentionPolicy) -> None:
     for step_nr, path in directory.scan(checkpoint_dir).committed.items():
         if policy.is_permanent(step_nr):
             mark(path, PERMANENT_MARK, every=policy.keep_checkpoint_every_n_steps)
+
+
+def check_not_all_unhealthy(checkpoint_dir: Path) -> None:
+    """Raise CheckpointError if ``checkpoint_dir`` holds only unhealthy checkpoints: a resume
+    must not take that for a fresh start."""
+    committed = directory.scan(checkpoint_dir).committed
+    unhealthy = [step for step, path in committed.items() if unhealthy_reason(path) is not None]
+    if unhealthy:
+        raise CheckpointError(
+            f"Every checkpoint in {checkpoint_dir} (steps {unhealthy}) is marked unhealthy, so "
+            "the run has none to resume from. Move the directory away to start from scratch, "
+            "or pass one of them as resume_from (in a new OUTPUT_DIR) to go on from it anyway."
+        )
+
+
+def move_aside_if_unhealthy(step_dir: Path) -> None:
+    """Rename an unhealthy ``step_N`` to ``step_N.unhealthy`` (kept, never loaded), so that a
+    rolled-back run can commit step N again."""
+    if unhealthy_reason(step_dir) is not None:
+        target = directory.move_aside(step_dir, "unhealthy")
+        log.warning("Moved the unhealthy checkpoint %s aside to %s.", step_dir, target)

@@ -47,7 +47,6 @@ from checkpoint.errors import (
     CheckpointError,
     CheckpointLayoutError,
     CheckpointLoadError,
-    CheckpointNotFoundError,
     caused_by_the_machine,
 )
 from checkpoint.exclusion import excluded_names, pop_entries
@@ -202,11 +201,7 @@ class CheckpointManager(AbstractCheckpointManager):
                 excluded=pending.excluded,
             )
             write_manifest(pending.tmp_dir, manifest)
-            if health.unhealthy_reason(pending.final_dir) is not None:
-                target = directory.move_aside(pending.final_dir, "unhealthy")
-                log.warning(
-                    "Moved the unhealthy checkpoint of step %d to %s.", pending.step_nr, target
-                )
+            health.move_aside_if_unhealthy(pending.final_dir)
             os.replace(pending.tmp_dir, pending.final_dir)
             fsync_dir(self._dir)
 
@@ -224,19 +219,6 @@ class CheckpointManager(AbstractCheckpointManager):
     def select_checkpoint(self, which: CheckpointChoice, *, lower_better: bool) -> int:
         """The step of the committed checkpoint ``which`` names (see :func:`select_checkpoint`)."""
         return select_checkpoint(self._dir, which, lower_better=lower_better)
-
-    @override
-    def is_healthy(self, step_nr: int) -> bool:
-        path = directory.step_dir(self._dir, step_nr)
-        if not (path / directory.MANIFEST_NAME).is_file():
-            raise CheckpointNotFoundError(
-                f"There is no committed checkpoint of step {step_nr} in {self._dir}."
-            )
-        return health.unhealthy_reason(path) is None
-
-    def unhealthy_reason(self, step_nr: int) -> str | None:
-        """Why the checkpoint of ``step_nr`` was marked unhealthy; None if it is healthy."""
-        return health.unhealthy_reason(directory.step_dir(self._dir, step_nr))
 
     def damaged_dirs(self) -> list[Path]:
         """Checkpoints a resume found damaged and moved aside to ``step_N.damaged``."""
@@ -296,13 +278,7 @@ class CheckpointManager(AbstractCheckpointManager):
                 f"None of the checkpoints in {self._dir} (steps {candidates}) is intact. "
                 "Move the directory away to start from scratch."
             )
-        unhealthy = [info.step_nr for info in self.list_checkpoints() if not info.healthy]
-        if unhealthy:
-            raise CheckpointError(
-                f"Every checkpoint in {self._dir} (steps {unhealthy}) is marked unhealthy, so "
-                "the run has none to resume from. Move the directory away to start from scratch, "
-                "or pass one of them as resume_from (in a new OUTPUT_DIR) to go on from it anyway."
-            )
+        health.check_not_all_unhealthy(self._dir)
         return None
 
     def load_checkpoint(
@@ -421,19 +397,12 @@ class CheckpointManager(AbstractCheckpointManager):
         """
         check_shared_directory(self._root, self._dir)
 
-    # ------------------------------------------------------------------ health
-
     @override
     def mark_unhealthy(self, step_nrs: Sequence[int], *, reason: str) -> None:
-        """Write ``unhealthy.json`` into each checkpoint of ``step_nrs`` (rank 0; every rank
-        waits); see :meth:`AbstractCheckpointManager.mark_unhealthy` and :mod:`checkpoint.health`."""
+        """Rank 0 writes ``unhealthy.json`` into each (see :mod:`checkpoint.health`)."""
         self.finish_pending_save()
-
-        def mark_all() -> None:
-            if self._root.rank == 0:
-                health.mark_unhealthy(self._dir, step_nrs, reason=reason)
-
-        self._verdict("mark checkpoints unhealthy", mark_all)
+        mark = partial(health.mark_unhealthy, self._dir, step_nrs, reason=reason)
+        self._verdict("mark checkpoints unhealthy", mark if self._root.rank == 0 else lambda: None)
 
     # --------------------------------------------------------------- retention
 

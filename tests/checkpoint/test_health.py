@@ -16,6 +16,7 @@ from checkpoint import (
     CheckpointNotFoundError,
     RetentionPolicy,
 )
+from checkpoint.health import unhealthy_reason
 from gangs import Gangs
 from runtime import TrainerCallback
 from runtime.cli.tools import main as cli_main
@@ -51,7 +52,7 @@ def test_marks_persist_are_idempotent_and_leave_the_checkpoint_intact(
     again = reopened(manager)
     assert healthy_steps(again) == {10: True, 20: False, 30: False}
     assert again.is_healthy(10) and not again.is_healthy(30)
-    assert again.unhealthy_reason(30) == SPIKE  # the first mark stays
+    assert unhealthy_reason(again.checkpoint_path(30)) == SPIKE  # the first mark stays
     assert again.last_healthy_step() == 10
     assert again.last_healthy_step(before=10) is None
     assert (manager.checkpoint_dir / "step_20" / "manifest.json").read_bytes() == manifest
@@ -197,7 +198,7 @@ def test_a_kill_9_while_marking_leaves_the_checkpoint_marked_or_not_and_whole(
     again.verify(10)
     assert again.last_healthy_step() == (None if marked else 10)
     again.mark_unhealthy([10], reason=SPIKE)  # a retry, or a no-op
-    assert reopened(manager).unhealthy_reason(10) == SPIKE
+    assert unhealthy_reason(reopened(manager).checkpoint_path(10)) == SPIKE
 
 
 def test_the_trainer_keeps_snapshots_and_resumes_from_the_newest_healthy_checkpoint(
