@@ -23,6 +23,9 @@ reads them to load (see :mod:`checkpoint.manifest`), and all agree on the verdic
 checkpoint that fails verification when the run resumes is skipped in favour of the one before it
 and renamed to ``step_N.damaged`` (kept for inspection, never loaded), so that the resumed run can
 write ``step_N`` again.
+
+A checkpoint marked unhealthy (see :mod:`checkpoint.health`) is never resumed from; when the run,
+rolled back, commits its step again, it is renamed to ``step_N.unhealthy`` first.
 """
 
 from __future__ import annotations
