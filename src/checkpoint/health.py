@@ -78,14 +78,14 @@ def mark_permanent(checkpoint_dir: Path, policy: RetentionPolicy) -> None:
 
 
 def check_not_all_unhealthy(checkpoint_dir: Path) -> None:
-    """Raise CheckpointError if ``checkpoint_dir`` holds only unhealthy checkpoints: a resume
-    must not take that for a fresh start."""
+    """Raise CheckpointError if ``checkpoint_dir`` holds unhealthy checkpoints (and, as the
+    caller found, no healthy full one): a resume must not take that for a fresh start."""
     committed = directory.scan(checkpoint_dir).committed
     unhealthy = [step for step, path in committed.items() if unhealthy_reason(path) is not None]
     if unhealthy:
         raise CheckpointError(
-            f"Every checkpoint in {checkpoint_dir} (steps {unhealthy}) is marked unhealthy, so "
-            "the run has none to resume from. Move the directory away to start from scratch, "
+            f"The checkpoints in {checkpoint_dir} of steps {unhealthy} are marked unhealthy, and "
+            "there is no healthy full one to resume from. Move the directory away to start from scratch, "
             "or pass one of them as resume_from (in a new OUTPUT_DIR) to go on from it anyway."
         )
 

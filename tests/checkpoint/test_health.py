@@ -82,7 +82,10 @@ def test_resume_skips_unhealthy_checkpoints_and_refuses_when_all_are(
     torch.testing.assert_close(model.state_dict(), healthy.state_dict(), rtol=0, atol=0)
 
     manager.mark_unhealthy([10], reason=SPIKE)
-    with pytest.raises(CheckpointError, match=r"\(steps \[10, 20, 30\]\) is marked unhealthy"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"of steps \[10, 20, 30\] are marked unhealthy, and there is no healthy full",
+    ):
         manager.load_last_checkpoint(model=model, optimizer=optimizer)
 
 
