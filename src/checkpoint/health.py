@@ -90,6 +90,22 @@ def check_not_all_unhealthy(checkpoint_dir: Path) -> None:
         )
 
 
+def log_passed_over(checkpoint_dir: Path, step_nr: int) -> None:
+    """Say which unhealthy checkpoints newer than ``step_nr``, the one resumed from, were passed
+    over."""
+    committed = directory.scan(checkpoint_dir).committed
+    newer = [
+        s for s, path in committed.items() if s > step_nr and unhealthy_reason(path) is not None
+    ]
+    if newer:
+        log.warning(
+            "Resumed from the checkpoint of step %d, passing over the newer ones of steps %s: "
+            "they are marked unhealthy.",
+            step_nr,
+            newer,
+        )
+
+
 def move_aside_if_unhealthy(step_dir: Path) -> None:
     """Rename an unhealthy ``step_N`` to ``step_N.unhealthy`` (kept, never loaded), so that a
     rolled-back run can commit step N again."""

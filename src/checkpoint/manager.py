@@ -275,6 +275,7 @@ class CheckpointManager(AbstractCheckpointManager):
                     step_nr,
                     damaged[0],
                 )
+            health.log_passed_over(self._dir, step_nr)
             return loaded
         if candidates:
             raise CheckpointError(

@@ -70,7 +70,7 @@ def test_marking_a_step_without_a_checkpoint_marks_none(manager: CheckpointManag
 
 @pytest.mark.usefixtures("checkpoint_io")
 def test_resume_skips_unhealthy_checkpoints_and_refuses_when_all_are(
-    manager: CheckpointManager,
+    manager: CheckpointManager, caplog: pytest.LogCaptureFixture
 ) -> None:
     healthy = save(manager, 10)
     save(manager, 20)
@@ -79,6 +79,7 @@ def test_resume_skips_unhealthy_checkpoints_and_refuses_when_all_are(
     model, optimizer = make_model(99)
     loaded = reopened(manager).load_last_checkpoint(model=model, optimizer=optimizer)
     assert loaded is not None and loaded.step_nr == 10
+    assert "passing over the newer ones of steps [20, 30]: they are marked unhealthy" in caplog.text
     torch.testing.assert_close(model.state_dict(), healthy.state_dict(), rtol=0, atol=0)
 
     manager.mark_unhealthy([10], reason=SPIKE)
