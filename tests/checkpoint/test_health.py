@@ -205,6 +205,35 @@ def test_a_kill_9_while_marking_leaves_the_checkpoint_marked_or_not_and_whole(
     assert unhealthy_reason(reopened(manager).checkpoint_path(10)) == SPIKE
 
 
+def test_a_crash_between_moving_an_unhealthy_step_aside_and_its_commit_resumes_before_it(
+    manager: CheckpointManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save(manager, 10)
+    save(manager, 20)
+    manager.mark_unhealthy([20], reason=SPIKE)
+    replace = os.replace
+
+    def crash_at_the_commit(src: str | Path, dst: str | Path) -> None:
+        if Path(src).name == "step_20.tmp":
+            raise KeyboardInterrupt  # no cleanup runs, as after a kill
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash_at_the_commit)
+    with pytest.raises(KeyboardInterrupt):
+        save(manager, 20)
+    monkeypatch.undo()
+
+    again = reopened(manager)
+    again.prepare()  # the next launch removes the uncommitted step_20.tmp
+    assert sorted(p.name for p in again.checkpoint_dir.iterdir()) == [
+        "step_10",
+        "step_20.unhealthy",
+    ]
+    model, optimizer = make_model(0)
+    loaded = again.load_last_checkpoint(model=model, optimizer=optimizer)
+    assert loaded is not None and loaded.step_nr == 10
+
+
 def test_the_trainer_keeps_snapshots_and_resumes_from_the_newest_healthy_checkpoint(
     tmp_path: Path,
 ) -> None:
