@@ -19,8 +19,9 @@ into memory the kernel must fault in page by page. Here an entry saved whole (a 
 tensor, as DCP saves them) and loaded whole into a contiguous CPU tensor of its dtype and shape
 is read from the file into that tensor directly: ``torch.load(map_location="meta",
 weights_only=True)`` reads only the entry's header to say what it holds, and the zip directory
-says where its bytes are. Every other entry (a slice, a resharded or cast one, bytes) loads as
-DCP loads it. Nothing is trusted more than before: the header is read ``weights_only``, the
+says where its bytes are (on torch 2.13 and later: before it, every entry loads as DCP loads it,
+see :data:`gangs.torch_versions.PRIVATE_APIS_SINCE`). Every other entry (a slice, a resharded or
+cast one, bytes) loads as DCP loads it. Nothing is trusted more than before: the header is read ``weights_only``, the
 bytes land only in a tensor whose size they must fill exactly, and the file's digest is checked
 after the load as it always is (see :mod:`checkpoint.manifest`).
 """
@@ -65,7 +66,7 @@ from checkpoint.integrity import (
     ReadDigests,
     assign_hashing,
 )
-from gangs.torch_versions import private_path_chosen
+from gangs.torch_versions import private_api_present, private_path_chosen
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
@@ -511,6 +512,8 @@ def read_items(
 
 def _read_in_place(view: IO[bytes], item: ReadItem, target: torch.Tensor) -> bool:
     """Read the entry in ``view`` into ``target`` if it is ``target``'s whole; False if not."""
+    if not private_api_present("PyTorchFileReader.get_record_size"):
+        return False  # an older torch: the entry loads as DCP loads it
     if target.device.type != "cpu" or not target.is_contiguous() or any(item.storage_offsets):
         return False
     saved = torch.load(view, map_location="meta", weights_only=True)
