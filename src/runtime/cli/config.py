@@ -668,9 +668,9 @@ def _help_entry(name: str, text: str, *, width: int) -> list[str]:
 
 def _annotated_yaml(cls: type[object], data: Mapping[str, object], section: str) -> Iterator[str]:
     """``data`` as YAML lines in field order, each required key followed by a comment."""
-    indent = "  " * len(section.split(".")) if section else ""
     import yaml
 
+    indent = "  " * len(section.split(".")) if section else ""
     hints = _type_hints(cls)
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]
         if not field.init:

@@ -515,6 +515,15 @@ def _skip_file_only(record: logging.LogRecord) -> bool:
 
 @final
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, config_class: type[object], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._config_class = config_class
+
+    def format_help(self) -> str:
+        # The keys' meanings are read from the config classes' source: only when help is asked.
+        self.epilog = config_help(self._config_class, width=_help_width())
+        return super().format_help()
+
     def error(self, message: str) -> NoReturn:
         # argparse prints the whole usage block; one line is easier to spot in a torchrun log.
         hint = ""
@@ -524,16 +533,20 @@ class _Parser(argparse.ArgumentParser):
         _fail(f"{message}.{hint} Run with --help for usage.")
 
 
+def _help_width() -> int:
+    """The width argparse wraps its help to."""
+    return shutil.get_terminal_size().columns - 2
+
+
 def _make_parser(config_class: type[object]) -> argparse.ArgumentParser:
-    # As argparse wraps its own help; the epilog is laid out here, so it is passed through raw.
-    width = shutil.get_terminal_size().columns - 2
     description = (
         "Run a recipe. Config values come from the recipe's defaults, then each --config-file in "
         "order, then each --config override in order (later wins)."
     )
+    # Raw: the epilog, the config keys, is laid out by config_help, so the description is too.
     parser = _Parser(
-        description=textwrap.fill(description, width),
-        epilog=config_help(config_class, width=width),
+        config_class,
+        description=textwrap.fill(description, _help_width()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
