@@ -319,12 +319,22 @@ class _SafeReader(FileSystemReader):
 
     def __init__(self, path: Path, digests: ReadDigests | None) -> None:
         super().__init__(path)
+        # Why read_metadata refused the file: DCP of torch 2.11 fails the load with a bare
+        # "metadata is None" instead, so the load's caller reports this.
+        self.metadata_error: Exception | None = None
         self._hashing: _HashingReadFileSystem | None = None
         if digests is not None and fast_io_supported():
             self._hashing = _HashingReadFileSystem(Path(path), digests)
             self.fs = self._hashing
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        try:
+            return self._read_metadata()
+        except Exception as ex:
+            self.metadata_error = ex
+            raise
+
+    def _read_metadata(self) -> Metadata:
         # The one metadata file of a DCP directory (per-rank metadata is not written here).
         path = self.fs.concat_path(self.path, ".metadata")
         with self.fs.create_stream(path, "rb") as metadata_file:
@@ -418,7 +428,7 @@ def _load_bytes_weights_only(
     container[last] = loaded
 
 
-def safe_reader(path: Path, digests: ReadDigests | None = None) -> FileSystemReader:
+def safe_reader(path: Path, digests: ReadDigests | None = None) -> _SafeReader:
     """A DCP reader of ``path`` whose metadata unpickles only DCP's own classes.
 
     DCP itself reads ``.metadata`` with plain ``pickle.load``; its tensors it reads with
