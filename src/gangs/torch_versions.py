@@ -32,8 +32,8 @@ TESTED_TORCH_VERSIONS: Final = ("2.11", "2.14.0.dev0")
 second (no pre-release of the next minor version). Keep it in step with ``pyproject.toml``."""
 
 PRIVATE_APIS_SINCE: Final = {"PyTorchFileReader.get_record_size": "2.13"}
-"""The private APIs used on the tested torch versions that came later than the first of them,
-each with the torch version that brought it."""
+"""The private APIs (named below ``torch._C``) used on the tested torch versions that came later
+than the first of them, each with the torch version that brought it."""
 
 PRIVATE_APIS_ENV_VAR: Final = "TRAINKIT_TORCH_PRIVATE_APIS"
 """``public`` forces the public fallbacks; ``private`` the private APIs (tests); unset chooses
