@@ -11,7 +11,13 @@ BENCH_ARGS ?=
 
 BIN := $(VENV)/bin
 
-.PHONY: train test test-gpu test-all soak lint bench clean gpu-wheels gpu-check
+# The oldest torch of pyproject.toml's range, which `make test-torch-range` runs the fast suite on
+# in a second virtualenv (`make test` runs the newest). PyPI's Linux wheel of it is the CUDA build,
+# which needs its nvidia-* libraries even to import on a CPU-only machine: about 5.3 GB in all.
+OLDEST_TORCH ?= 2.11.0
+OLDEST_VENV ?= .venv-torch$(subst .,,$(basename $(OLDEST_TORCH)))
+
+.PHONY: train test test-torch-range test-gpu test-all soak lint bench clean gpu-wheels gpu-check
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +31,17 @@ train: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -m "not slow" --durations=15
+
+$(OLDEST_VENV)/bin/.installed: pyproject.toml
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/pip install --quiet --upgrade pip
+	$(OLDEST_VENV)/bin/pip install --quiet "torch==$(OLDEST_TORCH)"
+	$(OLDEST_VENV)/bin/pip install --quiet -e '.[dev,hf]'
+	touch $@
+
+test-torch-range: $(OLDEST_VENV)/bin/.installed
+	$(OLDEST_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(OLDEST_VENV)/bin/python -m pytest -q -m "not slow" --durations=15
 
 # The CUDA suite (tests/cuda). Install a CUDA build of torch first: `make TORCH_SPEC=torch test-gpu`.
 # -rP shows the figures the tests print (checkpoint GB/s, blocking time).
@@ -67,4 +84,4 @@ bench: $(BIN)/.bench-installed
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(OLDEST_VENV) runs

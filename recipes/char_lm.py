@@ -55,11 +55,15 @@ class DataSection:
     data_dir: Path | None = None
     """Text files to train on (``*.py`` and ``*.txt``, recursively); default: the stdlib."""
     max_train_bytes: int = 4_000_000
+    """Bytes of text read for training, at most."""
     max_valid_bytes: int = 200_000
+    """Bytes of text read for validation, at most."""
     seq_len: int = 128
+    """Bytes per training sequence (the context length)."""
     batch_size: int = 16
     """Sequences per micro-batch on each DP rank."""
     num_accumulate: int = 1
+    """Micro-batches whose gradients add up to one optimizer step."""
     valid_every_nth_file: int = 20
     """Every file whose path hashes to 0 modulo this is a validation file."""
 
@@ -67,10 +71,15 @@ class DataSection:
 @dataclass
 class ModelSection:
     dim: int = 128
+    """The width of the residual stream."""
     num_layers: int = 2
+    """Transformer blocks."""
     num_heads: int = 4
+    """Attention heads per block; dim must be a multiple of it."""
     ffn_dim: int = 512
+    """The hidden width of each block's feed-forward layer."""
     dropout: float = 0.0
+    """Dropout after attention and feed-forward, in training only."""
     meta_init: bool = True
     """Build on the meta device and materialize each rank's shards only (false: build whole)."""
     activation_checkpointing: bool = False
@@ -94,6 +103,7 @@ class CharLMConfig:
     init_from: Path | None = None
     """Start a fresh run from these weights: an export file or another run's checkpoint dir."""
     wandb_project: str | None = None
+    """Also publish the metrics to this Weights & Biases project."""
 
     def validate(self) -> None:
         # Checked here, before any division by them and before the corpus is read.

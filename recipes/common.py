@@ -25,9 +25,11 @@ from runtime.data.text import IGNORE_INDEX
 @dataclass
 class GangSection:
     tp_size: int = 1
+    """Tensor-parallel ranks that split each layer (1: no tensor parallelism)."""
     dp_shard_size: int | None = None
     """HSDP: shard over this many DP ranks (a node), replicate across the groups of them."""
     timeout_minutes: int = 15
+    """How long a collective may wait before the run fails, naming the ranks that hung."""
 
 
 @dataclass
@@ -42,26 +44,40 @@ class FsdpSection:
 
 @dataclass
 class OptimizerSection:
+    """AdamW with a linear warmup, then a cosine decay to a tenth of the peak learning rate."""
+
     lr: float = 3e-3
+    """The peak learning rate, reached after the warmup."""
     weight_decay: float = 0.01
+    """AdamW's decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's moving-average factors of the gradient and of its square."""
     warmup_steps: int = 20
+    """Steps over which the learning rate rises linearly to lr."""
 
 
 @dataclass
 class TrainerSection:
     max_num_steps: int = 300
+    """Optimizer steps to train for; the learning-rate decay ends here too."""
     max_num_data_epochs: int | None = None
+    """Stop after this many passes over the training data (None: no limit)."""
     publish_metrics_every_n_steps: int = 10
+    """How often train metrics reach the logs, metrics/*.jsonl, TensorBoard and W&B."""
     validate_every_n_steps: int = 100
+    """How often the valid set is scored (when the recipe has one)."""
     validate_at_start: bool = False
     """Validate once before the first step too (a baseline score)."""
     checkpoint_every_n_steps: int = 100
+    """How often a checkpoint is written to OUTPUT_DIR/checkpoints."""
     keep_last_n_checkpoints: int | None = 2
+    """The newest this many checkpoints are kept; older ones go unless kept as the best."""
     keep_best_n_checkpoints: int | None = 1
+    """This many checkpoints with the lowest validation loss are kept too."""
     keep_checkpoint_every_n_steps: int | None = None
     """Keep the checkpoints of its multiples for good: permanent snapshots retention never deletes."""
     async_checkpoint: bool = False
+    """Write checkpoints in the background: the step waits only for the copy to memory."""
     reshard_on_resume: bool = False
     """Resume from checkpoints of another world layout (not bit-exact; see the README)."""
     early_stop_patience: int | None = None
@@ -69,6 +85,7 @@ class TrainerSection:
     early_stop_min_delta: float = 0.0
     """How much lower the validation loss must be to count as an improvement."""
     max_gradient_norm: float | None = 1.0
+    """Clip the gradients' total norm to this (None: no clipping)."""
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """With ``amp``, the forward runs in this dtype; float16 also turns on loss scaling. None:
     bfloat16 with ``amp``, float32 without."""
@@ -79,13 +96,17 @@ class TrainerSection:
     """On CUDA, float32 matmuls (those outside autocast, or all of them with ``amp=false``) run
     on TF32 tensor cores: torch.set_float32_matmul_precision("high")."""
     seed: int = 2
+    """Seeds the model's initialization, data order and dropout; the same seed repeats a run."""
     profile: bool = False
     """Trace ``profile_record_steps`` steps after ``profile_skip_steps`` to OUTPUT_DIR/profile."""
     profile_skip_steps: int = 10
+    """With profile: steps to run before the trace starts."""
     profile_record_steps: int = 3
+    """With profile: steps to trace."""
     nan_policy: Literal["error", "skip"] = "error"
     """``error`` stops at a NaN or infinite loss or gradient norm; ``skip`` skips such steps."""
     max_consecutive_skipped_steps: int = 10
+    """With nan_policy=skip: fail after this many skipped steps in a row."""
     gc_every_n_steps: int | None = 50
     """Python's garbage collection runs on every rank after the same steps (None: automatic)."""
     device_peak_flops: float | None = None

@@ -52,6 +52,7 @@ from runtime import (
     main,
     parallelize_model,
 )
+from runtime.cli.config import exactly_one_of
 from runtime.cli.hf_export import HF_FILES_DIR
 from runtime.data.text import (
     InstructionDataset,
@@ -76,14 +77,16 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 @dataclass
 class ModelSection:
-    hf_path: Path | None = None
+    hf_path: Path | None = field(default=None, metadata=exactly_one_of("model"))
     """A Hugging Face causal LM directory: built from its config.json, loaded from its weights."""
-    name: str | None = None
+    name: str | None = field(default=None, metadata=exactly_one_of("model"))
     """The project's Llama-style model: llama_debug, llama_125m, llama_1b or llama_8b."""
     from_scratch: bool = False
     """With hf_path: train from the model's own initialization instead of the directory's weights."""
     activation_checkpointing: bool = False
+    """Recompute the layers' activations in the backward pass: less memory, more compute."""
     activation_checkpointing_every_n: int = 1
+    """With activation_checkpointing: checkpoint every n-th layer only."""
 
 
 @dataclass
@@ -94,23 +97,30 @@ class TokenizerSection:
 
 @dataclass
 class DataSection:
-    train: str | None = None
+    train: str | None = field(default=None, metadata=exactly_one_of("train"))
     """Training files: a path, directory or glob of .jsonl, .txt or .parquet files."""
     valid: str | None = None
-    mixture: list[dict[str, Any]] | None = None
+    """Validation files, given as data.train is (null: no validation)."""
+    mixture: list[dict[str, Any]] | None = field(default=None, metadata=exactly_one_of("train"))
     """Instead of train: [{path: ..., weight: ...}, ...], sampled by weight."""
     text_field: str = "text"
+    """The field of a .jsonl or .parquet record that holds the text."""
     seq_len: int = 512
+    """Tokens per sequence (the context length)."""
     batch_size: int = 8
     """Sequences per micro-batch on each DP rank."""
     num_accumulate: int = 1
+    """Micro-batches whose gradients add up to one optimizer step."""
     num_workers: int = 2
     """Processes that read and tokenize the training files (0: in the training process)."""
     document_mask: bool = False
     """Keep attention inside each packed document (the project's Llama model only)."""
     skip_bad_lines: bool = False
+    """Skip and count unreadable records instead of failing."""
     prompt_field: str = "prompt"
+    """task=sft: the field that holds the prompt."""
     response_field: str = "response"
+    """task=sft: the field that holds the response, the targets."""
     messages_field: str | None = None
     """task=sft: a chat messages field, rendered with the tokenizer's chat template."""
     bucket_size: int = 1024
@@ -136,25 +146,15 @@ class LMConfig:
     init_from: Path | None = None
     """Start from these weights instead (an export file, a run, or a step_N directory)."""
     wandb_project: str | None = None
+    """Also publish the metrics to this Weights & Biases project."""
 
     def validate(self) -> None:
+        # The loader has checked that exactly one of each exactly_one_of group is set.
         model = self.model
-        if (model.hf_path is None) == (model.name is None):
-            raise ValueError(
-                "Give exactly one of model.hf_path (a Hugging Face model directory) and "
-                f"model.name (llama_debug, ...), but model.hf_path is {model.hf_path} and "
-                f"model.name is {model.name}."
-            )
         if model.hf_path is not None and not (model.hf_path / "config.json").is_file():
             raise ValueError(
                 f"model.hf_path must be a Hugging Face model directory with a config.json, but "
                 f"{model.hf_path} has none."
-            )
-        if (self.data.train is None) == (self.data.mixture is None):
-            raise ValueError(
-                "Give exactly one of data.train (files to train on) and data.mixture "
-                "([{path: ..., weight: ...}]), but "
-                + ("both are set." if self.data.train else "neither is set.")
             )
         if self.task == "sft" and self.data.mixture is not None:
             raise ValueError("task=sft reads one dataset: give data.train, not data.mixture.")

@@ -19,8 +19,9 @@ into memory the kernel must fault in page by page. Here an entry saved whole (a 
 tensor, as DCP saves them) and loaded whole into a contiguous CPU tensor of its dtype and shape
 is read from the file into that tensor directly: ``torch.load(map_location="meta",
 weights_only=True)`` reads only the entry's header to say what it holds, and the zip directory
-says where its bytes are. Every other entry (a slice, a resharded or cast one, bytes) loads as
-DCP loads it. Nothing is trusted more than before: the header is read ``weights_only``, the
+says where its bytes are (on torch 2.13 and later: before it, every entry loads as DCP loads it,
+see :data:`gangs.torch_versions.PRIVATE_APIS_SINCE`). Every other entry (a slice, a resharded or
+cast one, bytes) loads as DCP loads it. Nothing is trusted more than before: the header is read ``weights_only``, the
 bytes land only in a tensor whose size they must fill exactly, and the file's digest is checked
 after the load as it always is (see :mod:`checkpoint.manifest`).
 """
@@ -65,7 +66,7 @@ from checkpoint.integrity import (
     ReadDigests,
     assign_hashing,
 )
-from gangs.torch_versions import private_path_chosen
+from gangs.torch_versions import private_api_present, private_path_chosen
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
@@ -318,12 +319,22 @@ class _SafeReader(FileSystemReader):
 
     def __init__(self, path: Path, digests: ReadDigests | None) -> None:
         super().__init__(path)
+        # Why read_metadata refused the file: DCP of torch 2.11 fails the load with a bare
+        # "metadata is None" instead, so the load's caller reports this.
+        self.metadata_error: Exception | None = None
         self._hashing: _HashingReadFileSystem | None = None
         if digests is not None and fast_io_supported():
             self._hashing = _HashingReadFileSystem(Path(path), digests)
             self.fs = self._hashing
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        try:
+            return self._read_metadata()
+        except Exception as ex:
+            self.metadata_error = ex
+            raise
+
+    def _read_metadata(self) -> Metadata:
         # The one metadata file of a DCP directory (per-rank metadata is not written here).
         path = self.fs.concat_path(self.path, ".metadata")
         with self.fs.create_stream(path, "rb") as metadata_file:
@@ -417,7 +428,7 @@ def _load_bytes_weights_only(
     container[last] = loaded
 
 
-def safe_reader(path: Path, digests: ReadDigests | None = None) -> FileSystemReader:
+def safe_reader(path: Path, digests: ReadDigests | None = None) -> _SafeReader:
     """A DCP reader of ``path`` whose metadata unpickles only DCP's own classes.
 
     DCP itself reads ``.metadata`` with plain ``pickle.load``; its tensors it reads with
@@ -511,6 +522,8 @@ def read_items(
 
 def _read_in_place(view: IO[bytes], item: ReadItem, target: torch.Tensor) -> bool:
     """Read the entry in ``view`` into ``target`` if it is ``target``'s whole; False if not."""
+    if not private_api_present("PyTorchFileReader.get_record_size"):
+        return False  # an older torch: the entry loads as DCP loads it
     if target.device.type != "cpu" or not target.is_contiguous() or any(item.storage_offsets):
         return False
     saved = torch.load(view, map_location="meta", weights_only=True)

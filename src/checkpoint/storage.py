@@ -139,7 +139,15 @@ class DcpStorage:
 
         self._log_path()
         reader = safe_reader(path, digests)
-        self._run(load, state, storage_reader=reader, planner=SafeLoadPlanner())
+        try:
+            self._run(load, state, storage_reader=reader, planner=SafeLoadPlanner())
+        except CheckpointError as ex:
+            refusal = reader.metadata_error
+            if refusal is None or str(refusal) in str(ex):
+                raise
+            # DCP of torch 2.11 drops why the metadata was refused.
+            rank = self._gang.rank
+            raise CheckpointError(f"{type(refusal).__name__} on rank {rank}: {refusal}") from ex
 
     def stage(self, state: StateDict, *, writer_nr: int) -> StateDict:
         """Copy ``state`` (the entries of it this rank writes) into the CPU buffers of the

@@ -14,6 +14,10 @@ the tests run both on one torch version:
 - ``TRAINKIT_CHECKPOINT_IO`` (``fast`` or ``public``): the DCP internals of
   :mod:`checkpoint.dcp_io`, kept apart because its two paths differ in speed and in what a
   resume reads, which a run may want to choose on its own.
+
+A private API that the oldest tested torch lacks is listed in :data:`PRIVATE_APIS_SINCE`; the code
+using it asks :func:`private_api_present` and takes its fallback where it is absent, rather than
+fail mid-run with an AttributeError.
 """
 
 from __future__ import annotations
@@ -23,9 +27,13 @@ from typing import Final
 
 import torch
 
-TESTED_TORCH_VERSIONS: Final = ("2.13", "2.14.0.dev0")
+TESTED_TORCH_VERSIONS: Final = ("2.11", "2.14.0.dev0")
 """The torch versions the private paths are tested with: from the first, up to but not the
 second (no pre-release of the next minor version). Keep it in step with ``pyproject.toml``."""
+
+PRIVATE_APIS_SINCE: Final = {"PyTorchFileReader.get_record_size": "2.13"}
+"""The private APIs (named below ``torch._C``) used on the tested torch versions that came later
+than the first of them, each with the torch version that brought it."""
 
 PRIVATE_APIS_ENV_VAR: Final = "TRAINKIT_TORCH_PRIVATE_APIS"
 """``public`` forces the public fallbacks; ``private`` the private APIs (tests); unset chooses
@@ -37,6 +45,12 @@ def torch_version_tested(version: str | None = None) -> bool:
     lowest, beyond = TESTED_TORCH_VERSIONS
     parsed = torch.torch_version.TorchVersion(torch.__version__ if version is None else version)
     return bool(lowest <= parsed < beyond)
+
+
+def private_api_present(name: str) -> bool:
+    """Whether the running torch has ``name``, a key of :data:`PRIVATE_APIS_SINCE`."""
+    since = PRIVATE_APIS_SINCE[name]
+    return bool(torch.torch_version.TorchVersion(torch.__version__) >= since)
 
 
 def private_path_chosen(env_var: str, *, private: str, error: type[Exception] = ValueError) -> bool:

@@ -7,6 +7,8 @@ import torch
 
 from gangs.torch_versions import (
     PRIVATE_APIS_ENV_VAR,
+    PRIVATE_APIS_SINCE,
+    private_api_present,
     private_apis_refused,
     private_apis_supported,
     private_path_chosen,
@@ -19,8 +21,10 @@ from gangs.torch_versions import (
     [
         ("2.13.0+cpu", True),
         ("2.13.2", True),
-        ("2.13.0a0+git1234", False),
-        ("2.12.1", False),
+        ("2.12.1", True),
+        ("2.11.0+cu130", True),
+        ("2.11.0a0+git1234", False),
+        ("2.10.2", False),
         ("2.14.0.dev20260101", False),
         ("2.14.0", False),
     ],
@@ -67,6 +71,21 @@ def test_the_refusal_names_the_range_and_the_running_version(
 ) -> None:
     monkeypatch.setattr(torch, "__version__", "2.15.1")
     assert private_apis_refused() == (
-        "used only on torch >=2.13,<2.14.0.dev0 (this is torch 2.15.1, or "
+        "used only on torch >=2.11,<2.14.0.dev0 (this is torch 2.15.1, or "
         "TRAINKIT_TORCH_PRIVATE_APIS is 'public')"
     )
+
+
+@pytest.mark.parametrize(("version", "present"), [("2.13.0+cpu", True), ("2.12.1", False)])
+def test_a_private_api_newer_than_the_oldest_tested_torch_is_absent_before_it(
+    version: str, present: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch, "__version__", version)
+    assert private_api_present("PyTorchFileReader.get_record_size") is present
+
+
+@pytest.mark.parametrize("name", sorted(PRIVATE_APIS_SINCE))
+def test_each_gated_private_api_is_present_exactly_from_its_version(name: str) -> None:
+    # The gate trusts the table's versions, so they must match the running torch.
+    owner, attribute = name.rsplit(".", 1)
+    assert hasattr(getattr(torch._C, owner), attribute) is private_api_present(name)

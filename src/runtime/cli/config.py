@@ -5,14 +5,24 @@ those defaults, merges the YAML files in order (nested mappings key by key, late
 overrides in order, checks every value against its annotation and finally calls each section's
 optional ``validate()`` hook. :func:`dump_config` writes a config back as YAML that loads to an
 equal config.
+
+A config describes itself: the docstring on the line under a field (a string literal, as for a
+function) is that key's meaning, which :func:`config_help` lists, and
+:func:`describe_config` prints every key's value with the required ones marked, even before they
+are given. A key is required when its field has no default, or when it is one of a group of keys
+of which exactly one must be set (:func:`exactly_one_of`).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import inspect
+import itertools
 import os
 import re
+import textwrap
 import types
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path, PurePath
@@ -41,10 +51,12 @@ _NONE_TYPE = type(None)
 class ConfigError(ValueError):
     """A config file, override or value is wrong; the message says which and how to fix it."""
 
-    def __init__(self, message: str, *, key: str | None = None) -> None:
+    def __init__(self, message: str, *, key: str | None = None, missing: bool = False) -> None:
         super().__init__(message)
         # The dotted key the error is about, so the loader can say which file or override set it.
         self.key = key
+        # A required key was not given: the config is incomplete rather than wrong.
+        self.missing = missing
 
 
 def load_config(
@@ -59,17 +71,30 @@ def load_config(
     bool, ``null`` None). Raises :class:`ConfigError` for unreadable files, unknown keys, values of
     the wrong type and values a ``validate()`` hook rejects.
     """
-    data = _default_data(config_class)
-    origins: dict[str, str] = {}
-    for file in config_files:
-        file_data = read_config_file(file)
-        data = _merge(data, file_data)
-        _record_origins(file_data, "", f"config file '{file}'", origins)
-    for override in overrides:
-        key, value = parse_override(override)
-        data = _merge(data, _nest(key.split("."), value))
-        origins[key] = f"--config {override}"
+    data, origins = _merged_data(config_class, config_files, overrides)
     return _build(config_class, data, origins)
+
+
+def describe_config(
+    config_class: type[object],
+    *,
+    config_files: Sequence[Path | str] = (),
+    overrides: Sequence[str] = (),
+) -> str:
+    """Every key of ``config_class`` as YAML, valued as :func:`load_config` would value it, each
+    required key marked with a ``# required`` comment.
+
+    Unlike :func:`load_config` this accepts a config whose required keys are not given yet (they
+    show as ``null``), so it shows what a recipe needs before anything is set. Any other error
+    (an unknown key, a wrong type, a value ``validate()`` rejects) raises :class:`ConfigError`.
+    """
+    data, origins = _merged_data(config_class, config_files, overrides)
+    try:
+        data = config_to_dict(_build(config_class, data, origins))
+    except ConfigError as ex:
+        if not ex.missing:
+            raise
+    return "".join(_annotated_yaml(config_class, data, ""))
 
 
 def config_from_dict(config_class: type[ConfigT], data: Mapping[str, object]) -> ConfigT:
@@ -211,6 +236,23 @@ def _default_data(config_class: type[object]) -> dict[str, object]:
     return data
 
 
+def _merged_data(
+    config_class: type[object], config_files: Sequence[Path | str], overrides: Sequence[str]
+) -> tuple[dict[str, object], dict[str, str]]:
+    """Defaults < files < overrides as plain data, and which file or override set each key."""
+    data = _default_data(config_class)
+    origins: dict[str, str] = {}
+    for file in config_files:
+        file_data = read_config_file(file)
+        data = _merge(data, file_data)
+        _record_origins(file_data, "", f"config file '{file}'", origins)
+    for override in overrides:
+        key, value = parse_override(override)
+        data = _merge(data, _nest(key.split("."), value))
+        origins[key] = f"--config {override}"
+    return data, origins
+
+
 def _merge(base: Mapping[str, object], update: Mapping[str, object]) -> dict[str, object]:
     merged = dict(base)
     for key, value in update.items():
@@ -264,7 +306,7 @@ def _build(
         if origin is None:
             raise
         # With several files and overrides the bare key does not say where to look.
-        raise ConfigError(f"{ex} (from {origin})", key=ex.key) from None
+        raise ConfigError(f"{ex} (from {origin})", key=ex.key, missing=ex.missing) from None
     assert isinstance(config, config_class)
     _validate(config, "")
     return config
@@ -382,6 +424,7 @@ def _structure_dataclass(cls: type[DataclassInstance], value: object, key: str) 
                 f"Config key '{full_key}' has no default and was not given. "
                 f"Set it in a config file or with --config {full_key}=VALUE.",
                 key=full_key,
+                missing=True,
             )
     try:
         return cls(**kwargs)
@@ -449,10 +492,15 @@ def _type_hints(cls: type[object]) -> dict[str, Any]:
 
 
 def _validate(value: object, key: str) -> None:
-    """Call ``validate()`` on every section, innermost first, so a parent sees valid sections."""
+    """Call ``validate()`` on every section, innermost first, so a parent sees valid sections.
+
+    A section's :func:`exactly_one_of` groups are checked before its ``validate()``, which may
+    then rely on the group's key being there.
+    """
     if _is_dataclass_instance(value):
         for field in dataclasses.fields(value):
             _validate(getattr(value, field.name), _join(key, field.name))
+        _check_groups(value, key)
         validate = getattr(value, "validate", None)
         if callable(validate):
             try:
@@ -465,6 +513,197 @@ def _validate(value: object, key: str) -> None:
     elif isinstance(value, dict):
         for name, item in value.items():
             _validate(item, _join(key, str(name)))
+
+
+def _check_groups(section: DataclassInstance, key: str) -> None:
+    for group in _groups(type(section)).values():
+        given = [name for name in group if getattr(section, name) is not None]
+        if len(given) == 1:
+            continue
+        keys = [_join(key, name) for name in group]
+        if len(given) == len(group) == 2:
+            problem = "both are set"
+        elif given:
+            problem = f"{_and([_join(key, name) for name in given])} are all set"
+        else:
+            problem = "neither is set" if len(group) == 2 else "none is set"
+        meanings = field_meanings(type(section))
+        explained = " ".join(
+            f"{_join(key, name)}: {meanings[name]}" for name in group if name in meanings
+        )
+        raise ConfigError(
+            f"Give exactly one of {_and(keys, 'or')}, but {problem}. {explained}".rstrip(),
+            key=keys[0],
+            missing=not given,
+        )
+
+
+# ------------------------------------------------------------- what the keys mean
+
+_GROUP = "exactly_one_of"
+
+
+def exactly_one_of(group: str) -> dict[str, str]:
+    """``field`` metadata for a required choice: of the fields of one section that name the same
+    ``group``, exactly one must be set (not None). They default to None; for instance::
+
+        hf_path: Path | None = field(default=None, metadata=exactly_one_of("model"))
+        name: str | None = field(default=None, metadata=exactly_one_of("model"))
+    """
+    return {_GROUP: group}
+
+
+def _groups(cls: type[object]) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if _GROUP in field.metadata:
+            groups.setdefault(field.metadata[_GROUP], []).append(field.name)
+    return groups
+
+
+def _requirement(cls: type[object], field: dataclasses.Field[Any], section: str) -> str | None:
+    """Why the key of ``field`` (in ``section``, a dotted key) must be given; None: it need not."""
+    if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+        return "required"
+    if _GROUP in field.metadata:
+        group = _groups(cls)[field.metadata[_GROUP]]
+        others = [_join(section, name) for name in group if name != field.name]
+        return f"required, unless {_and(others, 'or')} is given"
+    return None
+
+
+def field_meanings(cls: type[object]) -> dict[str, str]:
+    """The docstring under each field of the dataclass ``cls`` (or of its dataclass bases), by
+    field name: its first paragraph on one line.
+
+    Python keeps no such docstring at run time, so it is read from the class's source; a class
+    whose source cannot be found (one made in a REPL) has no meanings.
+    """
+    meanings: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = next(node.body for node in tree.body if isinstance(node, ast.ClassDef))
+        for statement, after in itertools.pairwise(body):
+            if (
+                isinstance(statement, ast.AnnAssign)
+                and isinstance(statement.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                meanings[statement.target.id] = _first_paragraph(after.value.value)
+    return meanings
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigKey:
+    """One key of a config class, as :func:`config_keys` lists it."""
+
+    name: str
+    """The dotted key, as ``--config`` takes it."""
+    meaning: str
+    """The field's docstring (a section's may come from its class's), on one line; may be ''."""
+    requirement: str | None
+    """Why the key must be given (see :func:`exactly_one_of`); None when it need not be."""
+    is_section: bool
+    """A nested dataclass, whose keys follow it."""
+
+
+def config_keys(config_class: type[object], prefix: str = "") -> list[ConfigKey]:
+    """Every key of ``config_class`` in field order, each section before its keys."""
+    hints = _type_hints(config_class)
+    meanings = field_meanings(config_class)
+    keys: list[ConfigKey] = []
+    for field in dataclasses.fields(config_class):  # type: ignore[arg-type]
+        if not field.init:
+            continue
+        name = _join(prefix, field.name)
+        section = hints[field.name]
+        is_section = isinstance(section, type) and dataclasses.is_dataclass(section)
+        meaning = meanings.get(field.name, "")
+        if is_section and not meaning and section.__doc__ and not _is_generated_doc(section):
+            meaning = _first_paragraph(section.__doc__)
+        requirement = _requirement(config_class, field, prefix)
+        keys.append(ConfigKey(name, meaning, requirement, is_section))
+        if is_section:
+            keys.extend(config_keys(section, name))
+    return keys
+
+
+def config_help(config_class: type[object], *, width: int = 80) -> str:
+    """The keys of ``config_class`` with their meanings, for a command's ``--help``."""
+    lines = textwrap.wrap(
+        "config keys (set with --config KEY=VALUE or in a --config-file; --dump-config prints "
+        "their values):",
+        width,
+    )
+    for key in config_keys(config_class):
+        if key.is_section and not key.meaning:
+            continue  # its keys follow, each with the section's name
+        text = key.meaning
+        if key.requirement is not None:
+            text = f"[{key.requirement}] {text}".rstrip()
+        lines.extend(_help_entry(key.name, text, width=width))
+    return "\n".join(lines)
+
+
+_HELP_COLUMN = 26
+"""Where the meanings start, as argparse places an option's help."""
+
+
+def _help_entry(name: str, text: str, *, width: int) -> list[str]:
+    head = f"  {name}"
+    indent = " " * _HELP_COLUMN
+    wrapped = textwrap.wrap(text, max(width - _HELP_COLUMN, 20)) or [""]
+    if len(head) + 2 <= _HELP_COLUMN:
+        first, rest = head.ljust(_HELP_COLUMN) + wrapped[0], wrapped[1:]
+        return [first.rstrip(), *(indent + line for line in rest)]
+    return [head, *(indent + line for line in wrapped if line)]
+
+
+def _annotated_yaml(cls: type[object], data: Mapping[str, object], section: str) -> Iterator[str]:
+    """``data`` as YAML lines in field order, each required key followed by a comment."""
+    import yaml
+
+    indent = "  " * len(section.split(".")) if section else ""
+    hints = _type_hints(cls)
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if not field.init:
+            continue
+        requirement = _requirement(cls, field, section)
+        note = f"  # {requirement}" if requirement else ""
+        section_class = hints[field.name]
+        value = data.get(field.name)
+        if isinstance(section_class, type) and dataclasses.is_dataclass(section_class) and value:
+            assert isinstance(value, Mapping)
+            yield f"{indent}{field.name}:{note}\n"
+            yield from _annotated_yaml(section_class, value, _join(section, field.name))
+            continue
+        text = yaml.safe_dump(
+            {field.name: value}, sort_keys=False, default_flow_style=False, width=float("inf")
+        )
+        first, *rest = text.splitlines()
+        yield f"{indent}{first}{note}\n"
+        yield from (f"{indent}{line}\n" for line in rest)
+
+
+def _first_paragraph(doc: str) -> str:
+    paragraph = inspect.cleandoc(doc).split("\n\n", 1)[0]
+    return " ".join(paragraph.replace("``", "").split())
+
+
+def _is_generated_doc(cls: type[object]) -> bool:
+    # @dataclass gives a class without a docstring its signature as one.
+    return (cls.__doc__ or "").startswith(f"{cls.__name__}(")
+
+
+def _and(names: Sequence[str], last: str = "and") -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {last} {names[-1]}"
 
 
 # ---------------------------------------------------------------------- plain data

@@ -1,6 +1,7 @@
 """The recipe command line: ``python -m recipes.x OUTPUT_DIR [--config-file F]... [--config k=v]...``.
 
-A recipe module ends with ``if __name__ == "__main__": main(recipe, ConfigClass)``; the same module
+``--help`` lists the config's keys with their meanings, and ``--dump-config`` prints every key's
+value with the required ones marked; neither needs OUTPUT_DIR or the required keys. A recipe module ends with ``if __name__ == "__main__": main(recipe, ConfigClass)``; the same module
 also runs under ``torchrun``, one process per rank. ``--evaluate {last,best,STEP}`` evaluates a
 saved checkpoint of OUTPUT_DIR instead of training (see :func:`main`).
 """
@@ -13,7 +14,9 @@ import gc
 import logging
 import logging.handlers
 import os
+import shutil
 import sys
+import textwrap
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -39,7 +42,14 @@ from gangs import (
     ProcessGroupGang,
     is_collective_timeout,
 )
-from runtime.cli.config import ConfigError, config_changes, dump_config, load_config
+from runtime.cli.config import (
+    ConfigError,
+    config_changes,
+    config_help,
+    describe_config,
+    dump_config,
+    load_config,
+)
 from runtime.cli.run_lock import LauncherWatchdog, RunLock, RunLockError
 from runtime.training.initial_weights import InitialWeightsError
 from runtime.training.signals import PREEMPTED_EXIT_CODE, StartupInterrupted, StartupSignals
@@ -127,15 +137,24 @@ def _main(
     stack: contextlib.ExitStack,
 ) -> int:
     """:func:`main` between the launch barrier and the exit; returns the exit status."""
-    args = _make_parser().parse_args(argv)
+    parser = _make_parser(config_class)
+    args = parser.parse_args(argv)
+    if args.dump_config:
+        # Before load_config: the dump shows the keys a user has yet to give.
+        try:
+            text = describe_config(
+                config_class, config_files=args.config_files, overrides=args.config
+            )
+        except ConfigError as ex:
+            _fail(str(ex))
+        sys.stdout.write(text)
+        return 0
+    if args.output_dir is None:
+        parser.error("the following arguments are required: OUTPUT_DIR")
     try:
         config = load_config(config_class, config_files=args.config_files, overrides=args.config)
     except ConfigError as ex:
         _fail(str(ex))
-
-    if args.dump_config:
-        sys.stdout.write(dump_config(config))
-        return 0
 
     rank = _read_rank()
     output_dir: Path = args.output_dir
@@ -496,6 +515,15 @@ def _skip_file_only(record: logging.LogRecord) -> bool:
 
 @final
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, config_class: type[object], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._config_class = config_class
+
+    def format_help(self) -> str:
+        # The keys' meanings are read from the config classes' source: only when help is asked.
+        self.epilog = config_help(self._config_class, width=_help_width())
+        return super().format_help()
+
     def error(self, message: str) -> NoReturn:
         # argparse prints the whole usage block; one line is easier to spot in a torchrun log.
         hint = ""
@@ -505,16 +533,29 @@ class _Parser(argparse.ArgumentParser):
         _fail(f"{message}.{hint} Run with --help for usage.")
 
 
-def _make_parser() -> argparse.ArgumentParser:
+def _help_width() -> int:
+    """The width argparse wraps its help to."""
+    return shutil.get_terminal_size().columns - 2
+
+
+def _make_parser(config_class: type[object]) -> argparse.ArgumentParser:
+    description = (
+        "Run a recipe. Config values come from the recipe's defaults, then each --config-file in "
+        "order, then each --config override in order (later wins)."
+    )
+    # Raw: the epilog, the config keys, is laid out by config_help, so the description is too.
     parser = _Parser(
-        description="Run a recipe. Config values come from the recipe's defaults, then each "
-        "--config-file in order, then each --config override in order (later wins).",
+        config_class,
+        description=textwrap.fill(description, _help_width()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "output_dir",
         metavar="OUTPUT_DIR",
         type=Path,
-        help="where config.yaml, logs/, metrics/ and checkpoints/ go",
+        nargs="?",
+        help="where config.yaml, logs/, metrics/ and checkpoints/ go (not needed with "
+        "--dump-config)",
     )
     parser.add_argument(
         "--config-file",
@@ -555,7 +596,8 @@ def _make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dump-config",
         action="store_true",
-        help="print the effective config as YAML and exit without running",
+        help="print every config key with its value (defaults, then files and overrides) as "
+        "YAML, the required ones marked, and exit without running",
     )
     return parser
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -10,8 +11,13 @@ import yaml
 from runtime.cli.config import (
     ConfigError,
     config_from_dict,
+    config_help,
+    config_keys,
     config_to_dict,
+    describe_config,
     dump_config,
+    exactly_one_of,
+    field_meanings,
     load_config,
     parse_override,
     read_config_file,
@@ -460,3 +466,143 @@ def test_config_to_dict_rejects_non_dataclasses() -> None:
 def test_load_config_rejects_non_dataclass_types() -> None:
     with pytest.raises(TypeError, match="Decorate the config class with @dataclass"):
         load_config(dict)
+
+
+# ----------------------------------------------------------- required keys, meanings
+
+
+@dataclass
+class SourceSection:
+    """Where the model comes from."""
+
+    path: Path | None = field(default=None, metadata=exactly_one_of("source"))
+    """A model directory.
+
+    Only this first paragraph is the meaning."""
+    name: str | None = field(default=None, metadata=exactly_one_of("source"))
+    """A model by ``name``:
+    one of the built-in ones."""
+    revision: int = 0
+
+
+@dataclass
+class BaseRunConfig:
+    steps: int = 3
+    """Steps to run."""
+
+
+@dataclass
+class RunConfig(BaseRunConfig):
+    seed: int = field(kw_only=True)
+    """Seeds everything."""
+    source: SourceSection = field(default_factory=SourceSection)
+    betas: tuple[float, float] = (0.9, 0.95)
+
+    def validate(self) -> None:
+        # Runs after the groups are checked, so it may rely on one source being there.
+        if self.source.path is not None and self.source.path.name == "bad":
+            raise ValueError("source.path must not be 'bad'.")
+
+
+def test_field_meanings_are_the_first_paragraph_of_each_docstring_on_one_line() -> None:
+    assert field_meanings(RunConfig) == {"steps": "Steps to run.", "seed": "Seeds everything."}
+    assert field_meanings(SourceSection) == {
+        "path": "A model directory.",
+        "name": "A model by name: one of the built-in ones.",
+    }
+
+
+def test_config_keys_list_sections_before_their_keys_with_what_they_need() -> None:
+    keys = {key.name: key for key in config_keys(RunConfig)}
+
+    assert list(keys) == [
+        "steps",
+        "seed",
+        "source",
+        "source.path",
+        "source.name",
+        "source.revision",
+        "betas",
+    ]
+    assert keys["seed"].requirement == "required"
+    assert keys["source.path"].requirement == "required, unless source.name is given"
+    assert keys["source.revision"].requirement is None
+    # A section without a docstring of its own field takes its class's.
+    assert keys["source"].meaning == "Where the model comes from." and keys["source"].is_section
+
+
+def test_help_gives_each_key_one_meaning_and_marks_the_required_ones() -> None:
+    text = config_help(RunConfig, width=100)
+
+    assert "  steps                   Steps to run." in text.splitlines()
+    assert "  seed                    [required] Seeds everything." in text.splitlines()
+    assert "[required, unless source.path is given] A model by name" in text
+    assert "  betas" in text.splitlines()  # no meaning, still listed
+    assert all(len(line) <= 100 for line in text.splitlines())
+
+
+def test_describe_works_before_the_required_keys_and_marks_them() -> None:
+    text = describe_config(RunConfig)
+
+    assert text.splitlines() == [
+        "steps: 3",
+        "seed: null  # required",
+        "source:",
+        "  path: null  # required, unless source.name is given",
+        "  name: null  # required, unless source.path is given",
+        "  revision: 0",
+        "betas:",
+        "- 0.9",
+        "- 0.95",
+    ]
+    assert yaml.safe_load(text)["source"] == {"path": None, "name": None, "revision": 0}
+
+
+def test_describe_shows_files_and_overrides_and_reloads_to_the_same_config(
+    tmp_path: Path,
+) -> None:
+    file = write_yaml(tmp_path / "a.yaml", {"steps": 7})
+    overrides = ["seed=5", "source.name=tiny", "betas=[0.8, 0.9]"]
+
+    text = describe_config(RunConfig, config_files=[file], overrides=overrides)
+
+    loaded = load_config(RunConfig, config_files=[file], overrides=overrides)
+    assert (
+        load_config(RunConfig, config_files=[write_yaml(tmp_path / "b.yaml", yaml.safe_load(text))])
+        == loaded
+    )
+    assert "  name: tiny  # required, unless source.path is given" in text.splitlines()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["stepz=1"], "Unknown config key 'stepz'"),
+        (["seed=1", "steps=x"], "Config key 'steps' expects int, but got 'x'"),
+        (["seed=1", "source.path=bad"], "source.path must not be 'bad'."),
+    ],
+)
+def test_describe_still_refuses_what_is_wrong_rather_than_missing(
+    overrides: list[str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        describe_config(RunConfig, overrides=overrides)
+
+
+def test_a_missing_choice_is_one_error_naming_each_key_and_its_meaning() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(RunConfig, overrides=["seed=1"])
+
+    assert str(info.value) == (
+        "Give exactly one of source.path or source.name, but neither is set. "
+        "source.path: A model directory. source.name: A model by name: one of the built-in ones."
+    )
+    assert info.value.missing
+
+
+def test_a_choice_given_twice_is_an_error_not_a_missing_key() -> None:
+    with pytest.raises(ConfigError, match="but both are set") as info:
+        load_config(RunConfig, overrides=["seed=1", "source.path=/m", "source.name=tiny"])
+
+    assert not info.value.missing
+    assert load_config(RunConfig, overrides=["seed=1", "source.name=tiny"]).source.name == "tiny"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import io
 import logging
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -19,22 +21,22 @@ RECIPE_SCRIPT = "tests/runtime/cli/cli_recipe.py"
 Result = subprocess.CompletedProcess[str]
 
 
-def run_recipes(commands: dict[str, list[str]]) -> dict[str, Result]:
-    """Run ``python -m tests.runtime.cli.cli_recipe ARGS`` for each entry, all at once.
+def run_modules(commands: dict[str, list[str]]) -> dict[str, Result]:
+    """Run ``python -m MODULE ARGS`` for each entry, all at once.
 
     Each process spends most of its time importing torch, so running them side by side keeps
     the file fast.
     """
     procs = {
         name: subprocess.Popen(
-            [sys.executable, "-m", RECIPE_MODULE, *args],
+            [sys.executable, "-m", *argv],
             env=child_env(),
             cwd=REPO_ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for name, args in commands.items()
+        for name, argv in commands.items()
     }
     results = {}
     for name, proc in procs.items():
@@ -97,8 +99,11 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, R
         "max_num_steps=7",
     ]
     commands["exit_code"] = [str(root / "exit_code"), "--config", "exit_code=3"]
+    commands["dump_without_output_dir"] = ["--dump-config", "--config", "lr=0.5"]
     commands["fail_in_run"] = [str(root / "fail_in_run"), "--config", "fail_in_run=true"]
-    return root, run_recipes(commands)
+    # A real recipe in the same batch: its --dump-config with no model and no data given.
+    runs = {name: [RECIPE_MODULE, *args] for name, args in commands.items()}
+    return root, run_modules({**runs, "lm_dump": ["recipes.lm", "--dump-config"]})
 
 
 @pytest.mark.parametrize("case", sorted(ERROR_CASES))
@@ -153,6 +158,85 @@ def test_dump_config_prints_effective_yaml_and_creates_nothing(
     assert dumped["betas"] == [0.8, 0.9]
     assert dumped["gang"] == {"tp_size": 1}
     assert not (root / "dump").exists()
+
+
+def test_dump_config_needs_no_output_dir(outputs: tuple[Path, dict[str, Result]]) -> None:
+    result = outputs[1]["dump_without_output_dir"]
+
+    assert_ok(result)
+    assert yaml.safe_load(result.stdout)["lr"] == 0.5
+
+
+def test_lm_dump_config_shows_every_key_before_the_required_ones_are_given(
+    outputs: tuple[Path, dict[str, Result]],
+) -> None:
+    from recipes.lm import LMConfig
+    from runtime.cli.config import config_keys, config_to_dict
+
+    result = outputs[1]["lm_dump"]
+
+    assert_ok(result)
+    assert yaml.safe_load(result.stdout) == config_to_dict(LMConfig())
+    lines = result.stdout.splitlines()
+    assert "  name: null  # required, unless model.hf_path is given" in lines
+    assert "  train: null  # required, unless data.mixture is given" in lines
+    marked = [line.split(":")[0].strip() for line in lines if "# required" in line]
+    assert marked == [key.name.split(".")[-1] for key in config_keys(LMConfig) if key.requirement]
+
+
+def recipe_config(recipe: str) -> tuple[Any, type[Any]]:
+    module = importlib.import_module(f"recipes.{recipe}")
+    return module.recipe, getattr(module, {"lm": "LMConfig", "char_lm": "CharLMConfig"}[recipe])
+
+
+def run_main(recipe: str, argv: list[str], capsys: pytest.CaptureFixture[str]) -> Result:
+    """The recipe's ``main`` in this process: its exit status, stdout and stderr."""
+    from runtime import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(*recipe_config(recipe), argv)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, exit_info.value.code, out, err)
+
+
+@pytest.mark.parametrize("recipe", ["lm", "char_lm"])
+def test_recipe_help_lists_each_key_with_its_meaning(
+    recipe: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = run_main(recipe, ["--help"], capsys)
+
+    assert result.returncode == 0
+    help_text = " ".join(result.stdout.split())
+    assert "config keys (set with --config KEY=VALUE" in help_text
+    assert "trainer.max_num_steps Optimizer steps to train for;" in help_text
+    if recipe == "lm":
+        assert "model.name [required, unless model.hf_path is given] The project's" in help_text
+    else:
+        assert "model.num_heads Attention heads per block;" in help_text
+
+
+def test_a_missing_required_key_at_run_time_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = run_main("lm", [str(tmp_path / "run")], capsys)
+
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "error: Give exactly one of model.hf_path or model.name, but neither is set. "
+        "model.hf_path: A Hugging Face causal LM directory: built from its config.json, loaded "
+        "from its weights. model.name: The project's Llama-style model: llama_debug, llama_125m, "
+        "llama_1b or llama_8b."
+    ]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("recipe", ["lm", "char_lm"])
+def test_every_key_of_the_recipes_has_a_meaning(recipe: str) -> None:
+    from runtime.cli.config import config_keys
+
+    keys = config_keys(recipe_config(recipe)[1])
+
+    assert [key.name for key in keys if not key.meaning and not key.is_section] == []
 
 
 def test_run_writes_config_and_rank_log(outputs: tuple[Path, dict[str, Result]]) -> None:
