@@ -36,7 +36,7 @@ $(OLDEST_VENV)/bin/.installed: pyproject.toml
 	$(PYTHON) -m venv $(OLDEST_VENV)
 	$(OLDEST_VENV)/bin/pip install --quiet --upgrade pip
 	$(OLDEST_VENV)/bin/pip install --quiet "torch==$(OLDEST_TORCH)"
-	$(OLDEST_VENV)/bin/pip install --quiet -e '.[dev,hf]'
+	$(OLDEST_VENV)/bin/pip install --quiet -e '.[dev,hf,lora]'
 	touch $@
 
 test-torch-range: $(OLDEST_VENV)/bin/.installed
