@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -24,7 +25,13 @@ from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
 from torcheval.metrics import Max, Mean
 
 from checkpoint.arguments import check_positive
@@ -372,6 +379,12 @@ def build_model(config: LMConfig, gangs: Gangs, tokenizer: Tokenizer) -> BuiltMo
             f"{config.model.hf_path} ties its input and output embeddings, which this recipe "
             "trains with DDP only. Use data_parallel=ddp and gang.tp_size=1."
         )
+    if gangs.tp.size > 1 and not plan:
+        raise ValueError(
+            f"{type(model).__name__} has no tensor parallel plan (its config has no "
+            f"base_model_tp_plan), but gang.tp_size is {gangs.tp.size}. Use gang.tp_size=1: "
+            "DDP, FSDP2 and HSDP train it."
+        )
     model = apply_tensor_parallel(model, gangs, plan)
     if config.model.activation_checkpointing:
         apply_activation_checkpointing(
@@ -401,8 +414,13 @@ def _hf_model(path: Path) -> tuple[nn.Module, Any, dict[str, ParallelStyle], dic
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config_object = AutoConfig.from_pretrained(path)
+    # Training keeps no key/value cache: activation checkpointing's recomputation would append
+    # to it a second time (a sliding-window cache then outgrows its mask).
+    hf_config_object.use_cache = False
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config_object, attn_implementation="sdpa")
+        # transformers picks SDPA where the model supports it, eager attention otherwise (Gemma 2's
+        # soft-capped attention logits).
+        model = AutoModelForCausalLM.from_config(hf_config_object)
 
     def init_fn(name: str, module: nn.Module) -> None:
         model._init_weights(module)
@@ -411,17 +429,41 @@ def _hf_model(path: Path) -> tuple[nn.Module, Any, dict[str, ParallelStyle], dic
     return model, init_fn, plan, json.loads((path / "config.json").read_text())
 
 
+_HF_TP_STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    # Fused projections (Phi-3's qkv_proj) and projections a full-width norm follows (OLMo-2):
+    # the output is gathered, and the next rowwise layer takes the whole input and splits it.
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    # A per-head norm (Qwen3's q_norm and k_norm) sees this rank's heads only: its weight becomes
+    # a replicated DTensor and its input one sharded over the heads, so the weight's gradient is
+    # summed over the TP ranks.
+    "replicated_with_grad_allreduce": lambda: SequenceParallel(
+        sequence_dim=-2, use_local_output=True
+    ),
+}
+# Styles that leave the module whole on every rank: nothing to do.
+_HF_TP_UNSPLIT = frozenset({"replicate", "embedding_rowwise", "embedding_colwise"})
+
+
 def _hf_tensor_parallel_plan(model: nn.Module, hf_config_object: Any) -> dict[str, ParallelStyle]:
-    """The config's ``base_model_tp_plan`` (Llama-family models), as torch's parallel styles."""
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    """The config's ``base_model_tp_plan`` as torch's parallel styles; empty without one."""
     plan: dict[str, ParallelStyle] = {}
     prefix = getattr(model, "base_model_prefix", "model")
     for pattern, style in (getattr(hf_config_object, "base_model_tp_plan", None) or {}).items():
-        if style not in styles:
-            continue  # e.g. the embedding's replicated input: fine unsplit
-        num_layers = hf_config_object.num_hidden_layers
-        for i in range(num_layers):
-            plan[f"{prefix}.{pattern.replace('*', str(i))}"] = styles[style]()
+        if style in _HF_TP_UNSPLIT:
+            continue
+        if style not in _HF_TP_STYLES:
+            raise ValueError(
+                f"{type(model).__name__}'s base_model_tp_plan splits {pattern} as '{style}', which "
+                f"this recipe cannot do (it knows {', '.join(sorted(_HF_TP_STYLES))}). "
+                "Use gang.tp_size=1: DDP, FSDP2 and HSDP train it."
+            )
+        for i in range(hf_config_object.num_hidden_layers):
+            plan[f"{prefix}.{pattern.replace('*', str(i))}"] = _HF_TP_STYLES[style]()
     return plan
 
 
@@ -471,6 +513,11 @@ def recipe(config: LMConfig, output_dir: Path) -> Trainer[Any]:
         dp_shard_size=config.gang.dp_shard_size,
         timeout=timedelta(minutes=config.gang.timeout_minutes),
     )
+    return build_trainer(config, output_dir, gangs)
+
+
+def build_trainer(config: LMConfig, output_dir: Path, gangs: Gangs) -> Trainer[Any]:
+    """The recipe's Trainer on gangs already made (``config.gang`` must describe them)."""
     tokenizer = load_recipe_tokenizer(config)
     built = build_model(config, gangs, tokenizer)
     log.info("Model: %s, %d parameters.", type(built.model).__name__, built.flops_per_token / 6)
