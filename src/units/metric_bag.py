@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, final
 
 import torch
@@ -65,9 +66,7 @@ class MetricBag:
 
     def begin_updates(self) -> None:
         """Remember the current state, so the updates that follow can be rolled back."""
-        self._snapshot = {
-            name: copy.deepcopy(metric.state_dict()) for name, metric in self._metrics.items()
-        }
+        self._snapshot = self._copy_states()
 
     def commit_updates(self) -> None:
         self._snapshot = None
@@ -76,9 +75,28 @@ class MetricBag:
         """Undo the updates since :meth:`begin_updates` (a step skipped on fp16 overflow)."""
         if self._snapshot is None:
             raise RuntimeError("rollback_updates() needs a begin_updates() before it.")
-        for name, state in self._snapshot.items():
-            self._metrics[name].load_state_dict(state)
+        self._load_states(self._snapshot)
         self._snapshot = None
+
+    @contextlib.contextmanager
+    def discarding_updates(self) -> Iterator[None]:
+        """Undo, on leaving, every update made inside: for a forward whose values must not count.
+
+        The states are restored in place, so a unit that keeps its own references to the
+        metrics is covered too.
+        """
+        saved = self._copy_states()
+        try:
+            yield
+        finally:
+            self._load_states(saved)
+
+    def _copy_states(self) -> dict[str, dict[str, Any]]:
+        return {name: copy.deepcopy(metric.state_dict()) for name, metric in self._metrics.items()}
+
+    def _load_states(self, states: dict[str, dict[str, Any]]) -> None:
+        for name, state in states.items():
+            self._metrics[name].load_state_dict(state)
 
     def sync_and_compute(self, gang: Gang) -> dict[str, Any]:
         """Merge every rank's metric states over ``gang`` and compute each metric.

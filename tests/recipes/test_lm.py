@@ -429,3 +429,48 @@ def test_validation_before_the_first_step_leaves_training_intact(
     assert_ok(result)
     assert [r["step_nr"] for r in read_jsonl(out / "metrics" / "valid.jsonl")] == [0, 3]
     assert len(losses(out)) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("task", ["pretrain", "sft"])
+def test_an_uneven_valid_set_scores_under_fsdp_what_it_scores_in_one_process(
+    tmp_path: Path, task: str
+) -> None:
+    """The validation before the first step, from the directory's weights: under FSDP2 on 2
+    ranks a rank whose valid shard is empty must still join the other's forwards."""
+    from recipes.lm import DataSection, LMConfig, packed_valid_set
+
+    model_dir = make_hf_llama_dir(tmp_path / "model")
+    if task == "pretrain":
+        train = write_jsonl(tmp_path / "train.jsonl", [{"text": s} for s in repeated(200, seed=2)])
+        valid = write_jsonl(tmp_path / "valid.jsonl", [{"text": s} for s in repeated(3, seed=2)])
+        # One packed sequence: DP rank 1 reads no valid batch at all.
+        config = LMConfig(data=DataSection(valid=str(valid), seq_len=32))
+        assert len(packed_valid_set(config, load_tokenizer(model_dir))) == 1
+    else:
+        rng = random.Random(4)
+        records: list[dict[str, object]] = [
+            {"prompt": " ".join(rng.choice(WORDS) for _ in range(8)), "response": "the cat sat"}
+            for _ in range(9)
+        ]
+        train = write_jsonl(tmp_path / "train.jsonl", records * 8)
+        # 9 examples in batches of 4: DP rank 0 reads two batches, rank 1 one.
+        valid = write_jsonl(tmp_path / "valid.jsonl", records)
+    config_args = (
+        *TINY_TRAINING,
+        f"task={task}",
+        f"model.hf_path={model_dir}",
+        f"data.train={train}",
+        f"data.valid={valid}",
+        "trainer.validate_at_start=true",
+        "trainer.validate_every_n_steps=1",
+        "trainer.checkpoint_every_n_steps=1",
+        "trainer.max_num_steps=1",
+    )
+    assert_ok(run_python(*recipe_args(tmp_path / "one", *config_args), timeout=300))
+    sharded = recipe_args(tmp_path / "two", *config_args, "data_parallel=fsdp")
+    assert_ok(torchrun(2, *sharded, timeout=600))
+    one, two = (read_jsonl(tmp_path / run / "metrics" / "valid.jsonl") for run in ("one", "two"))
+    assert [r["step_nr"] for r in two] == [0, 1]
+    assert two[0]["nll_loss"] == pytest.approx(one[0]["nll_loss"], rel=1e-5)

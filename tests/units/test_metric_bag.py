@@ -60,6 +60,20 @@ def test_rolled_back_updates_do_not_count() -> None:
     assert bag.sync_and_compute(FakeGang())["num_examples"] == 3.0
 
 
+def test_updates_inside_discarding_updates_do_not_count() -> None:
+    bag = make_bag()
+    kept = bag.num_examples  # a unit may keep its own reference to a metric
+    bag.num_examples.update(torch.tensor(1.0))
+    with bag.discarding_updates():
+        kept.update(torch.tensor(100.0))
+        bag.nll_loss.update(torch.tensor(9.0))
+    with pytest.raises(RuntimeError, match="broken"), bag.discarding_updates():
+        kept.update(torch.tensor(100.0))
+        raise RuntimeError("broken")
+    bag.nll_loss.update(torch.tensor(2.0))
+    assert bag.sync_and_compute(FakeGang()) == {"nll_loss": 2.0, "num_examples": 1.0}
+
+
 def test_rollback_without_begin_is_an_error() -> None:
     with pytest.raises(RuntimeError, match="begin_updates"):
         make_bag().rollback_updates()

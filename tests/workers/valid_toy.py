@@ -10,6 +10,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
@@ -89,12 +90,17 @@ class ValidToyConfig:
     early_stop_min_delta: float = 0.0
     stopper_fails_at_step: int | None = None
     """Use an early stopper that raises at this step instead (it runs on rank 0 only)."""
+    data_parallel: Literal["ddp", "fsdp"] = "ddp"
+    """With ``fsdp``, each Linear is a shard unit of its own."""
+    valid_size: int = 11
 
 
 def recipe(config: ValidToyConfig, output_dir: Path) -> Trainer[ToyBatch]:
     gangs = setup_gangs()
     torch.manual_seed(0)
-    model = apply_data_parallel(ToyModel(), gangs, kind="ddp")
+    model = apply_data_parallel(
+        ToyModel(), gangs, kind=config.data_parallel, fsdp_units=(nn.Linear,)
+    )
     train_reader = MapDataReader(
         dataset=ToyDataset(64), batch_size=4, collate=collate, gang=gangs.dp, seed=3
     )
@@ -120,7 +126,7 @@ def recipe(config: ValidToyConfig, output_dir: Path) -> Trainer[ToyBatch]:
         gangs=gangs,
         max_num_steps=config.max_num_steps,
         valid_units=[ToyEvalUnit(model)],
-        valid_data_readers=[make_valid_reader(gangs.dp, size=11)],
+        valid_data_readers=[make_valid_reader(gangs.dp, size=config.valid_size)],
         validate_every_n_steps=config.validate_every_n_steps,
         checkpoint_every_n_steps=config.checkpoint_every_n_steps,
         keep_best_n_checkpoints=config.keep_best_n_checkpoints,

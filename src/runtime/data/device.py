@@ -31,6 +31,19 @@ def move_to_device(batch: T, device: torch.device, *, non_blocking: bool = False
     return moved
 
 
+def tensor_devices(batch: Any) -> set[torch.device]:
+    """The devices of the tensors inside ``batch``, found where :func:`move_to_device` finds
+    them (objects that move themselves with ``to()`` are not looked into)."""
+    devices: set[torch.device] = set()
+
+    def note(tensor: Tensor) -> Tensor:
+        devices.add(tensor.device)
+        return tensor
+
+    _map_tensors(batch, note)
+    return devices
+
+
 def pin_memory(batch: T) -> T:
     """``batch`` with every CPU tensor inside it in pinned (page-locked) host memory, so that a
     ``non_blocking`` copy to CUDA does not make the host wait."""

@@ -120,9 +120,7 @@ class MapDataReader(DataReader[BatchT]):
         # Examples of this epoch's permutation that steps before this reader's first step took,
         # under another layout: nonzero only after load_state_dict resharded a position.
         self._offset = 0
-        steps_per_rank = self._count_steps()
-        if self._num_steps == 0:
-            raise ValueError(self._layout.too_small_message(steps_per_rank, sync_mode))
+        self._count_steps()
 
         self._epoch = 0
         self._step_nr = 0  # steps returned by __next__ in this epoch, not steps prepared
@@ -134,6 +132,8 @@ class MapDataReader(DataReader[BatchT]):
     def __next__(self) -> list[BatchT]:
         # Every rank computes the same _num_steps, so they all stop here at the same step.
         if self._step_nr >= self._num_steps:
+            if self._offset == 0:
+                self.check_has_steps()
             raise StopIteration
         if not self._verified:
             self._verify_ranks_agree()
@@ -143,6 +143,19 @@ class MapDataReader(DataReader[BatchT]):
         batches = [] if step_nr >= self._num_local_steps else self._read(step_nr)
         self._step_nr += 1
         return batches
+
+    def check_has_steps(self) -> None:
+        """Raise a ValueError that says why and what to change if the dataset is too small for
+        one step of every rank that needs one (all of them in ``UNTIL_FIRST``, one in
+        ``UNTIL_LAST``).
+
+        Reading such a reader raises it at the first step. The constructor does not: a reader
+        built like a training reader may still serve as a valid reader, and
+        :meth:`for_evaluation` reads the same dataset in steps that may well fit it.
+        """
+        steps_per_rank = self._layout.steps_per_rank(0)
+        if self._epoch_length(steps_per_rank) == 0:
+            raise ValueError(self._layout.too_small_message(steps_per_rank, self._sync_mode))
 
     @override
     def for_evaluation(self) -> MapDataReader[BatchT]:
@@ -249,15 +262,17 @@ class MapDataReader(DataReader[BatchT]):
         self._step_maker = None
         self._verified = False
 
-    def _count_steps(self) -> list[int]:
-        """Set the epoch's step counts from the examples after the offset; return each rank's."""
+    def _count_steps(self) -> None:
+        """Set the epoch's step counts from the examples after the offset."""
         steps_per_rank = self._layout.steps_per_rank(self._offset)
         self._num_local_steps = steps_per_rank[self._gang.rank]
+        self._num_steps = self._epoch_length(steps_per_rank)
+
+    def _epoch_length(self, steps_per_rank: list[int]) -> int:
+        """An epoch ends when the first rank runs out (UNTIL_FIRST) or the last one does."""
         if self._sync_mode is SyncMode.UNTIL_FIRST:
-            self._num_steps = min(steps_per_rank)
-        else:
-            self._num_steps = max(steps_per_rank)
-        return steps_per_rank
+            return min(steps_per_rank)
+        return max(steps_per_rank)
 
     def _verify_ranks_agree(self) -> None:
         # A rank set up differently would compute another epoch length and hang the others later.
@@ -430,7 +445,7 @@ _MAX_GATHERED_BYTES = 16 * 2**20
 
 def _micro_batches_per_gather(tensors: tuple[Tensor, ...], batch_size: int) -> int:
     """How many micro-batches one gather from ``tensors`` reads, within the bounds above."""
-    # The reader refuses a dataset too small for one step, so every tensor has a first row here.
+    # The reader reads only from a shard with a step, so every tensor has a first row here.
     example_bytes = sum(tensor[0].nbytes for tensor in tensors)
     fitting = _MAX_GATHERED_BYTES // max(example_bytes * batch_size, 1)
     return max(1, min(_MAX_GATHERED_MICRO_BATCHES, fitting))

@@ -268,6 +268,7 @@ class WindowedDataReader(DataReader[BatchT]):
         )
         try:
             reader = self._make_reader(dataset, window_nr)
+            reader.check_has_steps()
             if position is not None:
                 reader.load_state_dict(position)
         except ValueError as ex:

@@ -12,9 +12,10 @@ from torch.nn import Module
 
 from checkpoint import AbstractCheckpointManager, CheckpointChoice
 from checkpoint.arguments import check_same_length
-from gangs import Gangs
+from gangs import Gang, Gangs
 from runtime.data import DataReader
 from runtime.metrics.recorders import MetricRecorder
+from runtime.training.stand_in import StandInBatch
 from units import EvalUnit
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,13 @@ def evaluate_units(
     stops after the same number, so the values cover the first ``max_num_steps`` batches of
     every rank's shard.
 
+    Every rank of the DP gang makes the same forwards, whatever its share of the data: a rank
+    whose shard ran out (it reads ``[]``) runs the unit on a stand-in batch while the others
+    read, and that forward's metric updates are discarded. So under FSDP2, HSDP and TP every
+    rank takes part in every collective of the others' forwards, and the values are those of
+    one process over the whole set. A unit's ``__call__`` must therefore record only into its
+    ``metric_bag``.
+
     The model is in eval mode under ``torch.no_grad()`` meanwhile, and is put back in the mode
     it was in. Each reader is reset afterwards, ready for the next evaluation.
 
@@ -72,13 +80,7 @@ def evaluate_units(
         with torch.no_grad():
             for unit, reader in zip(units, data_readers, strict=True):
                 unit.set_step_nr(step_nr)
-                for num_steps, batches in enumerate(reader):
-                    if max_num_steps is not None and num_steps == max_num_steps:
-                        break
-                    # A rank whose shard ran out gets [] until the last rank is done.
-                    for batch in batches:
-                        with autocast():
-                            unit(batch)
+                _run_unit(unit, reader, gangs.dp, autocast=autocast, max_num_steps=max_num_steps)
                 reader.reset()
                 values = unit.metric_bag.sync_and_compute(gangs.dp)
                 unit.metric_bag.reset_metrics()
@@ -89,6 +91,35 @@ def evaluate_units(
         model.train(was_training)
         reshard_fsdp_modules(model)
     return results
+
+
+def _run_unit(
+    unit: EvalUnit[Any],
+    reader: DataReader[Any],
+    dp_gang: Gang,
+    *,
+    autocast: AutocastFactory = contextlib.nullcontext,
+    max_num_steps: int | None = None,
+) -> None:
+    """Run ``unit`` over ``reader`` to its end (or ``max_num_steps``), in step with every rank.
+
+    Every rank makes ``reader.num_accumulate`` forwards in each step, so under FSDP2, HSDP or
+    TP every rank takes part in the collectives of every forward the others make. A rank whose
+    step holds fewer micro-batches (its shard ran out, or the epoch's last step is partial)
+    makes up the difference with forwards of a stand-in batch, whose metric updates are
+    discarded: it contributes nothing to the values.
+    """
+    stand_in = StandInBatch(dp_gang, num_accumulate=reader.num_accumulate)
+    for num_steps, batches in enumerate(reader):
+        if max_num_steps is not None and num_steps == max_num_steps:
+            break
+        stand_in.update(batches)
+        for batch in batches:
+            with autocast():
+                unit(batch)
+        for _ in range(stand_in.num_missing(batches)):
+            with unit.metric_bag.discarding_updates(), autocast():
+                unit(stand_in.batch)
 
 
 def reshard_fsdp_modules(model: Module) -> None:

@@ -596,20 +596,43 @@ def test_bad_arguments_are_named(kwargs: dict[str, Any], message: str) -> None:
         map_reader(**kwargs)
 
 
-def test_too_small_dataset_is_a_clear_error() -> None:
+def test_too_small_dataset_is_a_clear_error_when_read() -> None:
     # 7 examples over 2 ranks: rank 1 gets 3, but a step takes 2 x 2.
-    with pytest.raises(ValueError, match=r"too small.*rank 1 of 2.*3 examples.*takes 4") as info:
-        map_reader(7, batch_size=2, num_accumulate=2, gang=RankGang(rank=0, size=2))
+    reader = map_reader(7, batch_size=2, num_accumulate=2, gang=RankGang(rank=0, size=2))
+    message = r"too small.*rank 1 of 2.*3 examples.*takes 4"
+    with pytest.raises(ValueError, match=message) as info:
+        next(reader)
     assert "drop_remainder=False" in str(info.value)
+    with pytest.raises(ValueError, match=message):
+        reader.check_has_steps()
     # Without the remainder dropped, every rank has a (partial) step.
     assert map_reader(7, batch_size=2, num_accumulate=2, drop_remainder=False).num_steps == 2
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_reader_too_small_for_a_training_step_still_reads_for_evaluation(rank: int) -> None:
+    # A valid reader built like a train reader: 5 examples over 2 ranks give no step of 4 with
+    # drop_remainder, but evaluation keeps the remainder and reads every example.
+    gang = RankGang(rank=rank, size=2)
+    dataset = TensorDataset(torch.arange(5))
+    reader = MapDataReader(dataset=dataset, batch_size=4, gang=gang, shuffle=False)
+    evaluation = reader.for_evaluation()
+    evaluation.check_has_steps()
+    assert [[batch[0].tolist() for batch in batches] for batches in evaluation] == [
+        [[0, 2, 4]] if rank == 0 else [[1, 3]]
+    ]
+    with pytest.raises(ValueError, match=r"too small.*5 examples give rank 0 of 2.*3 examples"):
+        next(reader)
+
+
 def test_empty_dataset_is_a_clear_error_in_until_last_too() -> None:
+    reader = map_reader(0, sync_mode=SyncMode.UNTIL_LAST)
     with pytest.raises(
         ValueError, match=r"too small.*every rank has no step in sync_mode UNTIL_LAST"
     ):
-        map_reader(0, sync_mode=SyncMode.UNTIL_LAST)
+        next(reader)
+    with pytest.raises(ValueError, match="too small"):
+        next(map_reader(0).for_evaluation())
 
 
 # -------------------------------------------------------------- IterableDataReader, one rank

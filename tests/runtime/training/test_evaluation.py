@@ -243,9 +243,9 @@ def test_best_needs_a_scored_checkpoint(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ the command line
 
 
-def train_recipe(output_dir: Path) -> dict[int, dict[str, Any]]:
+def train_recipe(output_dir: Path, *, valid_size: int = 11) -> dict[int, dict[str, Any]]:
     """Trains the toy recipe in this process; returns its valid.jsonl by step."""
-    config = ValidToyConfig(max_num_steps=6, keep_best_n_checkpoints=1)
+    config = ValidToyConfig(max_num_steps=6, keep_best_n_checkpoints=1, valid_size=valid_size)
     assert recipe(config, output_dir).run() == 0
     (output_dir / "config.yaml").write_text("# the training's config\n")
     return {r.pop("step_nr"): r for r in read_jsonl(output_dir / "metrics" / "valid.jsonl")}
