@@ -29,8 +29,7 @@ from recipes.common import (
     OptimizerSection,
     TrainerSection,
     adamw_with_schedule,
-    data_parallel_kind,
-    dtype_of,
+    parallel_options,
     summed_nll_loss,
     trainer_options,
 )
@@ -39,13 +38,9 @@ from runtime import (
     MapDataReader,
     SyncMode,
     Trainer,
-    apply_activation_checkpointing,
-    apply_data_parallel,
-    apply_tensor_parallel,
-    compile_blocks,
     compile_loss,
     main,
-    materialize_model,
+    parallelize_model,
 )
 from units import EvalUnit, TrainUnit
 
@@ -336,36 +331,20 @@ class CharLMEvalUnit(EvalUnit[LMBatch]):
 
 
 def build_model(config: CharLMConfig, gangs: Gangs) -> nn.Module:
-    """Build on meta, then TP, activation checkpointing, FSDP2/HSDP, materialize, DDP, compile.
+    """Build on meta, then shard, wrap and initialize (``parallelize_model``).
 
     The initial weights depend on ``trainer.seed`` alone, not on the layout: every module is
     initialized from a generator seeded by the seed and its name (see ``materialize_model``).
     """
-    device = gangs.root.device
-    with torch.device("meta" if config.model.meta_init else device):
+    with torch.device("meta" if config.model.meta_init else gangs.root.device):
         model = ByteTransformer(config.model, config.data.seq_len)
-    model = apply_tensor_parallel(model, gangs, tensor_parallel_plan(model))
-    if config.model.activation_checkpointing:
-        apply_activation_checkpointing(
-            model, block_types=(Block,), every_n=config.model.activation_checkpointing_every_n
-        )
-    kind = data_parallel_kind(config, gangs)
-    if kind != "ddp":
-        # FSDP2 shards the meta parameters, so each rank allocates only its shards below.
-        model = apply_data_parallel(
-            model,
-            gangs,
-            kind=kind,
-            fsdp_units=(Block,),
-            param_dtype=dtype_of(config.fsdp.param_dtype),
-            reduce_dtype=dtype_of(config.fsdp.reduce_dtype),
-        )
-    materialize_model(model, device=device, seed=config.trainer.seed)
-    if kind == "ddp":
-        model = apply_data_parallel(model, gangs, kind="ddp")
-    if config.compile:
-        compile_blocks(model, block_types=(Block,))
-    return model
+    return parallelize_model(
+        model,
+        gangs,
+        **parallel_options(config, gangs),
+        block_types=(Block,),
+        tp_plan=tensor_parallel_plan(model),
+    )
 
 
 def recipe(config: CharLMConfig, output_dir: Path) -> Trainer[LMBatch]:

@@ -101,6 +101,42 @@ def data_parallel_kind(config: ParallelConfig, gangs: Gangs) -> DataParallelKind
     return "fsdp" if gangs.tp.size > 1 else "ddp"
 
 
+class CheckpointingOptions(Protocol):
+    """The activation checkpointing switches of a recipe's model section."""
+
+    @property
+    def activation_checkpointing(self) -> bool: ...
+    @property
+    def activation_checkpointing_every_n(self) -> int: ...
+
+
+class BuildConfig(ParallelConfig, Protocol):
+    """The parts of a recipe's config that say how its model is sharded and wrapped."""
+
+    fsdp: FsdpSection
+    trainer: TrainerSection
+    compile: bool
+
+    @property
+    def model(self) -> CheckpointingOptions: ...
+
+
+def parallel_options(config: BuildConfig, gangs: Gangs) -> dict[str, Any]:
+    """``parallelize_model``'s keyword arguments that come from the shared config sections."""
+    return {
+        "kind": data_parallel_kind(config, gangs),
+        "seed": config.trainer.seed,
+        "param_dtype": dtype_of(config.fsdp.param_dtype),
+        "reduce_dtype": dtype_of(config.fsdp.reduce_dtype),
+        "compile": config.compile,
+        "activation_checkpointing_every_n": (
+            config.model.activation_checkpointing_every_n
+            if config.model.activation_checkpointing
+            else None
+        ),
+    }
+
+
 def dtype_of(name: str | None) -> torch.dtype | None:
     return None if name is None else cast(torch.dtype, getattr(torch, name))
 

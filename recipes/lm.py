@@ -42,8 +42,7 @@ from recipes.common import (
     OptimizerSection,
     TrainerSection,
     adamw_with_schedule,
-    data_parallel_kind,
-    dtype_of,
+    parallel_options,
     summed_nll_loss,
     trainer_options,
 )
@@ -53,12 +52,8 @@ from runtime import (
     MapDataReader,
     SyncMode,
     Trainer,
-    apply_activation_checkpointing,
-    apply_data_parallel,
-    apply_tensor_parallel,
-    compile_blocks,
     main,
-    materialize_model,
+    parallelize_model,
 )
 from runtime.cli.hf_export import HF_FILES_DIR
 from runtime.data.text import (
@@ -360,7 +355,8 @@ class BuiltModel:
 
 
 def build_model(config: LMConfig, gangs: Gangs, tokenizer: Tokenizer) -> BuiltModel:
-    """Build on meta, then TP, activation checkpointing, FSDP2/HSDP, materialize, DDP, compile."""
+    """Build on meta, then shard, wrap and initialize (``parallelize_model``); tied input and
+    output embeddings stay one weight in every layout."""
     if config.model.hf_path is not None:
         model, init_fn, plan, hf = _hf_model(config.model.hf_path)
     else:
@@ -373,39 +369,20 @@ def build_model(config: LMConfig, gangs: Gangs, tokenizer: Tokenizer) -> BuiltMo
         init_fn, plan = model.init_module, tensor_parallel_plan(model)
         hf = hf_config(args, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
     block_types = _block_types(model)
-    kind = data_parallel_kind(config, gangs)
-    if hf.get("tie_word_embeddings") and (kind != "ddp" or gangs.tp.size > 1):
-        raise ValueError(
-            f"{config.model.hf_path} ties its input and output embeddings, which this recipe "
-            "trains with DDP only. Use data_parallel=ddp and gang.tp_size=1."
-        )
     if gangs.tp.size > 1 and not plan:
         raise ValueError(
             f"{type(model).__name__} has no tensor parallel plan (its config has no "
             f"base_model_tp_plan), but gang.tp_size is {gangs.tp.size}. Use gang.tp_size=1: "
             "DDP, FSDP2 and HSDP train it."
         )
-    model = apply_tensor_parallel(model, gangs, plan)
-    if config.model.activation_checkpointing:
-        apply_activation_checkpointing(
-            model, block_types=block_types, every_n=config.model.activation_checkpointing_every_n
-        )
-    if kind != "ddp":
-        model = apply_data_parallel(
-            model,
-            gangs,
-            kind=kind,
-            fsdp_units=block_types,
-            param_dtype=dtype_of(config.fsdp.param_dtype),
-            reduce_dtype=dtype_of(config.fsdp.reduce_dtype),
-        )
-    materialize_model(model, device=gangs.root.device, seed=config.trainer.seed, init_fn=init_fn)
-    if hf.get("tie_word_embeddings"):
-        model.tie_weights()  # type: ignore[operator]
-    if kind == "ddp":
-        model = apply_data_parallel(model, gangs, kind="ddp")
-    if config.compile:
-        compile_blocks(model, block_types=block_types)
+    model = parallelize_model(
+        model,
+        gangs,
+        **parallel_options(config, gangs),
+        block_types=block_types,
+        tp_plan=plan,
+        init_fn=init_fn,
+    )
     num_params = sum(p.numel() for p in model.parameters())
     return BuiltModel(model, block_types, 6.0 * num_params, hf)
 

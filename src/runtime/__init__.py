@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from runtime.parallel.activation_checkpoint import apply_activation_checkpointing
     from runtime.parallel.compile import compile_blocks, compile_loss
     from runtime.parallel.materialize import InitFn, has_meta_tensors, materialize_model
+    from runtime.parallel.parallelize import parallelize_model
     from runtime.parallel.wrapping import (
         DataParallelKind,
         apply_data_parallel,
@@ -108,6 +109,7 @@ _MODULE_OF: dict[str, str] = {
     "main": "runtime.cli.recipe_main",
     "make_progress_display": "runtime.metrics.progress",
     "materialize_model": "runtime.parallel.materialize",
+    "parallelize_model": "runtime.parallel.parallelize",
     "unwrap_model": "runtime.parallel.wrapping",
 }
 
@@ -174,5 +176,6 @@ __all__ = [
     "main",
     "make_progress_display",
     "materialize_model",
+    "parallelize_model",
     "unwrap_model",
 ]

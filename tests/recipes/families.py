@@ -189,7 +189,7 @@ def write_train(path: Path) -> Path:
 def write_valid(path: Path, num_sequences: int) -> Path:
     """Documents of the training text that pack into exactly ``num_sequences`` valid sequences
     (each ``SEQ_LEN - 1`` words, BOS and EOS)."""
-    words = " ".join(repeated(num_sequences * SEQ_LEN, seed=3)).split()
+    words = " ".join(repeated(num_sequences * SEQ_LEN, seed=2)).split()
     width = SEQ_LEN - 1
     return _write_jsonl(
         path, [" ".join(words[i * width : (i + 1) * width]) for i in range(num_sequences)]

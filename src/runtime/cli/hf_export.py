@@ -2,7 +2,7 @@
 
 A recipe that trains a Hugging Face-compatible model keeps the model's ``config.json`` and its
 tokenizer files in ``OUTPUT_DIR/hf/`` (``recipes.lm`` does); export writes them beside the
-checkpoint's weights as safetensors, one file or shards of at most ``max_shard_bytes`` with the
+checkpoint's weights as safetensors (tied embeddings once), one file or shards of at most ``max_shard_bytes`` with the
 ``model.safetensors.index.json`` that ``from_pretrained`` reads. The directory is written under a
 temporary name and renamed when complete, so DEST is either whole or absent.
 """
@@ -14,6 +14,7 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 HF_FILES_DIR = "hf"
@@ -39,11 +40,14 @@ def write_hf_directory(
         )
     if destination.exists() and any(destination.iterdir()):
         raise ValueError(f"{destination} exists and is not empty. Give a new directory.")
-    tensors = {
-        key: value.detach().contiguous().clone()
-        for key, value in state.items()
-        if isinstance(value, Tensor)
-    }
+    tensors = _stored_once(
+        {
+            key: value.detach().contiguous().clone()
+            for key, value in state.items()
+            if isinstance(value, Tensor)
+        },
+        json.loads((source / "config.json").read_text()),
+    )
     shards = _shards(tensors, max_shard_bytes)
     partial = destination.with_name(destination.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
@@ -70,6 +74,27 @@ def write_hf_directory(
         destination.rmdir()
     partial.replace(destination)
     return sorted(destination.iterdir())
+
+
+def _stored_once(tensors: dict[str, Tensor], config: Mapping[str, object]) -> dict[str, Tensor]:
+    """Tied input and output embeddings once, as Hugging Face stores them: the checkpoint holds
+    the weight under both names, the export leaves out the output projection's (``lm_head.``)
+    copy, and ``from_pretrained`` ties it to the input embedding."""
+    if config.get("tie_word_embeddings") is not True:
+        return tensors
+
+    def vocab_sized(key: str) -> bool:
+        return tensors[key].dim() == 2 and tensors[key].shape[0] == config.get("vocab_size")
+
+    inputs = [k for k in tensors if vocab_sized(k) and not k.startswith("lm_head.")]
+    copies = {
+        key
+        for key in tensors
+        if key.startswith("lm_head.")
+        and vocab_sized(key)
+        and any(torch.equal(tensors[key], tensors[k]) for k in inputs)
+    }
+    return {key: tensor for key, tensor in tensors.items() if key not in copies}
 
 
 def _shards(tensors: Mapping[str, Tensor], max_shard_bytes: int) -> list[dict[str, Tensor]]:

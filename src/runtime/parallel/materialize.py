@@ -29,6 +29,8 @@ from torch import Tensor
 from torch.nn import Module, Parameter
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from runtime.parallel.tying import retie, shared_parameters
+
 InitFn = Callable[[str, Module], None]
 """``init_fn(qualified_name, module)``: initializes ``module``'s own tensors in place.
 
@@ -47,16 +49,22 @@ def materialize_model(
 
     ``init_fn`` defaults to each module's ``reset_parameters()``; a module that holds tensors but
     has neither is an error. Call it after tensor parallelism and FSDP2 and before DDP.
+
+    A parameter that several modules share (tied embeddings) stays one parameter, initialized
+    by the first module that holds it (in ``named_modules()`` order).
     """
     if isinstance(model, DDP):
         raise ValueError(
             "materialize_model needs the model before DDP wraps it (DDP broadcasts the weights at "
             "construction, which a meta model does not have). Materialize first, then apply DDP."
         )
+    shared = shared_parameters(model)
     model.to_empty(device=device)
+    retie(shared, step="materialize_model")
+    initialized: set[int] = set()
     for name, module in model.named_modules():
-        if next(_own_tensors(module), None) is not None:
-            _initialize_module(canonical_name(name), module, seed, init_fn)
+        if any(id(t) not in initialized for _, t in _own_tensors(module)):
+            _initialize_module(canonical_name(name), module, seed, init_fn, initialized)
 
 
 def has_meta_tensors(model: Module) -> bool:
@@ -83,7 +91,11 @@ def _own_tensors(module: Module) -> Iterator[tuple[str, Tensor]]:
     yield from module.named_buffers(recurse=False)
 
 
-def _initialize_module(name: str, module: Module, seed: int, init_fn: InitFn | None) -> None:
+def _initialize_module(
+    name: str, module: Module, seed: int, init_fn: InitFn | None, initialized: set[int]
+) -> None:
+    """Initialize ``module``'s own tensors but those in ``initialized`` (ids of tensors shared
+    with a module before it, which gave them their values); add the ones it sets."""
     if init_fn is None and not callable(getattr(module, "reset_parameters", None)):
         raise ValueError(
             f"Module '{name}' ({type(module).__name__}) holds parameters or buffers but has no "
@@ -110,7 +122,9 @@ def _initialize_module(name: str, module: Module, seed: int, init_fn: InitFn | N
         _swap_tensors(module, shards)
     with torch.no_grad():
         for tensor_name, shard in shards.items():
-            copy_own_slice(shard, full[tensor_name])
+            if id(shard) not in initialized:
+                copy_own_slice(shard, full[tensor_name])
+                initialized.add(id(shard))
 
 
 def _swap_tensors(module: Module, tensors: dict[str, Tensor]) -> None:

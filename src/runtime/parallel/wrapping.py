@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gangs import Gangs
 from gangs.torch_versions import private_apis_refused, private_apis_supported
 from runtime.parallel.materialize import has_meta_tensors
+from runtime.parallel.tying import retie, shared_parameters
 from runtime.training.sparse_gradients import sparse_parameters
 
 if TYPE_CHECKING:
@@ -29,7 +30,11 @@ def apply_tensor_parallel(model: Module, gangs: Gangs, plan: Mapping[str, Parall
         return model
     from torch.distributed.tensor.parallel import parallelize_module
 
-    return parallelize_module(model, gangs.tp_mesh, dict(plan))
+    shared = shared_parameters(model)
+    model = parallelize_module(model, gangs.tp_mesh, dict(plan))
+    # A style distributes the weight of its own module only, which unties a shared one.
+    retie(shared, step="the tensor-parallel plan")
+    return model
 
 
 def apply_data_parallel(
@@ -51,9 +56,11 @@ def apply_data_parallel(
 
     A no-op when DP is off. With FSDP2 and HSDP, each submodule whose type is in ``fsdp_units``
     becomes its own shard unit (its parameters are gathered only around its own forward and
-    backward), then the whole model. HSDP shards within ``dp_shard`` and replicates across
-    ``dp_replicate`` (``setup_gangs(dp_shard_size=...)``). Apply tensor parallelism first; only
-    FSDP2 and HSDP compose with it.
+    backward), then the whole model. A parameter that several modules share (tied input and
+    output embeddings) is sharded once: every module that holds it must sit in one unit (the
+    root, for tied embeddings), else a ``ValueError`` says so. HSDP shards within ``dp_shard``
+    and replicates across ``dp_replicate`` (``setup_gangs(dp_shard_size=...)``). Apply tensor
+    parallelism first; only FSDP2 and HSDP compose with it.
 
     ``param_dtype`` and ``reduce_dtype`` are FSDP2's mixed precision (``MixedPrecisionPolicy``):
     the dtype parameters are gathered in and the forward and backward compute in, and the dtype
@@ -83,6 +90,9 @@ def apply_data_parallel(
             f"{', '.join(k for k, v in ddp_options.items() if v)} are DDP options, but kind is "
             f"'{kind}'. Leave them out, or use kind='ddp'."
         )
+    if kind != "ddp":
+        # Checked on one process too, so a layout that cannot work fails before a long launch.
+        _check_ties_in_one_unit(model, fsdp_units)
     if not has_meta_tensors(model):
         # The model leaves on the gangs' device whatever the layout (a no-op when it is there).
         model.to(gangs.root.device)
@@ -99,6 +109,27 @@ def apply_data_parallel(
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
     return _wrap_ddp(model, gangs, ddp_options)
+
+
+def _check_ties_in_one_unit(model: Module, fsdp_units: tuple[type[Module], ...]) -> None:
+    """FSDP2 shards a shared parameter once, in the unit of the first module that holds it: the
+    other holders must sit in that unit too, or they would see it sharded in their forward."""
+    unit_of = {"": ""}  # module name -> the name of the unit that holds it ("": the root)
+    for name, module in model.named_modules():
+        if name:
+            inside = unit_of[name.rpartition(".")[0]]
+            unit_of[name] = name if isinstance(module, fsdp_units) else inside
+    for tie in shared_parameters(model):
+        units = {unit_of[name.rpartition(".")[0]] for name in tie.names}
+        if len(units) > 1:
+            raise ValueError(
+                f"{' and '.join(repr(n) for n in tie.names)} are one shared parameter (tied "
+                f"weights), but fsdp_units puts their modules in different FSDP units "
+                f"({', '.join(repr(u or '<root>') for u in sorted(units))}), and FSDP2 shards "
+                "a parameter in one unit only. Choose fsdp_units so that one unit holds all "
+                "of them: with tied embeddings, leave the embedding and the output projection "
+                "out of fsdp_units (the root unit then holds both)."
+            )
 
 
 def _wrap_ddp(model: Module, gangs: Gangs, options: dict[str, bool]) -> Module:

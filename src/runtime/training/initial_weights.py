@@ -32,7 +32,9 @@ from torch.nn import Module
 
 from checkpoint import CheckpointError, CheckpointManager
 from gangs import Gangs
-from runtime.parallel.materialize import copy_own_slice
+from runtime.parallel.materialize import canonical_name, copy_own_slice
+from runtime.parallel.tying import shared_parameters
+from runtime.parallel.wrapping import unwrap_model
 
 log = logging.getLogger(__name__)
 
@@ -107,12 +109,19 @@ def load_initial_weights(
             )
         sources = [InitSource(sources[0].path, rename or {}, skip)]
     model_state = get_model_state_dict(model)
+    ties = tied_keys(model)
     loaded: dict[str, Path] = {}
     paths = []
     for source in sources:
         path, source_keys, loader = _open_source(Path(source.path), gangs)
         plan = _match_keys(
-            path, source_keys, model_state, source.rename, source.skip, whole=len(sources) == 1
+            path,
+            source_keys,
+            model_state,
+            source.rename,
+            source.skip,
+            whole=len(sources) == 1,
+            ties=ties,
         )
         twice = sorted(loaded.keys() & plan.sources.keys())
         if twice:
@@ -123,6 +132,7 @@ def load_initial_weights(
         loader({src: _tensor(model_state[target]) for target, src in plan.sources.items()})
         loaded.update(dict.fromkeys(plan.sources, path))
         paths.append(path)
+    _copy_to_tied(model_state, ties, loaded)
     skipped = [key for key in model_state if key not in loaded]
     if len(sources) > 1:
         _check_covered(skipped, sources)
@@ -136,6 +146,31 @@ def load_initial_weights(
     return InitialWeights(
         sources=tuple(paths), loaded_keys=tuple(loaded), skipped_keys=tuple(skipped)
     )
+
+
+def tied_keys(model: Module) -> list[tuple[str, ...]]:
+    """The state-dict keys of ``model`` that name one shared parameter (tied embeddings), by
+    group: a source may store such a parameter once, under any of its names."""
+    return [
+        tuple(canonical_name(name) for name in tie.names)
+        for tie in shared_parameters(unwrap_model(model))
+    ]
+
+
+def _copy_to_tied(
+    model_state: Mapping[str, Any], ties: Sequence[tuple[str, ...]], loaded: dict[str, Path]
+) -> None:
+    """Give each name of a shared parameter that no source set the value loaded under another
+    of its names: the state dict may hold each name as a tensor of its own."""
+    with torch.no_grad():
+        for names in ties:
+            source = next((name for name in names if name in loaded), None)
+            if source is None:
+                continue
+            for name in names:
+                if name not in loaded:
+                    _tensor(model_state[name]).copy_(_tensor(model_state[source]))
+                    loaded[name] = loaded[source]
 
 
 def _open_source(path: Path, gangs: Gangs) -> tuple[Path, list[str], _Loader]:
@@ -326,17 +361,24 @@ def _match_keys(
     skip: Sequence[str],
     *,
     whole: bool = True,
+    ties: Sequence[tuple[str, ...]] = (),
 ) -> _KeyPlan:
     """Which model key each source key sets. ``whole``: every model key must be set or skipped
-    (one source); otherwise the source may set part of the model."""
+    (one source); otherwise the source may set part of the model. A key of a shared parameter
+    (``ties``) that the source stores under another of its names is not missing."""
 
     def skipped(key: str) -> bool:
         return any(fnmatch.fnmatchcase(key, pattern) for pattern in skip)
 
     by_model_key = {_renamed(key, rename): key for key in source_keys}
+    stored_once = {key for names in ties if any(n in by_model_key for n in names) for key in names}
     model_keys = list(model_keys)
     known = set(model_keys)
-    missing = [k for k in model_keys if k not in by_model_key and not skipped(k)] if whole else []
+    missing = (
+        [k for k in model_keys if k not in by_model_key and k not in stored_once and not skipped(k)]
+        if whole
+        else []
+    )
     unexpected = [k for k in by_model_key if k not in known and not skipped(k)]
     if missing or unexpected:
         raise InitialWeightsError(
