@@ -59,8 +59,6 @@ _COMMON: dict[str, Any] = {
 }
 
 NO_TP_PLAN = "no base_model_tp_plan"
-TIED = "ties its input and output embeddings"
-_TIED_REFUSED = {"FSDP2": TIED, "TP": TIED, "FSDP2 x TP": TIED}
 
 
 @dataclass(frozen=True)
@@ -108,7 +106,7 @@ FAMILIES = (
         "Llama",
         _config("LlamaConfig", tie_word_embeddings=False),
         "grouped-query attention, rotary positions",
-        quick_layout="TP",
+        quick_layout="DDP",
     ),
     Family(
         "Mistral",
@@ -120,8 +118,7 @@ FAMILIES = (
         "Qwen2",
         _config("Qwen2Config", tie_word_embeddings=True),
         "q/k/v biases, tied embeddings",
-        quick_layout="DDP",
-        refused=_TIED_REFUSED,
+        quick_layout="FSDP2",
     ),
     Family(
         "Qwen3",
@@ -134,15 +131,14 @@ FAMILIES = (
         _config("Gemma2Config", tie_word_embeddings=True, head_dim=8, sliding_window=8),
         "tied embeddings, attention and final logit soft-capping (eager attention), "
         "sliding window (8) on every other layer",
-        quick_layout="DDP",
-        refused=_TIED_REFUSED,
+        quick_layout="TP",
     ),
     Family(
         "GPT-2",
         _gpt2,
         "Conv1D projections, absolute positions, tied embeddings",
-        quick_layout="DDP",
-        refused=_TIED_REFUSED,
+        quick_layout="FSDP2",
+        refused={"TP": NO_TP_PLAN, "FSDP2 x TP": NO_TP_PLAN},
     ),
     Family(
         "Phi-3",
@@ -154,7 +150,7 @@ FAMILIES = (
         "OLMo-2",
         _config("Olmo2Config", tie_word_embeddings=False),
         "q/k norms over the whole width (TP: outputs gathered), norms after each sublayer",
-        quick_layout="FSDP2",
+        quick_layout="DDP",
     ),
 )
 FAMILY_BY_NAME = {family.name: family for family in FAMILIES}

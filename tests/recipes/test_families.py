@@ -48,7 +48,6 @@ from tests.recipes.test_lm import sentences
 transformers = pytest.importorskip("transformers")
 
 QUICK_STEPS = 4
-VALID_SEQUENCES = 8
 
 
 def losses(out: Path) -> list[float]:
@@ -73,7 +72,7 @@ def test_every_family_trains_in_its_quick_layout_in_one_launch(tmp_path: Path) -
     for family in FAMILIES:
         make_family_dir(family, tmp_path / family.slug / "model")
     write_train(tmp_path / "train.jsonl")
-    write_valid(tmp_path / "valid.jsonl", VALID_SEQUENCES)
+    write_valid(tmp_path / "valid.jsonl", UNEVEN_VALID)
     result = torchrun(
         2, "tests/workers/lm_families.py", str(tmp_path), str(QUICK_STEPS), timeout=600
     )
@@ -115,7 +114,7 @@ def matrix_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for family in FAMILIES:
         make_family_dir(family, directory / family.slug / "model")
     write_train(directory / "train.jsonl")
-    write_valid(directory / "valid.jsonl", VALID_SEQUENCES)
+    write_valid(directory / "valid.jsonl", UNEVEN_VALID)
     return directory
 
 
