@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
+from itertools import chain
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -49,6 +50,7 @@ from recipes.common import (
 from recipes.llama import Llama, hf_config, llama_args, tensor_parallel_plan
 from runtime import (
     DataReader,
+    InitFn,
     MapDataReader,
     SyncMode,
     Trainer,
@@ -399,11 +401,40 @@ def _hf_model(path: Path) -> tuple[nn.Module, Any, dict[str, ParallelStyle], dic
         # soft-capped attention logits).
         model = AutoModelForCausalLM.from_config(hf_config_object)
 
+    plan = _hf_tensor_parallel_plan(model, hf_config_object)
+    return model, _hf_init_fn(model), plan, json.loads((path / "config.json").read_text())
+
+
+def _hf_init_fn(model: Any) -> InitFn:
+    """A module initialized as ``transformers`` initializes it: its own ``_init_weights``, then its
+    ancestors' (children first, as ``initialize_weights`` goes), since a parent may set its
+    children's tensors (GPT-2 scales its residual projections by depth)."""
+    parents = {id(child): parent for parent in model.modules() for child in parent.children()}
+
     def init_fn(name: str, module: nn.Module) -> None:
         model._init_weights(module)
+        ancestors, node = [], module
+        while id(node) in parents:
+            node = parents[id(node)]
+            ancestors.append(node)
+        # The ancestors must set only this module's tensors: every other one is marked
+        # initialized for them, as transformers marks the weights it loaded.
+        own = {id(t) for t in chain(module.parameters(recurse=False), module.buffers(False))}
+        marked = [
+            t
+            for t in chain(model.parameters(), model.buffers())
+            if id(t) not in own and not getattr(t, "_is_hf_initialized", False)
+        ]
+        for tensor in marked:
+            tensor._is_hf_initialized = True  # type: ignore[attr-defined]
+        try:
+            for ancestor in ancestors:
+                model._init_weights(ancestor)
+        finally:
+            for tensor in marked:
+                del tensor._is_hf_initialized  # type: ignore[attr-defined]
 
-    plan = _hf_tensor_parallel_plan(model, hf_config_object)
-    return model, init_fn, plan, json.loads((path / "config.json").read_text())
+    return init_fn
 
 
 _HF_TP_STYLES: dict[str, Callable[[], ParallelStyle]] = {

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import time
+from itertools import chain
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,38 @@ def test_the_valid_file_packs_into_the_sequences_asked_for(tmp_path: Path) -> No
         ],
     )
     assert len(packed_valid_set(config, load_tokenizer(tokenizer_dir))) == UNEVEN_VALID
+
+
+def test_a_family_from_scratch_is_initialized_as_transformers_initializes_it(
+    tmp_path: Path,
+) -> None:
+    """model.from_scratch: the recipe builds on meta and initializes module by module; each
+    tensor must come out as transformers' own initialization draws it (same mean and spread,
+    buffers equal), including tensors a parent module sets (GPT-2's depth-scaled projections)."""
+    from recipes.lm import LMConfig, build_model
+    from runtime.cli.config import load_config
+    from runtime.data.text import load_tokenizer
+
+    for family in FAMILIES:
+        model_dir = make_family_dir(family, tmp_path / family.slug)
+        overrides = [f"model.hf_path={model_dir}", "data.train=x", "model.from_scratch=true"]
+        config = load_config(LMConfig, overrides=overrides)
+        built = build_model(config, Gangs.single(), load_tokenizer(model_dir)).model
+        reference = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(model_dir)
+        )
+        expected = dict(chain(reference.named_parameters(), reference.named_buffers()))
+        for name, tensor in chain(built.named_parameters(), built.named_buffers()):
+            want = expected[name].float()
+            if name in dict(reference.named_buffers()):
+                assert torch.equal(tensor.float(), want), (family.name, name)
+                continue
+            spread = 0.25 * float(want.std()) + 1e-3
+            assert abs(float(tensor.float().std()) - float(want.std())) < spread, (
+                family.name,
+                name,
+            )
+            assert abs(float(tensor.float().mean()) - float(want.mean())) < spread, (
+                family.name,
+                name,
+            )
