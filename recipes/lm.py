@@ -360,7 +360,7 @@ def build_model(config: LMConfig, gangs: Gangs, tokenizer: Tokenizer) -> BuiltMo
     """Build on meta, then shard, wrap and initialize (``parallelize_model``); tied input and
     output embeddings stay one weight in every layout."""
     if config.model.hf_path is not None:
-        model, init_fn, plan, hf = _hf_model(config.model.hf_path)
+        model, init_fn, plan, hf = _hf_model(config.model.hf_path, tp=gangs.tp.size > 1)
     else:
         assert config.model.name is not None
         args = llama_args(
@@ -389,7 +389,10 @@ def build_model(config: LMConfig, gangs: Gangs, tokenizer: Tokenizer) -> BuiltMo
     return BuiltModel(model, block_types, 6.0 * num_params, hf)
 
 
-def _hf_model(path: Path) -> tuple[nn.Module, Any, dict[str, ParallelStyle], dict[str, Any]]:
+def _hf_model(
+    path: Path, *, tp: bool
+) -> tuple[nn.Module, Any, dict[str, ParallelStyle], dict[str, Any]]:
+    """The model on meta, its init function, its TP plan (with ``tp``) and its config.json."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config_object = AutoConfig.from_pretrained(path)
@@ -401,7 +404,7 @@ def _hf_model(path: Path) -> tuple[nn.Module, Any, dict[str, ParallelStyle], dic
         # soft-capped attention logits).
         model = AutoModelForCausalLM.from_config(hf_config_object)
 
-    plan = _hf_tensor_parallel_plan(model, hf_config_object)
+    plan = _hf_tensor_parallel_plan(model, hf_config_object) if tp else {}
     return model, _hf_init_fn(model), plan, json.loads((path / "config.json").read_text())
 
 

@@ -214,6 +214,8 @@ def run_config(model_dir: Path, train: Path, valid: Path, layout: Layout) -> lis
         "trainer.keep_last_n_checkpoints=null",
         "trainer.publish_metrics_every_n_steps=1",
         "trainer.gc_every_n_steps=null",
+        # A peak for the CPU, so the runs count their FLOPs and publish mfu as on a GPU.
+        "trainer.device_peak_flops=1e12",
         *layout.overrides,
     ]
 

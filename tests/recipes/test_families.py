@@ -30,6 +30,7 @@ from tests.conftest import (
 )
 from tests.recipes.families import (
     FAMILIES,
+    FAMILY_BY_NAME,
     LAYOUT_BY_NAME,
     LAYOUTS,
     SEQ_LEN,
@@ -82,6 +83,7 @@ def test_every_family_trains_in_its_quick_layout_in_one_launch(tmp_path: Path) -
         run = tmp_path / family.slug / "run"
         values = losses(run)
         assert len(values) == QUICK_STEPS, family.name
+        assert all(r["mfu"] > 0 for r in read_jsonl(run / "metrics" / "train.jsonl"))
         assert values[-1] < values[0], (family.name, values)
         (valid,) = read_jsonl(run / "metrics" / "valid.jsonl")
         assert math.isfinite(valid["nll_loss"]) and valid["nll_loss"] < values[0], family.name
@@ -289,3 +291,14 @@ def test_a_family_from_scratch_is_initialized_as_transformers_initializes_it(
                 family.name,
                 name,
             )
+
+
+def test_a_tp_plan_style_the_recipe_does_not_know_is_refused_by_name() -> None:
+    from recipes.lm import _hf_tensor_parallel_plan
+
+    config = FAMILY_BY_NAME["Llama"].config(19)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    config.base_model_tp_plan = {"layers.*.mlp.gate_proj": "packed_colwise"}
+    with pytest.raises(ValueError, match=r"mlp.gate_proj as 'packed_colwise'.*gang.tp_size=1"):
+        _hf_tensor_parallel_plan(model, config)
