@@ -158,16 +158,17 @@ def test_a_family_trains_in_a_layout_or_is_refused_at_start(
     if layout.name in family.refused:
         out = matrix_dir / family.slug / f"refused-{layout.name.replace(' ', '')}"
         result = torchrun(layout.nproc, *matrix_args(matrix_dir, family, layout, out), timeout=600)
-        assert result.returncode == 2, result.stderr[-3000:]
+        # The first worker to end exits 2 with the one line; none prints a traceback.
+        assert "failed (exitcode: 2)" in result.stderr, result.stderr
         errors = {line for line in result.stderr.splitlines() if line.startswith("error:")}
         assert errors and all(family.refused[layout.name] in line for line in errors), errors
-        assert "Traceback" not in result.stderr
+        assert "[rank" not in result.stderr
         assert not (out / "checkpoints").exists()
         return
     out = finished_run(matrix_dir, family, layout)
     values = losses(out)
     assert len(values) == STEPS
-    assert sum(values[-2:]) / 2 < 0.85 * values[0], values
+    assert sum(values[-2:]) / 2 < values[0] - 0.1, values
     valid = read_jsonl(out / "metrics" / "valid.jsonl")
     assert [r["step_nr"] for r in valid] == [STEPS // 2, STEPS]
     assert valid[-1]["nll_loss"] < valid[0]["nll_loss"] < values[0]
