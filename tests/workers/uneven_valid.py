@@ -2,10 +2,12 @@
 evenly over the DP ranks, under a sharded layout, each next to its one-process value.
 
 Options: ``layout`` (``fsdp``, ``hsdp`` on 2 x 2, ``fsdp_tp`` with TP 2, ``ddp``), ``sizes`` (the
-valid set sizes to evaluate with ``evaluate_units``), ``user_readers`` (the readers of
-:class:`RaggedReader`), ``trainer`` (a Trainer that validates and evaluates a checkpoint) and
-``compile`` (the Linear blocks compiled). Rank 0 writes ``OUT/result.json``; every rank waits for
-the collectives of the others with a short timeout, so a mismatch fails fast.
+valid set sizes to evaluate with ``evaluate_units`` through a MapDataReader), ``iterable_sizes``
+(the same through an IterableDataReader), ``user_readers`` (the readers of
+:class:`RaggedReader`), ``unpicklable`` (a batch that cannot be sent to the rank without one),
+``trainer`` (a Trainer that validates and evaluates a checkpoint) and ``compile`` (the Linear
+blocks compiled). Rank 0 writes ``OUT/result.json``; every rank waits for the collectives of the
+others with a short timeout, so a mismatch fails fast.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from __future__ import annotations
 import copy
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,8 @@ from gangs import Gangs, setup_gangs
 from runtime import (
     DataParallelKind,
     DataReader,
+    DataReaderError,
+    IterableDataReader,
     MapDataReader,
     Trainer,
     apply_data_parallel,
@@ -84,8 +89,7 @@ class RaggedReader(DataReader[ToyBatch]):
         if self._step_nr == 3:
             raise StopIteration
         self._step_nr += 1
-        step = self._batches[self._step_nr - 1 : self._step_nr]
-        return step
+        return self._batches[self._step_nr - 1 : self._step_nr]  # [] once this rank ran out
 
     def reset(self) -> None:
         self._step_nr = 0
@@ -101,9 +105,41 @@ class RaggedReader(DataReader[ToyBatch]):
         return 1
 
 
+@dataclass
+class UnpicklableBatch(ToyBatch):
+    hook: Callable[[], None] = lambda: None
+
+
+def unpicklable_failure(model: nn.Module, gangs: Gangs) -> list[str]:
+    """Every rank's error when the one valid batch (rank 0's) cannot be sent to rank 1."""
+    reader = MapDataReader(
+        dataset=ToyDataset(1),
+        batch_size=BATCH_SIZE,
+        collate=lambda examples: UnpicklableBatch(**vars(collate(examples))),
+        gang=gangs.dp,
+    )
+    try:
+        evaluate(model, gangs, reader.for_evaluation())
+        error = "no error"
+    except DataReaderError as ex:
+        error = str(ex)
+    return gangs.root.all_gather_objects(error)
+
+
 def _select(batch: ToyBatch, rows: list[int]) -> ToyBatch:
     mask = batch.mask[rows]
     return ToyBatch(x=batch.x[rows], y=batch.y[rows], mask=mask, num_targets=int(mask.sum()))
+
+
+def iterable_reader(gangs: Gangs, size: int) -> IterableDataReader[ToyBatch]:
+    """``ToyDataset(size)`` read as a stream, sharded by hand over the DP ranks."""
+    dataset, dp = ToyDataset(size), gangs.dp
+    return IterableDataReader(
+        make_iterator=lambda epoch: (dataset[i] for i in range(dp.rank, size, dp.size)),
+        batch_size=BATCH_SIZE,
+        collate=collate,
+        gang=dp,
+    )
 
 
 def evaluate(model: nn.Module, gangs: Gangs, reader: DataReader[Any]) -> dict[str, Any]:
@@ -164,7 +200,7 @@ def main(out: Path, options: dict[str, Any]) -> None:
     )
     kind: DataParallelKind = "hsdp" if layout == "hsdp" else "ddp" if layout == "ddp" else "fsdp"
     model = apply_data_parallel(model, gangs, kind=kind, fsdp_units=(nn.Linear,))
-    result: dict[str, Any] = {"sizes": {}, "user_readers": {}}
+    result: dict[str, Any] = {"sizes": {}, "iterable_sizes": {}, "user_readers": {}}
     if options.get("compile"):
         result["compiled"] = compile_blocks(model, block_types=(nn.Linear,), backend="eager")
     for size in options.get("sizes", []):
@@ -181,12 +217,20 @@ def main(out: Path, options: dict[str, Any]) -> None:
             evaluate(model, gangs, reader.for_evaluation()),
             expected(reference, size),
         ]
+    for size in options.get("iterable_sizes", []):
+        iterable = iterable_reader(gangs, size).for_evaluation()
+        result["iterable_sizes"][size] = [
+            evaluate(model, gangs, iterable),
+            expected(reference, size),
+        ]
     for last_batches in options.get("user_readers", []):
         ragged = RaggedReader(gangs, last_batches=last_batches)
         result["user_readers"][last_batches] = [
             evaluate(model, gangs, ragged),
             expected(reference, ragged.size),
         ]
+    if options.get("unpicklable"):
+        result["unpicklable"] = unpicklable_failure(model, gangs)
     if options.get("trainer"):
         result["trainer"] = [run_trainer(model, gangs, out), expected(reference, 5)]
         result["trainer_valid"] = (out / "metrics" / "valid.jsonl").read_text()

@@ -240,7 +240,8 @@ class MapDataReader(DataReader[BatchT]):
 
     @property
     def num_steps(self) -> int:
-        """The number of steps in a data epoch, the same on every rank."""
+        """The number of steps in a data epoch, the same on every rank (0 for a dataset too
+        small for a step, which reading refuses)."""
         return self._num_steps
 
     @override

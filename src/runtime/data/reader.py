@@ -103,7 +103,10 @@ class DataReader(ABC, Generic[BatchT]):
         mean over the whole set whatever the batch size and the number of ranks.
 
         The Trainer calls it on its valid readers. The default is the reader itself: a reader of
-        your own must read its whole set this way, or raise ``ValueError`` saying how to.
+        your own must read its whole set this way, or raise ``ValueError`` saying how to. The
+        evaluation keeps a rank that reads ``[]`` in step with the others (it runs the unit on a
+        stand-in batch whose values are discarded), so such a reader must end with
+        ``StopIteration`` on every rank at the same step and never skip a step on one rank.
         """
         return self
 

@@ -157,3 +157,15 @@ def test_evaluation_reads_ahead_like_training() -> None:
     # Every example once, the last partial micro-batch kept.
     examples = [value for step in _read_epoch(evaluation) for value in step]
     assert sorted(examples) == [float(i) for i in range(21)]
+
+
+def test_tensor_devices_finds_every_tensor_move_to_device_moves() -> None:
+    from runtime.data.device import tensor_devices
+
+    batch = {
+        "pair": Pair(torch.zeros(2, device=META), "a"),
+        "frozen": Frozen(torch.zeros(1), [torch.zeros(1, device=META)], 3),
+    }
+    assert tensor_devices(batch) == {torch.device("cpu"), META}
+    assert tensor_devices(move_to_device(batch, META)) == {META}
+    assert tensor_devices({"label": "no tensor", "movable": Movable()}) == set()

@@ -45,7 +45,16 @@ def fsdp_result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     that run out on one rank, and a Trainer that validates and evaluates a checkpoint."""
     sizes = list(range(1, 2 * 2 * BATCH_SIZE + 2))
     out = tmp_path_factory.mktemp("fsdp")
-    return run_worker(out, 2, layout="fsdp", sizes=sizes, user_readers=[0, 1], trainer=True)
+    return run_worker(
+        out,
+        2,
+        layout="fsdp",
+        sizes=sizes,
+        iterable_sizes=[1, 9],
+        user_readers=[0, 1],
+        unpicklable=True,
+        trainer=True,
+    )
 
 
 @pytest.mark.distributed
@@ -54,6 +63,10 @@ def test_every_valid_size_scores_the_one_process_mean_under_fsdp(
 ) -> None:
     assert list(fsdp_result["sizes"]) == [str(size) for size in range(1, 18)]
     assert_one_process_values(fsdp_result["sizes"])
+    # An IterableDataReader, sharded by hand: rank 1 reads nothing of 1 example, and one batch
+    # to rank 0's two of 9.
+    assert list(fsdp_result["iterable_sizes"]) == ["1", "9"]
+    assert_one_process_values(fsdp_result["iterable_sizes"])
 
 
 @pytest.mark.distributed
@@ -63,6 +76,16 @@ def test_a_user_reader_that_runs_out_on_one_rank_scores_the_one_process_mean(
     # "1": the last rank reads one batch of three steps; "0": it reads none at all.
     assert list(fsdp_result["user_readers"]) == ["0", "1"]
     assert_one_process_values(fsdp_result["user_readers"])
+
+
+@pytest.mark.distributed
+def test_a_stand_in_batch_that_does_not_pickle_fails_every_rank(
+    fsdp_result: dict[str, Any],
+) -> None:
+    # One example: rank 1 needs rank 0's batch, whose hook (a lambda) does not pickle.
+    for error in fsdp_result["unpicklable"]:
+        assert error.startswith("Rank 0 of the data-parallel gang could not send its batch"), error
+        assert "so its batches must pickle" in error
 
 
 @pytest.mark.distributed
