@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal, Protocol, TypedDict, cast
 
 import torch
 import torch.nn.functional as F
@@ -121,8 +121,20 @@ class BuildConfig(ParallelConfig, Protocol):
     def model(self) -> CheckpointingOptions: ...
 
 
-def parallel_options(config: BuildConfig, gangs: Gangs) -> dict[str, Any]:
+class ParallelOptions(TypedDict):
     """``parallelize_model``'s keyword arguments that come from the shared config sections."""
+
+    kind: DataParallelKind
+    seed: int
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    compile: bool
+    activation_checkpointing_every_n: int | None
+
+
+def parallel_options(config: BuildConfig, gangs: Gangs) -> ParallelOptions:
+    """``parallelize_model``'s keyword arguments from ``config``: the layout, seed, FSDP2 mixed
+    precision, compilation and activation checkpointing."""
     return {
         "kind": data_parallel_kind(config, gangs),
         "seed": config.trainer.seed,

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from runtime.cli.tools import export_model
 from runtime.data.text import load_tokenizer
-from tests.conftest import assert_ok, make_tokenizer_dir, run_python, torchrun
+from tests.conftest import assert_ok, make_tokenizer_dir, torchrun
 from tests.recipes.test_lm import (
     TINY_TRAINING,
     last_model,
@@ -100,7 +101,8 @@ def test_a_tied_model_trains_and_exports_tied(
     trained = assert_tied_and_trained(out, tmp_path / "model")
 
     destination = tmp_path / "exported"
-    assert_ok(run_python("-m", "runtime", "export", str(out), str(destination), "--format", "hf"))
+    # In this process: the command's own test is test_lm's export test.
+    export_model(out, destination, step_nr=None, best=False, lower_better=True, format="hf")
     with safe_open(str(destination / "model.safetensors"), framework="pt") as file:
         assert EMBED in file.keys() and HEAD not in file.keys()  # noqa: SIM118
     exported = transformers.AutoModelForCausalLM.from_pretrained(destination)

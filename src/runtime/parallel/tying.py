@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.nn import Module
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SharedParameter:
     """One parameter and every ``(module, attribute)`` that holds it, in module order."""
 
