@@ -49,7 +49,7 @@ from tests.recipes.test_lm import sentences
 
 transformers = pytest.importorskip("transformers")
 
-QUICK_STEPS = 4
+QUICK_STEPS = 3
 
 
 def losses(out: Path) -> list[float]:
@@ -284,16 +284,16 @@ def test_a_family_from_scratch_is_initialized_as_transformers_initializes_it(
         )
         expected = dict(chain(reference.named_parameters(), reference.named_buffers()))
         for name, tensor in chain(built.named_parameters(), built.named_buffers()):
-            want = expected[name].float()
+            want = expected[name].detach().float()
             if name in dict(reference.named_buffers()):
-                assert torch.equal(tensor.float(), want), (family.name, name)
+                assert torch.equal(tensor.detach().float(), want), (family.name, name)
                 continue
             spread = 0.25 * float(want.std()) + 1e-3
-            assert abs(float(tensor.float().std()) - float(want.std())) < spread, (
+            assert abs(float(tensor.detach().float().std()) - float(want.std())) < spread, (
                 family.name,
                 name,
             )
-            assert abs(float(tensor.float().mean()) - float(want.mean())) < spread, (
+            assert abs(float(tensor.detach().float().mean()) - float(want.mean())) < spread, (
                 family.name,
                 name,
             )

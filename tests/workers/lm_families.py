@@ -24,7 +24,8 @@ def config_of(directory: Path, slug: str, layout: Layout, steps: int) -> LMConfi
     overrides = run_config(
         directory / slug / "model", directory / "train.jsonl", directory / "valid.jsonl", layout
     )
-    checkpoints = f"trainer.checkpoint_every_n_steps={steps}"
+    # A validation at the end; no checkpoint (the matrix of test-all resumes every family).
+    checkpoints = f"trainer.checkpoint_every_n_steps={1000 * steps}"
     validation = f"trainer.validate_every_n_steps={steps}"
     return load_config(
         LMConfig,
