@@ -18,16 +18,24 @@ import importlib.util
 import json
 import logging
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
+from itertools import chain
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
 from torcheval.metrics import Max, Mean
 
 from checkpoint.arguments import check_positive
@@ -46,6 +54,7 @@ from recipes.llama import Llama, hf_config, llama_args, tensor_parallel_plan
 from recipes.lora import LoraAdapters, LoraSection, apply_lora
 from runtime import (
     DataReader,
+    InitFn,
     MapDataReader,
     SyncMode,
     Trainer,
@@ -382,7 +391,7 @@ def build_model(config: LMConfig, gangs: Gangs, tokenizer: Tokenizer) -> BuiltMo
     """Build on meta, then shard, wrap and initialize (``parallelize_model``); tied input and
     output embeddings stay one weight in every layout."""
     if config.model.hf_path is not None:
-        model, init_fn, plan, hf = _hf_model(config.model.hf_path)
+        model, init_fn, plan, hf = _hf_model(config.model.hf_path, tp=gangs.tp.size > 1)
     else:
         assert config.model.name is not None
         args = llama_args(
@@ -393,9 +402,16 @@ def build_model(config: LMConfig, gangs: Gangs, tokenizer: Tokenizer) -> BuiltMo
         init_fn, plan = model.init_module, tensor_parallel_plan(model)
         hf = hf_config(args, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
     block_types = _block_types(model)
+    if gangs.tp.size > 1 and not plan:
+        raise ValueError(
+            f"{type(model).__name__} has no tensor parallel plan (its config has no "
+            f"base_model_tp_plan), but gang.tp_size is {gangs.tp.size}. Use gang.tp_size=1: "
+            "DDP, FSDP2 and HSDP train it."
+        )
     lora = None
     if config.lora.rank is not None:
         lora, init_fn = apply_lora(model, config.lora, init_fn)
+    flops = flops_per_token(model, hf, config.data.seq_len)
     model = parallelize_model(
         model,
         gangs,
@@ -404,46 +420,111 @@ def build_model(config: LMConfig, gangs: Gangs, tokenizer: Tokenizer) -> BuiltMo
         tp_plan=plan,
         init_fn=init_fn,
     )
-    flops = flops_per_token(model, hf, config.data.seq_len)
     return BuiltModel(model, block_types, flops, hf, lora)
 
 
 def flops_per_token(model: nn.Module, hf: Mapping[str, Any], seq_len: int) -> float:
     """Forward and backward FLOPs per token, as PaLM (appendix B) and torchtitan count them:
     6 per parameter that multiplies (an embedding's lookup does not; tied to the output layer,
-    it does), plus attention's scores and weighted sum, 12 * layers * hidden size * seq_len."""
+    it does), plus attention's scores and weighted sum, 12 * layers * hidden size * seq_len.
+
+    Counted on the model before it is wrapped or sharded (the whole parameters)."""
+    # A transformers model's config names depth and width alike in every family (GPT-2's
+    # config.json says n_layer and n_embd); the recipe's own model has only ``hf``.
+    sizes = getattr(model, "config", None) or SimpleNamespace(**hf)
     multiplying = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - multiplying
     num_params = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
-    attention = 12.0 * hf["num_hidden_layers"] * hf["hidden_size"] * seq_len
+    attention = 12.0 * sizes.num_hidden_layers * sizes.hidden_size * seq_len
     return 6.0 * num_params + attention
 
 
-def _hf_model(path: Path) -> tuple[nn.Module, Any, dict[str, ParallelStyle], dict[str, Any]]:
+def _hf_model(
+    path: Path, *, tp: bool
+) -> tuple[nn.Module, Any, dict[str, ParallelStyle], dict[str, Any]]:
+    """The model on meta, its init function, its TP plan (with ``tp``) and its config.json."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config_object = AutoConfig.from_pretrained(path)
+    # Training keeps no key/value cache: activation checkpointing's recomputation would append
+    # to it a second time (a sliding-window cache then outgrows its mask).
+    hf_config_object.use_cache = False
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config_object, attn_implementation="sdpa")
+        # transformers picks SDPA where the model supports it, eager attention otherwise (Gemma 2's
+        # soft-capped attention logits).
+        model = AutoModelForCausalLM.from_config(hf_config_object)
+
+    plan = _hf_tensor_parallel_plan(model, hf_config_object) if tp else {}
+    return model, _hf_init_fn(model), plan, json.loads((path / "config.json").read_text())
+
+
+def _hf_init_fn(model: Any) -> InitFn:
+    """A module initialized as ``transformers`` initializes it: its own ``_init_weights``, then its
+    ancestors' (children first, as ``initialize_weights`` goes), since a parent may set its
+    children's tensors (GPT-2 scales its residual projections by depth)."""
+    parents = {id(child): parent for parent in model.modules() for child in parent.children()}
 
     def init_fn(name: str, module: nn.Module) -> None:
         model._init_weights(module)
+        ancestors, node = [], module
+        while id(node) in parents:
+            node = parents[id(node)]
+            ancestors.append(node)
+        # The ancestors must set only this module's tensors: every other one is marked
+        # initialized for them, as transformers marks the weights it loaded.
+        own = {id(t) for t in chain(module.parameters(recurse=False), module.buffers(False))}
+        marked = [
+            t
+            for t in chain(model.parameters(), model.buffers())
+            if id(t) not in own and not getattr(t, "_is_hf_initialized", False)
+        ]
+        for tensor in marked:
+            tensor._is_hf_initialized = True  # type: ignore[attr-defined]
+        try:
+            for ancestor in ancestors:
+                model._init_weights(ancestor)
+        finally:
+            for tensor in marked:
+                del tensor._is_hf_initialized  # type: ignore[attr-defined]
 
-    plan = _hf_tensor_parallel_plan(model, hf_config_object)
-    return model, init_fn, plan, json.loads((path / "config.json").read_text())
+    return init_fn
+
+
+_HF_TP_STYLES: dict[str, Callable[[], ParallelStyle]] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    # Fused projections (Phi-3's qkv_proj) and projections a full-width norm follows (OLMo-2):
+    # the output is gathered, and the next rowwise layer takes the whole input and splits it.
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    # A per-head norm (Qwen3's q_norm and k_norm) sees this rank's heads only: its weight becomes
+    # a replicated DTensor and its input one sharded over the heads, so the weight's gradient is
+    # summed over the TP ranks.
+    "replicated_with_grad_allreduce": lambda: SequenceParallel(
+        sequence_dim=-2, use_local_output=True
+    ),
+}
+# Styles that leave the module whole on every rank: nothing to do.
+_HF_TP_UNSPLIT = frozenset({"replicate", "embedding_rowwise", "embedding_colwise"})
 
 
 def _hf_tensor_parallel_plan(model: nn.Module, hf_config_object: Any) -> dict[str, ParallelStyle]:
-    """The config's ``base_model_tp_plan`` (Llama-family models), as torch's parallel styles."""
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    """The config's ``base_model_tp_plan`` as torch's parallel styles; empty without one."""
     plan: dict[str, ParallelStyle] = {}
     prefix = getattr(model, "base_model_prefix", "model")
     for pattern, style in (getattr(hf_config_object, "base_model_tp_plan", None) or {}).items():
-        if style not in styles:
-            continue  # e.g. the embedding's replicated input: fine unsplit
-        num_layers = hf_config_object.num_hidden_layers
-        for i in range(num_layers):
-            plan[f"{prefix}.{pattern.replace('*', str(i))}"] = styles[style]()
+        if style in _HF_TP_UNSPLIT:
+            continue
+        if style not in _HF_TP_STYLES:
+            raise ValueError(
+                f"{type(model).__name__}'s base_model_tp_plan splits {pattern} as '{style}', which "
+                f"this recipe cannot do (it knows {', '.join(sorted(_HF_TP_STYLES))}). "
+                "Use gang.tp_size=1: DDP, FSDP2 and HSDP train it."
+            )
+        for i in range(hf_config_object.num_hidden_layers):
+            plan[f"{prefix}.{pattern.replace('*', str(i))}"] = _HF_TP_STYLES[style]()
     return plan
 
 
@@ -493,6 +574,11 @@ def recipe(config: LMConfig, output_dir: Path) -> Trainer[Any]:
         dp_shard_size=config.gang.dp_shard_size,
         timeout=timedelta(minutes=config.gang.timeout_minutes),
     )
+    return build_trainer(config, output_dir, gangs)
+
+
+def build_trainer(config: LMConfig, output_dir: Path, gangs: Gangs) -> Trainer[Any]:
+    """The recipe's Trainer on gangs already made (``config.gang`` must describe them)."""
     tokenizer = load_recipe_tokenizer(config)
     built = build_model(config, gangs, tokenizer)
     num_params = sum(p.numel() for p in built.model.parameters())
