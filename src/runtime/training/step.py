@@ -269,6 +269,10 @@ class TrainStep(Generic[BatchT]):
         for scheduler in self._lr_schedulers:
             scheduler.step()
 
+    def clear_non_finite(self) -> None:
+        """Forget a non-finite gradient: the weights were reloaded from before it."""
+        self._gradients.clear_non_finite()
+
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The unit's forward context: autocast to ``dtype`` with ``amp``, nothing otherwise."""
         if not self._autocasts:

@@ -1,0 +1,136 @@
+"""Loss-spike rollback: a spike (or a NaN) on any rank rolls every rank back to the checkpoint
+before it and skips its data, ending bit-identical to a run whose data never held it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gangs import Gangs
+from runtime import LossSpikeError, LossSpikeGuard
+from tests.conftest import RunTorch, assert_ok, read_jsonl
+from tests.workers.train_spike import full_params, make_trainer
+
+WORKER = "tests/workers/train_spike.py"
+
+# Batches of 4 unshuffled examples: example 25 is in step 7's batch (examples 24..27); steps
+# 5..8 read examples 16..31.
+GUARD = {"window": 8, "min_history": 3, "factor": 3.0, "margin": 1}
+
+
+def train(tmp_path: Path, name: str, **options: Any) -> tuple[Any, dict[str, torch.Tensor], Any]:
+    trainer, model, log = make_trainer(Gangs.single(), tmp_path / name, options)
+    status = trainer.run()
+    return status, full_params(model), log.rollbacks
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "the weights differ"
+
+
+@pytest.mark.parametrize("poison", [100.0, math.nan], ids=["finite", "nan"])
+def test_a_spike_rolls_back_and_ends_as_a_run_without_its_data(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, poison: float
+) -> None:
+    # Found at the publish of step 8 (before its checkpoint): back to step 4, skipping the data
+    # of steps 5..7 and a margin of one step.
+    with caplog.at_level(logging.WARNING, logger="runtime.training.trainer"):
+        status, spiked, rollbacks = train(
+            tmp_path, "spiked", poison_indices=[25], poison_factor=poison, guard=GUARD
+        )
+    assert status == 0
+    assert rollbacks == [(7, 4)]
+    (line,) = [r.getMessage() for r in caplog.records if "Loss spike" in r.getMessage()]
+    assert line.startswith(f"Loss spike at step 7: loss {'nan' if math.isnan(poison) else '126.5'}")
+    assert "against a running median 1.291; rolled back to step 4, skipping the data of steps " in (
+        line
+    )
+    assert "5..8" in line
+    records = read_jsonl(tmp_path / "spiked" / "metrics" / "train.jsonl")
+    assert [r["num_rollbacks"] for r in records] == [0, 0, 0, 1, 1, 1]
+    _, clean, _ = train(tmp_path, "clean", drop=[16, 32], guard=GUARD)
+    assert_same_weights(spiked, clean)
+
+
+def test_the_per_step_check_rolls_back_at_the_spike_step(tmp_path: Path) -> None:
+    # No publish and no checkpoint between: only the per-step check finds the spike at step 7.
+    guard = GUARD | {"check_every_step": True, "margin": 0}
+    status, spiked, rollbacks = train(
+        tmp_path, "spiked", poison_indices=[25], guard=guard, publish_every=100
+    )
+    assert (status, rollbacks) == (0, [(7, 4)])
+    _, clean, _ = train(tmp_path, "clean", drop=[16, 28], publish_every=100)
+    assert_same_weights(spiked, clean)
+
+
+def test_a_spike_before_the_first_checkpoint_stops_with_a_clear_message(tmp_path: Path) -> None:
+    with pytest.raises(
+        LossSpikeError,
+        match=r"Loss spike at step 3 \(loss 143.7 against a running median of 1.137\) before the "
+        r"first checkpoint, so there is nothing to roll back to",
+    ):
+        train(tmp_path, "run", poison_indices=[9], guard=GUARD | {"min_history": 2})
+
+
+def test_too_many_rollbacks_stop_the_run_listing_the_spikes_and_keep_the_checkpoints(
+    tmp_path: Path,
+) -> None:
+    # Spikes at step 7 (back to 4, data of 5..7 skipped) and at the step reading example 41
+    # (step 11 of the data: step 8 after the rollback).
+    guard = GUARD | {"margin": 0, "max_rollbacks": 1}
+    with pytest.raises(LossSpikeError) as raised:
+        train(tmp_path, "run", poison_indices=[25, 41], guard=guard, max_num_steps=12)
+    assert str(raised.value) == (
+        "Loss spike at step 8 (loss 55.45 against a running median of 0.94) after 1 rollbacks "
+        "within 1000 steps (max_rollbacks is 1): step 7 (loss 126.5 against a median of 1.291, "
+        "rolled back to step 4). The training stopped; every checkpoint is kept. Lower the "
+        "learning rate, check the data of these steps, or raise max_rollbacks."
+    )
+    # Both spikes were found before the checkpoint of step 8; nothing was deleted.
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")] == ["step_4"]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"window": 0}, "window must be greater than zero, but is 0 instead."),
+        ({"margin": -1}, "margin must be 0 or more, but is -1 instead."),
+        ({"min_history": 9, "window": 8}, r"min_history \(9\) must not exceed window \(8\)"),
+        ({"factor": None}, "factor and num_deviations are both None"),
+    ],
+)
+def test_bad_guard_options_are_clear_errors(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LossSpikeGuard(**options)
+
+
+def test_the_guard_needs_a_checkpoint_schedule(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="checkpoint_every_n_steps must be set too"):
+        make_trainer(Gangs.single(), tmp_path, {"guard": GUARD, "checkpoint_every": None})
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_spike_on_one_rank_rolls_back_both_ranks_as_a_run_without_its_data(
+    run_torchrun: RunTorch, tmp_path: Path
+) -> None:
+    # Two ranks of 4 examples a step: step 7 reads examples 48..55, the odd ones on rank 1;
+    # steps 5..8 read examples 32..63.
+    runs = {
+        "spiked": {"dataset_size": 128, "poison_indices": [51], "guard": GUARD},
+        "clean": {"dataset_size": 128, "drop": [32, 64], "guard": GUARD},
+    }
+    assert_ok(run_torchrun(2, WORKER, str(tmp_path), json.dumps(runs)))
+    for rank in range(2):
+        status, rollbacks = json.loads((tmp_path / "spiked" / f"rollbacks_{rank}.json").read_text())
+        assert (status, rollbacks) == (0, [[7, 4]])
+    spiked = torch.load(tmp_path / "spiked" / "params.pt", weights_only=True)
+    clean = torch.load(tmp_path / "clean" / "params.pt", weights_only=True)
+    assert_same_weights(spiked, clean)
