@@ -59,6 +59,8 @@ class TrainerSection:
     checkpoint_every_n_steps: int = 100
     keep_last_n_checkpoints: int | None = 2
     keep_best_n_checkpoints: int | None = 1
+    keep_checkpoint_every_n_steps: int | None = None
+    """Keep the checkpoints of its multiples for good: permanent snapshots retention never deletes."""
     async_checkpoint: bool = False
     reshard_on_resume: bool = False
     """Resume from checkpoints of another world layout (not bit-exact; see the README)."""
@@ -244,6 +246,7 @@ def trainer_options(
         "checkpoint_every_n_steps": t.checkpoint_every_n_steps,
         "keep_last_n_checkpoints": t.keep_last_n_checkpoints,
         "keep_best_n_checkpoints": t.keep_best_n_checkpoints if validates else None,
+        "keep_checkpoint_every_n_steps": t.keep_checkpoint_every_n_steps,
         "async_checkpoint": t.async_checkpoint,
         "reshard_on_resume": t.reshard_on_resume,
         "score_metric_name": "nll_loss" if validates else None,

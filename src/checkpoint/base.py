@@ -16,6 +16,7 @@ from typing import Any
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from checkpoint.errors import CheckpointNotFoundError
 from checkpoint.manifest import CheckpointChoice, choose_checkpoint
 from checkpoint.retention import CheckpointInfo, RetentionPolicy
 
@@ -78,6 +79,38 @@ class AbstractCheckpointManager(ABC):
     def apply_retention(self, policy: RetentionPolicy, *, lower_better: bool = True) -> None:
         """Delete (or prune to the model) what ``policy`` does not keep; see
         :func:`~checkpoint.retention.plan_retention`."""
+
+    @abstractmethod
+    def mark_unhealthy(self, step_nrs: Sequence[int], *, reason: str) -> None:
+        """Mark the committed checkpoints of ``step_nrs`` unhealthy, durably: from then on none
+        of them is resumed from, or counted as the last or the best, and retention keeps them.
+
+        Marking deletes nothing and is idempotent (a marked checkpoint keeps its first
+        ``reason``). A save in flight commits first, so its step may be among ``step_nrs``.
+        Raises :class:`CheckpointNotFoundError` (marking none) if a step has no committed
+        checkpoint. Every rank makes the call.
+        """
+
+    def is_healthy(self, step_nr: int) -> bool:
+        """Whether the committed checkpoint of ``step_nr`` is healthy (not marked unhealthy);
+        :class:`CheckpointNotFoundError` if there is none."""
+        for info in self.list_checkpoints():
+            if info.step_nr == step_nr:
+                return info.healthy
+        raise CheckpointNotFoundError(
+            f"There is no committed checkpoint of step {step_nr} in {self}."
+        )
+
+    def last_healthy_step(self, before: int | None = None) -> int | None:
+        """The step of the newest healthy full checkpoint, of a step below ``before`` if given:
+        where a rollback goes. None if there is none. Only committed checkpoints count, so call
+        :meth:`finish_pending_save` first for a save in flight to count."""
+        steps = [
+            info.step_nr
+            for info in self.list_checkpoints()
+            if info.healthy and info.kind == "full" and (before is None or info.step_nr < before)
+        ]
+        return max(steps, default=None)
 
     @property
     def pending_step_nr(self) -> int | None:

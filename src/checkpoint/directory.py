@@ -3,7 +3,8 @@ writes that survive a crash, and whether every rank sees it.
 
 ``step_N/`` with a manifest is a committed checkpoint; ``step_N.tmp/`` (or a ``step_N/`` without
 a manifest, left by an interrupted delete) is incomplete; ``step_N.damaged[K]/`` was found damaged
-by a resume and moved aside. Every function here runs on one rank; the manager coordinates.
+by a resume and moved aside; ``step_N.unhealthy[K]/`` was marked unhealthy and moved aside when the
+run, rolled back, saved step N again. Every function here runs on one rank; the manager coordinates.
 
 A durable write leaves a reader the old file or the whole new one, never half. The shared-directory
 check runs before any training: ranks that name different directories (a per-rank temp dir, nodes
@@ -34,6 +35,7 @@ MANIFEST_NAME: Final = "manifest.json"
 
 STEP_DIR_PATTERN: Final = re.compile(r"^step_(\d+)$")
 _DAMAGED_DIR = re.compile(r"^step_\d+\.damaged\d*$")
+_UNHEALTHY_DIR = re.compile(r"^step_\d+\.unhealthy\d*$")
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ class DirectoryListing:
     """Step number -> directory, for every ``step_N`` with a manifest, oldest first."""
     incomplete: list[Path]
     damaged: list[Path]
+    replaced: list[Path]
+    """Unhealthy checkpoints moved aside by a newer save of their step."""
 
 
 def step_dir(checkpoint_dir: Path, step_nr: int) -> Path:
@@ -53,6 +57,7 @@ def scan(checkpoint_dir: Path) -> DirectoryListing:
     committed: dict[int, Path] = {}
     incomplete: list[Path] = []
     damaged: list[Path] = []
+    replaced: list[Path] = []
     if checkpoint_dir.is_dir():
         for path in checkpoint_dir.iterdir():
             match = STEP_DIR_PATTERN.match(path.name)
@@ -65,10 +70,13 @@ def scan(checkpoint_dir: Path) -> DirectoryListing:
                 incomplete.append(path)
             elif _DAMAGED_DIR.match(path.name):
                 damaged.append(path)
+            elif _UNHEALTHY_DIR.match(path.name):
+                replaced.append(path)
     return DirectoryListing(
         committed=dict(sorted(committed.items())),
         incomplete=sorted(incomplete),
         damaged=sorted(damaged),
+        replaced=sorted(replaced),
     )
 
 
@@ -78,13 +86,13 @@ def delete(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def move_aside(path: Path) -> Path:
-    """Rename a damaged checkpoint to ``step_N.damaged`` (or ``.damagedK``); return the target."""
-    target = path.with_name(path.name + ".damaged")
+def move_aside(path: Path, why: str = "damaged") -> Path:
+    """Rename a checkpoint to ``step_N.<why>`` (or ``.<why>K``); return the target."""
+    target = path.with_name(f"{path.name}.{why}")
     suffix = 1
     while target.exists():
         suffix += 1
-        target = path.with_name(f"{path.name}.damaged{suffix}")
+        target = path.with_name(f"{path.name}.{why}{suffix}")
     os.replace(path, target)
     fsync_dir(path.parent)
     return target

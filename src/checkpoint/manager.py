@@ -40,13 +40,14 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from checkpoint import directory
+from checkpoint import directory, health
 from checkpoint.base import AbstractCheckpointManager, LoadedCheckpoint
 from checkpoint.directory import check_shared_directory, fsync_dir
 from checkpoint.errors import (
     CheckpointError,
     CheckpointLayoutError,
     CheckpointLoadError,
+    CheckpointNotFoundError,
     caused_by_the_machine,
 )
 from checkpoint.exclusion import excluded_names, pop_entries
@@ -127,7 +128,8 @@ class CheckpointManager(AbstractCheckpointManager):
         final_dir = directory.step_dir(self._dir, step_nr)
         tmp_dir = final_dir.with_name(final_dir.name + ".tmp")
         if self._root.rank == 0:
-            if final_dir.exists():
+            # An unhealthy one (a rollback went back past it) is moved aside at the commit.
+            if final_dir.exists() and health.unhealthy_reason(final_dir) is None:
                 raise CheckpointError(f"A checkpoint of step {step_nr} exists already: {final_dir}")
             shutil.rmtree(tmp_dir, ignore_errors=True)
             (tmp_dir / "trainer").mkdir(parents=True)
@@ -200,6 +202,11 @@ class CheckpointManager(AbstractCheckpointManager):
                 excluded=pending.excluded,
             )
             write_manifest(pending.tmp_dir, manifest)
+            if health.unhealthy_reason(pending.final_dir) is not None:
+                target = directory.move_aside(pending.final_dir, "unhealthy")
+                log.warning(
+                    "Moved the unhealthy checkpoint of step %d to %s.", pending.step_nr, target
+                )
             os.replace(pending.tmp_dir, pending.final_dir)
             fsync_dir(self._dir)
 
@@ -218,9 +225,26 @@ class CheckpointManager(AbstractCheckpointManager):
         """The step of the committed checkpoint ``which`` names (see :func:`select_checkpoint`)."""
         return select_checkpoint(self._dir, which, lower_better=lower_better)
 
+    @override
+    def is_healthy(self, step_nr: int) -> bool:
+        path = directory.step_dir(self._dir, step_nr)
+        if not (path / directory.MANIFEST_NAME).is_file():
+            raise CheckpointNotFoundError(
+                f"There is no committed checkpoint of step {step_nr} in {self._dir}."
+            )
+        return health.unhealthy_reason(path) is None
+
+    def unhealthy_reason(self, step_nr: int) -> str | None:
+        """Why the checkpoint of ``step_nr`` was marked unhealthy; None if it is healthy."""
+        return health.unhealthy_reason(directory.step_dir(self._dir, step_nr))
+
     def damaged_dirs(self) -> list[Path]:
         """Checkpoints a resume found damaged and moved aside to ``step_N.damaged``."""
         return directory.scan(self._dir).damaged
+
+    def replaced_dirs(self) -> list[Path]:
+        """Unhealthy checkpoints moved aside to ``step_N.unhealthy`` by a newer save of step N."""
+        return directory.scan(self._dir).replaced
 
     def incomplete_dirs(self) -> list[Path]:
         """Directories of saves that never committed (or deletes that never finished)."""
@@ -271,6 +295,13 @@ class CheckpointManager(AbstractCheckpointManager):
             raise CheckpointError(
                 f"None of the checkpoints in {self._dir} (steps {candidates}) is intact. "
                 "Move the directory away to start from scratch."
+            )
+        unhealthy = [info.step_nr for info in self.list_checkpoints() if not info.healthy]
+        if unhealthy:
+            raise CheckpointError(
+                f"Every checkpoint in {self._dir} (steps {unhealthy}) is marked unhealthy, so "
+                "the run has none to resume from. Move the directory away to start from scratch, "
+                "or pass one of them as resume_from (in a new OUTPUT_DIR) to go on from it anyway."
             )
         return None
 
@@ -390,12 +421,27 @@ class CheckpointManager(AbstractCheckpointManager):
         """
         check_shared_directory(self._root, self._dir)
 
+    # ------------------------------------------------------------------ health
+
+    @override
+    def mark_unhealthy(self, step_nrs: Sequence[int], *, reason: str) -> None:
+        """Write ``unhealthy.json`` into each checkpoint of ``step_nrs`` (rank 0; every rank
+        waits); see :meth:`AbstractCheckpointManager.mark_unhealthy` and :mod:`checkpoint.health`."""
+        self.finish_pending_save()
+
+        def mark_all() -> None:
+            if self._root.rank == 0:
+                health.mark_unhealthy(self._dir, step_nrs, reason=reason)
+
+        self._verdict("mark checkpoints unhealthy", mark_all)
+
     # --------------------------------------------------------------- retention
 
     @override
     def apply_retention(self, policy: RetentionPolicy, *, lower_better: bool = True) -> None:
         """Delete or prune to model-only what ``policy`` does not keep; committed ones only."""
         if self._root.rank == 0:
+            health.mark_permanent(self._dir, policy)
             plan = plan_retention(self.list_checkpoints(), policy, lower_better=lower_better)
             for step_nr in plan.prune_to_model:
                 prune_to_model(directory.step_dir(self._dir, step_nr))

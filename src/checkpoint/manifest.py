@@ -45,6 +45,7 @@ import torch
 from checkpoint import directory
 from checkpoint.directory import MANIFEST_NAME, write_json_durably
 from checkpoint.errors import CheckpointError, CheckpointNotFoundError
+from checkpoint.health import PERMANENT_MARK, is_marked, unhealthy_reason
 from checkpoint.integrity import (
     ALGORITHM,
     FileDigest,
@@ -282,18 +283,22 @@ def list_checkpoints(checkpoint_dir: Path) -> list[CheckpointInfo]:
                 score=manifest.get("score"),
                 kind=manifest.get("kind", "full"),
                 size_bytes=sum(f["size"] for f in manifest.get("files", {}).values()),
+                healthy=unhealthy_reason(path) is None,
+                permanent=is_marked(path, PERMANENT_MARK),
             )
         )
     return infos
 
 
 def resume_candidates(checkpoint_dir: Path) -> list[int]:
-    """Committed steps that may hold a full checkpoint, oldest first.
+    """Committed healthy steps that may hold a full checkpoint, oldest first.
 
     An unreadable manifest counts: verification will call that checkpoint damaged, with the reason.
     """
     steps = []
     for step_nr, path in directory.scan(checkpoint_dir).committed.items():
+        if unhealthy_reason(path) is not None:
+            continue
         try:
             kind = read_manifest(path).get("kind", "full")
         except CheckpointError:
@@ -323,19 +328,25 @@ def choose_checkpoint(
     """The step of the checkpoint among ``infos`` (of ``where``) that ``which`` names;
     CheckpointNotFoundError if none.
 
-    ``which`` is ``"last"``, ``"best"`` (by the score stored with each checkpoint, oriented by
-    ``lower_better``; ties go to the newer one) or a step number.
+    ``which`` is ``"last"`` (the newest healthy one), ``"best"`` (the healthy one with the best
+    score stored with it, oriented by ``lower_better``; ties go to the newer one) or a step
+    number (any committed checkpoint, an unhealthy one too: asked for by name).
     """
     check_choice(which)
     if not infos:
         raise CheckpointNotFoundError(f"There are no committed checkpoints in {where}.")
+    if which in ("last", "best") and not any(info.healthy for info in infos):
+        raise CheckpointNotFoundError(
+            f"Every checkpoint in {where} (steps {', '.join(str(i.step_nr) for i in infos)}) is "
+            f"marked unhealthy, so none is the {which}. Name one by its step to use it anyway."
+        )
     if which == "last":
-        return infos[-1].step_nr
+        return max(info.step_nr for info in infos if info.healthy)
     if which == "best":
         best = best_checkpoint(infos, lower_better=lower_better)
         if best is None:
             raise CheckpointNotFoundError(
-                f"No checkpoint in {where} has a validation score, so none is the best."
+                f"No healthy checkpoint in {where} has a validation score, so none is the best."
             )
         return best.step_nr
     assert isinstance(which, int)

@@ -196,7 +196,7 @@ def test_cli_lists_checkpoints_with_their_state(tmp_path: Path) -> None:
     result = run_cli("checkpoints", str(tmp_path))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["step", "score", "size", "kind", "state"]
+    assert lines[0].split() == ["step", "score", "size", "kind", "health", "retention", "state"]
     assert lines[1].split()[:2] == ["10", "2.5"] and lines[1].rstrip().endswith("ok")
     assert lines[2].startswith("20") and "damaged" in lines[2] and "rank_0.pt" in lines[2]
     assert lines[3].startswith("step_30.tmp") and "incomplete" in lines[3]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from checkpoint import CheckpointInfo, RetentionPolicy, plan_retention
+from checkpoint import CheckpointInfo, RetentionPolicy, best_checkpoint, plan_retention
 
 # Scores of steps 10..100: best (lowest) at 30, then 70, then 50.
 SCORES = {10: 5.0, 20: 4.0, 30: 1.0, 40: 3.5, 50: 2.0, 60: 3.0, 70: 1.5, 80: 2.5, 90: 2.7, 100: 2.6}
@@ -93,3 +95,25 @@ def test_keep_best_ignores_unscored_checkpoints_and_keeps_the_newest() -> None:
 def test_contradictions_are_errors(kwargs: dict[str, int], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         RetentionPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_unhealthy_checkpoints_are_neither_last_nor_best_and_are_kept() -> None:
+    unhealthy = {70, 80, 90, 100}
+    marked = [replace(i, healthy=i.step_nr not in unhealthy) for i in infos()]
+    plan = plan_retention(
+        marked,
+        RetentionPolicy(keep_last_n_checkpoints=1, keep_best_n_checkpoints=1, keep_last_n_models=2),
+    )
+    # Last: 60 (the newest healthy); best: 30 (70 scores better but is unhealthy); model: 50.
+    assert plan.keep == {30, 50, 60} | unhealthy
+    assert plan.prune_to_model == {50}
+    assert best_checkpoint(marked, lower_better=True) == marked[2]
+
+
+def test_snapshots_every_n_steps_are_kept_whole() -> None:
+    policy = RetentionPolicy(
+        keep_last_n_checkpoints=1, keep_last_n_models=3, keep_checkpoint_every_n_steps=40
+    )
+    plan = plan_retention([replace(i, permanent=i.step_nr == 10) for i in infos()], policy)
+    assert plan.keep == {10, 40, 80, 90, 100}
+    assert plan.prune_to_model == {90}  # 80 is a snapshot: kept whole

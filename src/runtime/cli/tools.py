@@ -18,28 +18,49 @@ from runtime.cli.peft_export import is_lora_run, merged_state, write_peft_direct
 
 
 def list_checkpoints(output_dir: Path) -> str:
-    """A table of the run's checkpoints: step, score, size, kind and state (verified)."""
+    """A table of the run's checkpoints: step, score, size, kind, health (``unhealthy`` once
+    marked so after a loss spike), retention (``permanent`` for a snapshot retention never
+    deletes) and state (verified; why it is unhealthy)."""
     manager = CheckpointManager(output_dir / "checkpoints", Gangs.single())
-    rows = [("step", "score", "size", "kind", "state")]
+    rows = [("step", "score", "size", "kind", "health", "retention", "state")]
     for info in manager.list_checkpoints():
         try:
             manager.verify(info.step_nr)
             state = "ok"
         except CheckpointError as ex:
             state = f"damaged: {ex}"
-        score = "-" if info.score is None else f"{info.score:.6g}"
-        rows.append((str(info.step_nr), score, _human_size(info.size_bytes), info.kind, state))
-    for path in manager.incomplete_dirs():
-        rows.append((path.name, "-", "-", "-", "incomplete (never committed; ignored)"))
-    for path in manager.damaged_dirs():
-        rows.append((path.name, "-", "-", "-", "damaged (moved aside by a resume; never loaded)"))
+        reason = manager.unhealthy_reason(info.step_nr)
+        if reason is not None:
+            state += f"; unhealthy: {reason}"
+        rows.append(
+            (
+                str(info.step_nr),
+                "-" if info.score is None else f"{info.score:.6g}",
+                _human_size(info.size_bytes),
+                info.kind,
+                "healthy" if info.healthy else "unhealthy",
+                "permanent" if info.permanent else "-",
+                state,
+            )
+        )
+    aside = (
+        (manager.incomplete_dirs(), "-", "incomplete (never committed; ignored)"),
+        (manager.damaged_dirs(), "-", "damaged (moved aside by a resume; never loaded)"),
+        (
+            manager.replaced_dirs(),
+            "unhealthy",
+            "moved aside when a rolled-back run saved its step again; never loaded",
+        ),
+    )
+    for paths, health, state in aside:
+        rows.extend((path.name, "-", "-", "-", health, "-", state) for path in paths)
     if len(rows) == 1:
         return f"No checkpoints in {manager.checkpoint_dir}."
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False))
         + "  "
-        + row[4]
+        + row[-1]
         for row in rows
     )
 

@@ -107,3 +107,15 @@ def check_every_checkpoint_is_scored(checkpoint: Schedule, validate: Schedule) -
             f"checkpoint_every_n_data_epochs ({checkpoint.every_n_data_epochs}) must be a "
             f"multiple of validate_every_n_data_epochs ({validate.every_n_data_epochs})."
         )
+
+
+def check_snapshots_are_saved(checkpoint: Schedule, keep_every_n_steps: int | None) -> None:
+    """Permanent snapshots fall on steps that are multiples of ``keep_every_n_steps``, so
+    checkpoints must be saved there."""
+    every = checkpoint.every_n_steps
+    if keep_every_n_steps is not None and (every is None or keep_every_n_steps % every != 0):
+        raise ValueError(
+            f"keep_checkpoint_every_n_steps ({keep_every_n_steps}) keeps the checkpoints of its "
+            f"multiples, so it must be a multiple of checkpoint_every_n_steps ({every}) for "
+            "checkpoints to be saved there. Set checkpoint_every_n_steps to a divisor of it."
+        )

@@ -36,7 +36,12 @@ from runtime.training.loop import LOSS_SPIKE_STATE, Observers, TrainLoop
 from runtime.training.loss_spike import LossSpikeGuard, SpikeDetector
 from runtime.training.non_finite import NanPolicy
 from runtime.training.relaunch import Limits
-from runtime.training.schedule import Schedule, Schedules, check_every_checkpoint_is_scored
+from runtime.training.schedule import (
+    Schedule,
+    Schedules,
+    check_every_checkpoint_is_scored,
+    check_snapshots_are_saved,
+)
 from runtime.training.signals import PREEMPTED_EXIT_CODE
 from runtime.training.state import StopReason
 from runtime.training.step import Precision, TrainStep
@@ -89,6 +94,7 @@ class Trainer(Generic[BatchT]):
         keep_best_n_checkpoints: int | None = None,
         keep_last_n_models: int | None = None,
         keep_best_n_models: int | None = None,
+        keep_checkpoint_every_n_steps: int | None = None,
         async_checkpoint: bool = False,
         reshard_on_resume: bool = False,
         score_metric_name: str | None = None,
@@ -138,8 +144,9 @@ class Trainer(Generic[BatchT]):
         )  # fmt: skip
         scoring = Scoring(score_metric_name, lower_better, early_stopper)
         retention = RetentionPolicy(
-            keep_last_n_checkpoints, keep_best_n_checkpoints, keep_last_n_models, keep_best_n_models
-        )
+            keep_last_n_checkpoints, keep_best_n_checkpoints, keep_last_n_models,
+            keep_best_n_models, keep_checkpoint_every_n_steps,
+        )  # fmt: skip
         checkpointing = CheckpointOptions(
             retention, async_checkpoint, reshard_on_resume, init_from, resume_from,
             tuple(checkpoint_exclude),
@@ -460,3 +467,4 @@ def _check_validation(
         )
     if retention.uses_score:
         check_every_checkpoint_is_scored(schedules.checkpoint, schedules.validate)
+    check_snapshots_are_saved(schedules.checkpoint, retention.keep_checkpoint_every_n_steps)

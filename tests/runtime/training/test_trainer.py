@@ -68,6 +68,12 @@ def test_zero_targets_is_a_clear_error(tmp_path: Path) -> None:
         ({"max_gradient_norm": -1.0}, "max_gradient_norm must be greater than zero, but is -1.0"),
         ({"dtype": torch.int32}, "dtype must be torch.float32, torch.bfloat16 or torch.float16"),
         ({"keep_best_n_checkpoints": 2}, "rank by a validation score"),
+        (
+            {"checkpoint_every_n_steps": 2, "keep_checkpoint_every_n_steps": 5},
+            "keep_checkpoint_every_n_steps (5) keeps the checkpoints of its multiples, so it must "
+            "be a multiple of checkpoint_every_n_steps (2)",
+        ),
+        ({"keep_checkpoint_every_n_steps": 0}, "keep_checkpoint_every_n_steps must be greater"),
         ({"fp16_loss_scale": (1.0, 2.0)}, "fp16_loss_scale must be"),
     ],
 )

@@ -17,6 +17,7 @@ from typing_extensions import override
 from checkpoint import (
     AbstractCheckpointManager,
     CheckpointInfo,
+    CheckpointNotFoundError,
     LoadedCheckpoint,
     RetentionPolicy,
     plan_retention,
@@ -33,6 +34,7 @@ class MemoryCheckpointManager(AbstractCheckpointManager):
 
     def __init__(self) -> None:
         self.saved: dict[int, dict[str, Any]] = {}
+        self.unhealthy: dict[int, str] = {}
         self.num_closes = 0
         self.loaded_into: tuple[Module, Optimizer] | None = None
 
@@ -48,6 +50,7 @@ class MemoryCheckpointManager(AbstractCheckpointManager):
         async_checkpoint: bool = False,
         exclude: Sequence[str] = (),
     ) -> None:
+        self.unhealthy.pop(step_nr, None)  # a rolled-back run saves the step again
         self.saved[step_nr] = copy.deepcopy(
             {
                 "model": model.state_dict(),
@@ -61,7 +64,11 @@ class MemoryCheckpointManager(AbstractCheckpointManager):
     def load_last_checkpoint(
         self, *, model: Module, optimizer: Optimizer, reshard: bool = False
     ) -> LoadedCheckpoint | None:
-        full = [step for step, saved in self.saved.items() if "optimizer" in saved]
+        full = [
+            step
+            for step, saved in self.saved.items()
+            if "optimizer" in saved and step not in self.unhealthy
+        ]
         if not full:
             return None
         self.loaded_into = (model, optimizer)
@@ -82,9 +89,18 @@ class MemoryCheckpointManager(AbstractCheckpointManager):
                 score=saved["score"],
                 kind="full" if "optimizer" in saved else "model",
                 size_bytes=0,
+                healthy=step not in self.unhealthy,
             )
             for step, saved in sorted(self.saved.items())
         ]
+
+    @override
+    def mark_unhealthy(self, step_nrs: Sequence[int], *, reason: str) -> None:
+        missing = set(step_nrs) - set(self.saved)
+        if missing:
+            raise CheckpointNotFoundError(f"No checkpoints of steps {sorted(missing)}.")
+        for step_nr in step_nrs:
+            self.unhealthy.setdefault(step_nr, reason)
 
     @override
     def apply_retention(self, policy: RetentionPolicy, *, lower_better: bool = True) -> None:
