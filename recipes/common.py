@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypedDict, cast
 
@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from checkpoint import CheckpointManager
 from gangs import Gangs
-from runtime import DataParallelKind, PatienceEarlyStopper, TorchProfiler
+from runtime import DataParallelKind, LossSpikeGuard, PatienceEarlyStopper, TorchProfiler
 from runtime.data.text import IGNORE_INDEX
 
 
@@ -46,6 +46,42 @@ class OptimizerSection:
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.95)
     warmup_steps: int = 20
+
+
+@dataclass
+class LossSpikeSection:
+    """Loss-spike rollback, off unless ``enabled`` (see docs/reliability.md): a step whose loss
+    exceeds ``factor`` times the running median of the last ``window`` steps (or is NaN) rolls
+    the run back to the checkpoint before it and skips its data, plus ``margin`` steps."""
+
+    enabled: bool = False
+    window: int = 100
+    min_history: int = 20
+    factor: float | None = 3.0
+    num_deviations: float | None = None
+    margin: int = 0
+    max_rollbacks: int = 3
+    rollback_window: int = 1000
+    check_every_step: bool = False
+    """Check after every step (one host read per step), not only at publishes and checkpoints."""
+
+    def guard(self) -> LossSpikeGuard | None:
+        return self._build() if self.enabled else None
+
+    def validate(self) -> None:
+        self._build()
+
+    def _build(self) -> LossSpikeGuard:
+        return LossSpikeGuard(
+            window=self.window,
+            min_history=self.min_history,
+            factor=self.factor,
+            num_deviations=self.num_deviations,
+            margin=self.margin,
+            max_rollbacks=self.max_rollbacks,
+            rollback_window=self.rollback_window,
+            check_every_step=self.check_every_step,
+        )
 
 
 @dataclass
@@ -88,6 +124,7 @@ class TrainerSection:
     max_consecutive_skipped_steps: int = 10
     gc_every_n_steps: int | None = 50
     """Python's garbage collection runs on every rank after the same steps (None: automatic)."""
+    loss_spike: LossSpikeSection = field(default_factory=LossSpikeSection)
     device_peak_flops: float | None = None
     """The device's peak FLOP/s in the training dtype, to publish ``mfu`` (e.g. 312e12: A100 bf16);
     on CUDA, None means the Trainer's table of common devices (H100, A100, ...)."""
@@ -262,6 +299,7 @@ def trainer_options(
         "seed": t.seed,
         "init_from": init_from,
         "nan_policy": t.nan_policy,
+        "loss_spike_guard": t.loss_spike.guard(),
         "max_consecutive_skipped_steps": t.max_consecutive_skipped_steps,
         "gc_every_n_steps": t.gc_every_n_steps,
         # On CUDA the Trainer knows the peak of common devices, so mfu needs only the FLOPs.

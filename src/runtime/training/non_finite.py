@@ -140,6 +140,7 @@ class NonFiniteGuard:
                 (_NONE if spike[0] < 0 else spike[0]) * size + rank,
             ],
             dtype=torch.int64,
+            device="cpu",
         )
         self._root_gang.all_reduce(codes, ReduceOperation.MIN)
         loss_code, flagged_rank, spike_code = codes.tolist()
@@ -168,6 +169,7 @@ class NonFiniteGuard:
         values = torch.tensor(
             loss_and_median if self._root_gang.rank == spike_rank else (0.0, 0.0),
             dtype=torch.float64,
+            device="cpu",
         )
         if spike_rank < 0:
             values.fill_(math.nan)
