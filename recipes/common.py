@@ -60,6 +60,7 @@ class LossSpikeSection:
     factor: float | None = 3.0
     num_deviations: float | None = None
     margin: int = 0
+    lookback: int = 0
     max_rollbacks: int = 3
     rollback_window: int = 1000
     check_every_step: bool = False
@@ -78,6 +79,7 @@ class LossSpikeSection:
             factor=self.factor,
             num_deviations=self.num_deviations,
             margin=self.margin,
+            lookback=self.lookback,
             max_rollbacks=self.max_rollbacks,
             rollback_window=self.rollback_window,
             check_every_step=self.check_every_step,

@@ -89,7 +89,10 @@ class RollbackLog(TrainerCallback):
 
 
 def make_trainer(
-    gangs: Gangs, output_dir: Path, options: dict[str, Any]
+    gangs: Gangs,
+    output_dir: Path,
+    options: dict[str, Any],
+    callbacks: tuple[TrainerCallback, ...] = (),
 ) -> tuple[Trainer[Any], nn.Module, RollbackLog]:
     torch.manual_seed(0)
     model: nn.Module = ToyModel()
@@ -123,7 +126,7 @@ def make_trainer(
         checkpoint_every_n_steps=options.get("checkpoint_every", 4),
         metrics_dir=output_dir / "metrics",
         loss_spike_guard=None if guard is None else LossSpikeGuard(**guard),
-        callbacks=[log],
+        callbacks=[log, *callbacks],
         progress=False,
     )
     return trainer, model, log

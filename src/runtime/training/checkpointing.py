@@ -124,15 +124,16 @@ class Checkpointer:
 
     def load_before(self, step_nr: int) -> LoadedCheckpoint | None:
         """Mark the run's checkpoints from ``step_nr`` on unhealthy, then load the newest healthy
-        one (None if there is none): the rollback from a loss spike at ``step_nr``."""
-        later = [
-            info.step_nr for info in self._manager.list_checkpoints() if info.step_nr >= step_nr
-        ]
+        one before it (None if there is none): the rollback from a loss spike at ``step_nr``."""
+        manager = self._manager
+        later = [info.step_nr for info in manager.list_checkpoints() if info.step_nr >= step_nr]
         if later:
-            self._manager.mark_unhealthy(
-                later, reason=f"saved after a loss spike at step {step_nr}"
+            manager.mark_unhealthy(
+                later, reason=f"saved after a loss spike began at step {step_nr}"
             )
-        loaded = self._manager.load_last_checkpoint(model=self._model, optimizer=self._optimizer)
+        if manager.last_healthy_step(before=step_nr) is None:
+            return None
+        loaded = manager.load_last_checkpoint(model=self._model, optimizer=self._optimizer)
         if loaded is not None:
             self.last_saved_step = loaded.step_nr
         return loaded

@@ -381,7 +381,7 @@ class TrainLoop(Generic[BatchT]):
             raise LossSpikeError(too_many_rollbacks(spike, recent, guard))
         start = time.perf_counter()
         self._checkpointer.finish_pending_save()
-        loaded = self._checkpointer.load_before(spike.step_nr)
+        loaded = self._checkpointer.load_before(max(spike.step_nr - guard.lookback, 1))
         if loaded is None:
             raise LossSpikeError(
                 f"Loss spike at step {spike.step_nr} (loss {spike.loss:.4g} against a running "

@@ -11,7 +11,7 @@ all-reduce, so every rank decides on the same step. A spike on one rank rolls ev
 step, for a rollback that never trains past the spike.
 
 A rollback from a spike at step ``s`` (see :meth:`runtime.training.loop.TrainLoop`):
-checkpoints from step ``s`` on are marked unhealthy, every rank loads the newest checkpoint
+checkpoints from step ``s`` (less ``lookback``) on are marked unhealthy, every rank loads the newest checkpoint
 ``c`` before ``s`` through the resume path (model, optimizer, scheduler, RNG, loss scale, metric
 window, callbacks), and the data reader reads and discards the batches of steps ``c+1 .. s +
 margin``. The run then goes on from step ``c`` exactly as a run whose data never held those
@@ -55,6 +55,10 @@ class LossSpikeGuard:
     num_deviations: float | None = None
     margin: int = 0
     """Steps of data skipped beyond the spike step."""
+    lookback: int = 0
+    """Steps before the spike step where it may have begun (a loss creeping up before it
+    jumps): the rollback goes to a checkpoint before them, and the checkpoints among them are
+    marked unhealthy."""
     max_rollbacks: int = 3
     """Rollbacks allowed within ``rollback_window`` steps; one more spike stops the run."""
     rollback_window: int = 1000
@@ -69,8 +73,9 @@ class LossSpikeGuard:
         check_positive("num_deviations", self.num_deviations)
         check_positive("max_rollbacks", self.max_rollbacks)
         check_positive("rollback_window", self.rollback_window)
-        if self.margin < 0:
-            raise ValueError(f"margin must be 0 or more, but is {self.margin} instead.")
+        for name, value in (("margin", self.margin), ("lookback", self.lookback)):
+            if value < 0:
+                raise ValueError(f"{name} must be 0 or more, but is {value} instead.")
         if self.min_history > self.window:
             raise ValueError(
                 f"min_history ({self.min_history}) must not exceed window ({self.window}): the "

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gangs import Gangs
-from runtime import LossSpikeError, LossSpikeGuard
+from runtime import LossSpikeError, LossSpikeGuard, TrainerCallback
 from tests.conftest import RunTorch, assert_ok, read_jsonl
 from tests.workers.train_spike import full_params, make_trainer
 
@@ -30,6 +30,13 @@ def train(tmp_path: Path, name: str, **options: Any) -> tuple[Any, dict[str, tor
     return status, full_params(model), log.rollbacks
 
 
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The weights of a run whose data never held the batches of steps 5..8 (examples 16..31)."""
+    _, weights, _ = train(tmp_path_factory.mktemp("clean"), "clean", drop=[16, 32], guard=GUARD)
+    return weights
+
+
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), "the weights differ"
@@ -37,7 +44,10 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 @pytest.mark.parametrize("poison", [100.0, math.nan], ids=["finite", "nan"])
 def test_a_spike_rolls_back_and_ends_as_a_run_without_its_data(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, poison: float
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    poison: float,
+    clean: dict[str, torch.Tensor],
 ) -> None:
     # Found at the publish of step 8 (before its checkpoint): back to step 4, skipping the data
     # of steps 5..7 and a margin of one step.
@@ -55,19 +65,69 @@ def test_a_spike_rolls_back_and_ends_as_a_run_without_its_data(
     assert "5..8" in line
     records = read_jsonl(tmp_path / "spiked" / "metrics" / "train.jsonl")
     assert [r["num_rollbacks"] for r in records] == [0, 0, 0, 1, 1, 1]
-    _, clean, _ = train(tmp_path, "clean", drop=[16, 32], guard=GUARD)
     assert_same_weights(spiked, clean)
 
 
-def test_the_per_step_check_rolls_back_at_the_spike_step(tmp_path: Path) -> None:
+def test_a_lookback_rolls_back_further_and_marks_the_checkpoints_between_unhealthy(
+    tmp_path: Path, clean: dict[str, torch.Tensor]
+) -> None:
+    # The spike may have begun at step 5, so the checkpoint of step 6 is not trusted: back to
+    # step 4, and step 6 saved anew (the unhealthy one moved aside).
+    guard = GUARD | {"lookback": 2}
+    status, spiked, rollbacks = train(
+        tmp_path, "spiked", poison_indices=[25], guard=guard, checkpoint_every=2, publish_every=4
+    )
+    assert (status, rollbacks) == (0, [(7, 4)])
+    checkpoints = tmp_path / "spiked" / "checkpoints"
+    assert (checkpoints / "step_6.unhealthy").is_dir()
+    assert_same_weights(spiked, clean)
+
+
+def test_the_per_step_check_rolls_back_at_the_spike_step(
+    tmp_path: Path, clean: dict[str, torch.Tensor]
+) -> None:
     # No publish and no checkpoint between: only the per-step check finds the spike at step 7.
-    guard = GUARD | {"check_every_step": True, "margin": 0}
+    guard = GUARD | {"check_every_step": True}
     status, spiked, rollbacks = train(
         tmp_path, "spiked", poison_indices=[25], guard=guard, publish_every=100
     )
     assert (status, rollbacks) == (0, [(7, 4)])
-    _, clean, _ = train(tmp_path, "clean", drop=[16, 28], publish_every=100)
     assert_same_weights(spiked, clean)
+
+
+class Crash(TrainerCallback):
+    """Stops the process the way kill -9 does for the checkpoints: nothing more is saved."""
+
+    def __init__(self, where: str) -> None:
+        self._where = where
+        self._rolled_back = False
+
+    def on_rollback(self, *, from_step: int, to_step: int) -> None:
+        self._rolled_back = True
+        if self._where == "in the rollback":
+            raise KeyboardInterrupt
+
+    def on_step_end(self, *, step_nr: int, metrics: Any = None) -> None:
+        if self._where == "after the rollback" and self._rolled_back and step_nr == 9:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("where", ["in the rollback", "after the rollback"])
+def test_a_run_killed_in_or_after_a_rollback_resumes_to_the_same_weights(
+    tmp_path: Path, where: str, clean: dict[str, torch.Tensor]
+) -> None:
+    # Killed in the rollback, the run resumes from step 4 and meets the spike again; killed at
+    # step 9 after it, from the checkpoint of step 8 that holds the rollback.
+    options = {"poison_indices": [25], "guard": GUARD}
+    trainer, _, _ = make_trainer(Gangs.single(), tmp_path / "killed", options, (Crash(where),))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run()
+    status, resumed, rollbacks = train(tmp_path, "killed", **options)
+    assert (status, rollbacks) == (0, [] if where == "after the rollback" else [(7, 4)])
+    records = read_jsonl(tmp_path / "killed" / "metrics" / "train.jsonl")
+    assert records[-1]["step_nr"] == 10 and records[-1]["num_rollbacks"] == 1
+    # The uninterrupted run ends with the weights of the clean run (tested above).
+    assert_same_weights(resumed, clean)
 
 
 def test_a_spike_before_the_first_checkpoint_stops_with_a_clear_message(tmp_path: Path) -> None:
@@ -102,6 +162,7 @@ def test_too_many_rollbacks_stop_the_run_listing_the_spikes_and_keep_the_checkpo
     [
         ({"window": 0}, "window must be greater than zero, but is 0 instead."),
         ({"margin": -1}, "margin must be 0 or more, but is -1 instead."),
+        ({"lookback": -1}, "lookback must be 0 or more, but is -1 instead."),
         ({"min_history": 9, "window": 8}, r"min_history \(9\) must not exceed window \(8\)"),
         ({"factor": None}, "factor and num_deviations are both None"),
     ],
