@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar, final
 
 import torch
 
-from checkpoint import CheckpointLayoutError
+from checkpoint import CheckpointLayoutError, LoadedCheckpoint
 from gangs import Gangs
 from runtime.data import DataReader, WaitInterrupted
 from runtime.errors import TrainerError
@@ -372,14 +372,15 @@ class TrainLoop(Generic[BatchT]):
     # -------------------------------------------------------------- rollback
 
     def _roll_back(self, spike: Spike) -> None:
-        """Reload the newest healthy checkpoint before ``spike`` and skip the data up to it
-        (plus the margin); or stop when the rollbacks are too many, or there is no checkpoint."""
+        """Reload the newest healthy checkpoint before ``spike`` and move the data past it (plus
+        the margin); or stop when the rollbacks are too many, or there is no checkpoint."""
         assert self._spikes is not None
         guard = self._spikes.guard
         recent = self._spikes.recent_rollbacks(spike.step_nr)
         if len(recent) >= guard.max_rollbacks:
             raise LossSpikeError(too_many_rollbacks(spike, recent, guard))
         start = time.perf_counter()
+        detected_at = self.state.step_nr
         self._checkpointer.finish_pending_save()
         loaded = self._checkpointer.load_before(max(spike.step_nr - guard.lookback, 1))
         if loaded is None:
@@ -389,26 +390,37 @@ class TrainLoop(Generic[BatchT]):
                 "nothing to roll back to. Checkpoint earlier (checkpoint_every_n_steps), or "
                 "raise min_history of the loss-spike guard."
             )
-        rollbacks = self._spikes.rollbacks
-        self.load_state_dict(loaded.trainer_state, resharded=loaded.resharded)
-        self._train_step.clear_non_finite()
+        self._reload_keeping_the_data(loaded)
         to_step = loaded.step_nr
-        skip_until = spike.step_nr + guard.margin
-        rollback = Rollback(spike.step_nr, to_step, skip_until, spike.loss, spike.median)
-        # The rollbacks so far are the run's, not the checkpoint's.
-        self._spikes.rollbacks = [*rollbacks, rollback]
-        skipped = self._skip_data(skip_until - to_step)
+        # The steps since the checkpoint read the data up to the detection; it stays read, so a
+        # second rollback to the same checkpoint never reads the data of the first again.
+        skipped_until = detected_at + self._skip_data(spike.step_nr + guard.margin - detected_at)
+        rollback = Rollback(spike.step_nr, to_step, skipped_until, spike.loss, spike.median)
+        self._spikes.rollbacks.append(rollback)
         log.warning(
             "Loss spike at step %d: loss %.4g against a running median %.4g; rolled back to "
-            "step %d, skipping the data of steps %d..%d (%.1f s).",
-            spike.step_nr, spike.loss, spike.median, to_step, to_step + 1, to_step + skipped,
+            "step %d, skipping the data of steps %d..%d (%.2f s).",
+            spike.step_nr, spike.loss, spike.median, to_step, to_step + 1, skipped_until,
             time.perf_counter() - start,
         )  # fmt: skip
         self._callbacks.on_rollback(from_step=spike.step_nr, to_step=to_step)
 
+    def _reload_keeping_the_data(self, loaded: LoadedCheckpoint) -> None:
+        """Load the trainer state of ``loaded``, all but the data position (and its epoch) and
+        the rollbacks, which stay the run's."""
+        assert self._spikes is not None
+        reader_state = self._data_reader.state_dict()
+        epoch_nr, rollbacks = self.state.data_epoch_nr, self._spikes.rollbacks
+        self.load_state_dict(loaded.trainer_state, resharded=loaded.resharded)
+        self._data_reader.load_state_dict(reader_state)
+        self.state.data_epoch_nr, self._spikes.rollbacks = epoch_nr, rollbacks
+        self._train_step.clear_non_finite()
+
     def _skip_data(self, num_steps: int) -> int:
-        """Read and drop the micro-batches of ``num_steps`` steps, or fewer at the end of the data
-        epoch (the reader then ends it at the next read); return how many."""
+        """Read and drop the micro-batches of ``num_steps`` steps (none if it is not positive),
+        or fewer at the end of the data epoch (the reader then ends it at the next read); return
+        how many."""
+        num_steps = max(num_steps, 0)
         for skipped in range(num_steps):
             try:
                 self._data_reader.__next__()

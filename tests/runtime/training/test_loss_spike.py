@@ -139,17 +139,29 @@ def test_a_spike_before_the_first_checkpoint_stops_with_a_clear_message(tmp_path
         train(tmp_path, "run", poison_indices=[9], guard=GUARD | {"min_history": 2})
 
 
+def test_a_second_rollback_to_the_same_checkpoint_never_reads_the_data_of_the_first(
+    tmp_path: Path,
+) -> None:
+    # Example 41 is in step 11 of the data; after the first rollback (data of steps 5..8
+    # skipped) it is in step 7 again, so the second spike rolls back to step 4 again, and the
+    # run goes on with the data of step 13.
+    status, spiked, rollbacks = train(
+        tmp_path, "spiked", dataset_size=96, poison_indices=[25, 41], guard=GUARD | {"margin": 0}
+    )
+    assert (status, rollbacks) == (0, [(7, 4), (7, 4)])
+    _, clean, _ = train(tmp_path, "clean", dataset_size=96, drop=[16, 48])
+    assert_same_weights(spiked, clean)
+
+
 def test_too_many_rollbacks_stop_the_run_listing_the_spikes_and_keep_the_checkpoints(
     tmp_path: Path,
 ) -> None:
-    # Spikes at step 7 (back to 4, data of 5..7 skipped) and at the step reading example 41
-    # (step 11 of the data: step 8 after the rollback).
     guard = GUARD | {"margin": 0, "max_rollbacks": 1}
     with pytest.raises(LossSpikeError) as raised:
-        train(tmp_path, "run", poison_indices=[25, 41], guard=guard, max_num_steps=12)
+        train(tmp_path, "run", dataset_size=96, poison_indices=[25, 41], guard=guard)
     assert str(raised.value) == (
-        "Loss spike at step 8 (loss 55.45 against a running median of 0.94) after 1 rollbacks "
-        "within 1000 steps (max_rollbacks is 1): step 7 (loss 126.5 against a median of 1.291, "
+        "Loss spike at step 7 (loss 47.59 against a running median of 0.5937) after 1 rollbacks "
+        "within 1000 steps (max_rollbacks is 1): step 7 (loss 130 against a median of 1.232, "
         "rolled back to step 4). The training stopped; every checkpoint is kept. Lower the "
         "learning rate, check the data of these steps, or raise max_rollbacks."
     )
