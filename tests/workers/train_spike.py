@@ -5,8 +5,8 @@ Usage: ``train_spike.py OUTPUT_DIR JSON_RUNS``: each run of the mapping trains i
 ``OUTPUT_DIR/NAME`` with its options, one after the other in one launch. The data is the toy
 data, unshuffled, less the examples ``drop`` ([start, end)) names; the examples
 ``poison_indices`` (of the full data) scale the loss of their micro-batch by ``poison_factor``.
-Rank 0 saves the parameters to ``params.pt``, and every rank the exit status and the steps
-``on_rollback`` saw to ``rollbacks_R.json``.
+Rank 0 saves the parameters to ``params.pt``, and every rank the exit status (or the message of
+a ``LossSpikeError``) and the steps ``on_rollback`` saw to ``rollbacks_R.json``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from checkpoint import CheckpointManager
 from gangs import Gangs, setup_gangs
 from runtime import (
+    LossSpikeError,
     LossSpikeGuard,
     MapDataReader,
     Trainer,
@@ -146,7 +147,10 @@ def main(output_dir: Path, runs: dict[str, dict[str, Any]]) -> None:
         run_dir = output_dir / name
         trainer, model, log = make_trainer(gangs, run_dir, options)
         trainers.append(trainer)
-        status = trainer.run()
+        try:
+            status: int | str = trainer.run()
+        except LossSpikeError as ex:
+            status = str(ex)
         params = full_params(model)
         rank = gangs.root.rank
         (run_dir / f"rollbacks_{rank}.json").write_text(json.dumps([status, log.rollbacks]))
