@@ -209,12 +209,19 @@ class TrainLoop(Generic[BatchT]):
         else:
             due = self._schedules.due_after_step(state.step_nr + 1)
             stop_requested = self._take_step(batches, due)
-            if self._spikes is not None and self._spikes.guard.check_every_step:
+            if self._checks_this_step(due):
                 self._metrics.check_finite()
             self._after_step(due, stop_requested=stop_requested)
         if self._spikes is not None and state.stop_reason is not None:
             # A spike among the steps not checked yet rolls back before the run ends.
             self._metrics.check_finite()
+
+    def _checks_this_step(self, due: Due) -> bool:
+        """Whether the loss-spike guard checks after this step itself: with
+        ``check_every_step``, on the steps whose publish or checkpoint does not check anyway."""
+        if self._spikes is None or not self._spikes.guard.check_every_step:
+            return False
+        return not (due.publish or due.checkpoint)
 
     def _read_step(self) -> list[BatchT] | None:
         """The next step's micro-batches, or None at the end of the data epoch."""
