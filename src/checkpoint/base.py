@@ -97,9 +97,7 @@ class AbstractCheckpointManager(ABC):
         for info in self.list_checkpoints():
             if info.step_nr == step_nr:
                 return info.healthy
-        raise CheckpointNotFoundError(
-            f"There is no committed checkpoint of step {step_nr} in {self}."
-        )
+        raise CheckpointNotFoundError(f"There is no committed checkpoint of step {step_nr}.")
 
     def last_healthy_step(self, before: int | None = None) -> int | None:
         """The step of the newest healthy full checkpoint, of a step below ``before`` if given:

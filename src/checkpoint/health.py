@@ -18,7 +18,7 @@ from typing import Any, Final
 
 from checkpoint import directory
 from checkpoint.directory import write_json_durably
-from checkpoint.errors import CheckpointNotFoundError
+from checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from checkpoint.retention import RetentionPolicy
 
 log = logging.getLogger(__name__)
@@ -75,3 +75,40 @@ def mark_permanent(checkpoint_dir: Path, policy: RetentionPolicy) -> None:
     for step_nr, path in directory.scan(checkpoint_dir).committed.items():
         if policy.is_permanent(step_nr):
             mark(path, PERMANENT_MARK, every=policy.keep_checkpoint_every_n_steps)
+
+
+def check_not_all_unhealthy(checkpoint_dir: Path) -> None:
+    """Raise CheckpointError if ``checkpoint_dir`` holds unhealthy checkpoints (and, as the
+    caller found, no healthy full one): a resume must not take that for a fresh start."""
+    committed = directory.scan(checkpoint_dir).committed
+    unhealthy = [step for step, path in committed.items() if unhealthy_reason(path) is not None]
+    if unhealthy:
+        raise CheckpointError(
+            f"The checkpoints in {checkpoint_dir} of steps {unhealthy} are marked unhealthy, and "
+            "there is no healthy full one to resume from. Move the directory away to start from scratch, "
+            "or pass one of them as resume_from (in a new OUTPUT_DIR) to go on from it anyway."
+        )
+
+
+def log_passed_over(checkpoint_dir: Path, step_nr: int) -> None:
+    """Say which unhealthy checkpoints newer than ``step_nr``, the one resumed from, were passed
+    over."""
+    committed = directory.scan(checkpoint_dir).committed
+    newer = [
+        s for s, path in committed.items() if s > step_nr and unhealthy_reason(path) is not None
+    ]
+    if newer:
+        log.warning(
+            "Resumed from the checkpoint of step %d, passing over the newer ones of steps %s: "
+            "they are marked unhealthy.",
+            step_nr,
+            newer,
+        )
+
+
+def move_aside_if_unhealthy(step_dir: Path) -> None:
+    """Rename an unhealthy ``step_N`` to ``step_N.unhealthy`` (kept, never loaded), so that a
+    rolled-back run can commit step N again."""
+    if unhealthy_reason(step_dir) is not None:
+        target = directory.move_aside(step_dir, "unhealthy")
+        log.warning("Moved the unhealthy checkpoint %s aside to %s.", step_dir, target)

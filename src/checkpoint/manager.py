@@ -23,6 +23,9 @@ reads them to load (see :mod:`checkpoint.manifest`), and all agree on the verdic
 checkpoint that fails verification when the run resumes is skipped in favour of the one before it
 and renamed to ``step_N.damaged`` (kept for inspection, never loaded), so that the resumed run can
 write ``step_N`` again.
+
+A checkpoint marked unhealthy (see :mod:`checkpoint.health`) is never resumed from; when the run,
+rolled back, commits its step again, it is renamed to ``step_N.unhealthy`` first.
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ from checkpoint.errors import (
     CheckpointError,
     CheckpointLayoutError,
     CheckpointLoadError,
-    CheckpointNotFoundError,
     caused_by_the_machine,
 )
 from checkpoint.exclusion import excluded_names, pop_entries
@@ -202,11 +204,7 @@ class CheckpointManager(AbstractCheckpointManager):
                 excluded=pending.excluded,
             )
             write_manifest(pending.tmp_dir, manifest)
-            if health.unhealthy_reason(pending.final_dir) is not None:
-                target = directory.move_aside(pending.final_dir, "unhealthy")
-                log.warning(
-                    "Moved the unhealthy checkpoint of step %d to %s.", pending.step_nr, target
-                )
+            health.move_aside_if_unhealthy(pending.final_dir)
             os.replace(pending.tmp_dir, pending.final_dir)
             fsync_dir(self._dir)
 
@@ -224,19 +222,6 @@ class CheckpointManager(AbstractCheckpointManager):
     def select_checkpoint(self, which: CheckpointChoice, *, lower_better: bool) -> int:
         """The step of the committed checkpoint ``which`` names (see :func:`select_checkpoint`)."""
         return select_checkpoint(self._dir, which, lower_better=lower_better)
-
-    @override
-    def is_healthy(self, step_nr: int) -> bool:
-        path = directory.step_dir(self._dir, step_nr)
-        if not (path / directory.MANIFEST_NAME).is_file():
-            raise CheckpointNotFoundError(
-                f"There is no committed checkpoint of step {step_nr} in {self._dir}."
-            )
-        return health.unhealthy_reason(path) is None
-
-    def unhealthy_reason(self, step_nr: int) -> str | None:
-        """Why the checkpoint of ``step_nr`` was marked unhealthy; None if it is healthy."""
-        return health.unhealthy_reason(directory.step_dir(self._dir, step_nr))
 
     def damaged_dirs(self) -> list[Path]:
         """Checkpoints a resume found damaged and moved aside to ``step_N.damaged``."""
@@ -290,19 +275,14 @@ class CheckpointManager(AbstractCheckpointManager):
                     step_nr,
                     damaged[0],
                 )
+            health.log_passed_over(self._dir, step_nr)
             return loaded
         if candidates:
             raise CheckpointError(
                 f"None of the checkpoints in {self._dir} (steps {candidates}) is intact. "
                 "Move the directory away to start from scratch."
             )
-        unhealthy = [info.step_nr for info in self.list_checkpoints() if not info.healthy]
-        if unhealthy:
-            raise CheckpointError(
-                f"Every checkpoint in {self._dir} (steps {unhealthy}) is marked unhealthy, so "
-                "the run has none to resume from. Move the directory away to start from scratch, "
-                "or pass one of them as resume_from (in a new OUTPUT_DIR) to go on from it anyway."
-            )
+        health.check_not_all_unhealthy(self._dir)
         return None
 
     def load_checkpoint(
@@ -421,19 +401,12 @@ class CheckpointManager(AbstractCheckpointManager):
         """
         check_shared_directory(self._root, self._dir)
 
-    # ------------------------------------------------------------------ health
-
     @override
     def mark_unhealthy(self, step_nrs: Sequence[int], *, reason: str) -> None:
-        """Write ``unhealthy.json`` into each checkpoint of ``step_nrs`` (rank 0; every rank
-        waits); see :meth:`AbstractCheckpointManager.mark_unhealthy` and :mod:`checkpoint.health`."""
+        """Rank 0 writes ``unhealthy.json`` into each (see :mod:`checkpoint.health`)."""
         self.finish_pending_save()
-
-        def mark_all() -> None:
-            if self._root.rank == 0:
-                health.mark_unhealthy(self._dir, step_nrs, reason=reason)
-
-        self._verdict("mark checkpoints unhealthy", mark_all)
+        mark = partial(health.mark_unhealthy, self._dir, step_nrs, reason=reason)
+        self._verdict("mark checkpoints unhealthy", mark if self._root.rank == 0 else lambda: None)
 
     # --------------------------------------------------------------- retention
 

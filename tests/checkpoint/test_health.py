@@ -3,7 +3,8 @@ from, never the last or the best, and never lets retention delete the newest hea
 
 from __future__ import annotations
 
-import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from checkpoint import (
     CheckpointNotFoundError,
     RetentionPolicy,
 )
+from checkpoint.health import unhealthy_reason
 from gangs import Gangs
 from runtime import TrainerCallback
 from runtime.cli.tools import main as cli_main
@@ -50,7 +52,7 @@ def test_marks_persist_are_idempotent_and_leave_the_checkpoint_intact(
     again = reopened(manager)
     assert healthy_steps(again) == {10: True, 20: False, 30: False}
     assert again.is_healthy(10) and not again.is_healthy(30)
-    assert again.unhealthy_reason(30) == SPIKE  # the first mark stays
+    assert unhealthy_reason(again.checkpoint_path(30)) == SPIKE  # the first mark stays
     assert again.last_healthy_step() == 10
     assert again.last_healthy_step(before=10) is None
     assert (manager.checkpoint_dir / "step_20" / "manifest.json").read_bytes() == manifest
@@ -68,7 +70,7 @@ def test_marking_a_step_without_a_checkpoint_marks_none(manager: CheckpointManag
 
 @pytest.mark.usefixtures("checkpoint_io")
 def test_resume_skips_unhealthy_checkpoints_and_refuses_when_all_are(
-    manager: CheckpointManager,
+    manager: CheckpointManager, caplog: pytest.LogCaptureFixture
 ) -> None:
     healthy = save(manager, 10)
     save(manager, 20)
@@ -77,10 +79,14 @@ def test_resume_skips_unhealthy_checkpoints_and_refuses_when_all_are(
     model, optimizer = make_model(99)
     loaded = reopened(manager).load_last_checkpoint(model=model, optimizer=optimizer)
     assert loaded is not None and loaded.step_nr == 10
+    assert "passing over the newer ones of steps [20, 30]: they are marked unhealthy" in caplog.text
     torch.testing.assert_close(model.state_dict(), healthy.state_dict(), rtol=0, atol=0)
 
     manager.mark_unhealthy([10], reason=SPIKE)
-    with pytest.raises(CheckpointError, match=r"\(steps \[10, 20, 30\]\) is marked unhealthy"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"of steps \[10, 20, 30\] are marked unhealthy, and there is no healthy full",
+    ):
         manager.load_last_checkpoint(model=model, optimizer=optimizer)
 
 
@@ -168,23 +174,64 @@ def test_the_cli_shows_health_and_permanent_snapshots(
     assert lines[4].startswith("step_30.unhealthy") and "never loaded" in lines[4]
 
 
-def test_an_interrupted_mark_leaves_the_checkpoint_unmarked_and_whole(
+@pytest.mark.parametrize(
+    ("where", "marked"),
+    [
+        ("os.fsync", False),  # the mark's bytes written, not yet flushed
+        ("os.replace", False),  # flushed, not yet renamed into place
+        ("checkpoint.directory.fsync_dir", True),  # renamed, the rename not yet flushed
+    ],
+)
+def test_a_kill_9_while_marking_leaves_the_checkpoint_marked_or_not_and_whole(
+    manager: CheckpointManager, where: str, marked: bool
+) -> None:
+    save(manager, 10)
+    pid = os.fork()
+    if pid == 0:  # the child dies of SIGKILL at ``where``; it never returns into pytest
+        try:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(where, lambda *_: os.kill(os.getpid(), signal.SIGKILL))
+                manager.mark_unhealthy([10], reason=SPIKE)
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+    again = reopened(manager)
+    assert again.is_healthy(10) is not marked
+    again.verify(10)
+    assert again.last_healthy_step() == (None if marked else 10)
+    again.mark_unhealthy([10], reason=SPIKE)  # a retry, or a no-op
+    assert unhealthy_reason(reopened(manager).checkpoint_path(10)) == SPIKE
+
+
+def test_a_crash_between_moving_an_unhealthy_step_aside_and_its_commit_resumes_before_it(
     manager: CheckpointManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     save(manager, 10)
+    save(manager, 20)
+    manager.mark_unhealthy([20], reason=SPIKE)
+    replace = os.replace
 
-    def killed(*_: object) -> None:  # the process dies between the write and the rename
-        raise KeyboardInterrupt
+    def crash_at_the_commit(src: str | Path, dst: str | Path) -> None:
+        if Path(src).name == "step_20.tmp":
+            raise KeyboardInterrupt  # no cleanup runs, as after a kill
+        replace(src, dst)
 
-    monkeypatch.setattr("checkpoint.directory.os.replace", killed)
+    monkeypatch.setattr(os, "replace", crash_at_the_commit)
     with pytest.raises(KeyboardInterrupt):
-        manager.mark_unhealthy([10], reason=SPIKE)
+        save(manager, 20)
     monkeypatch.undo()
-    assert reopened(manager).is_healthy(10)
-    reopened(manager).verify(10)
-    assert json.loads((manager.checkpoint_dir / "step_10" / "unhealthy.json.partial").read_text())
-    manager.mark_unhealthy([10], reason=SPIKE)  # a retry marks it
-    assert not reopened(manager).is_healthy(10)
+
+    again = reopened(manager)
+    again.prepare()  # the next launch removes the uncommitted step_20.tmp
+    assert sorted(p.name for p in again.checkpoint_dir.iterdir()) == [
+        "step_10",
+        "step_20.unhealthy",
+    ]
+    model, optimizer = make_model(0)
+    loaded = again.load_last_checkpoint(model=model, optimizer=optimizer)
+    assert loaded is not None and loaded.step_nr == 10
 
 
 def test_the_trainer_keeps_snapshots_and_resumes_from_the_newest_healthy_checkpoint(

@@ -68,6 +68,11 @@ def test_two_ranks_hash_as_they_write_and_verify_each_byte_once(
     # A damaged file in rank 1's share: both ranks skip the checkpoint and load the one before.
     assert [r["after_damage_loaded_step"] for r in reports] == [1, 1]
     assert reports[0]["damaged_dirs"] == ["step_2.damaged"]
+    # A save in flight marked unhealthy commits, and every rank passes it over, then replaces it.
+    for report in reports:
+        assert not report["healthy_3"] and report["healthy_3_again"]
+        assert report["last_healthy"] == report["resumed_from"] == 1
+        assert report["replaced_dirs"] == ["step_3.unhealthy"]
 
 
 def test_two_ranks_of_replicated_state_stage_one_part_each_for_an_async_save(

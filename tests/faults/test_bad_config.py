@@ -39,7 +39,7 @@ OVERRIDE_CASES: dict[str, tuple[list[str], str]] = {
     ),
     "int_as_word": (["--config", "trainer.max_num_steps=many"], "expects int, but got 'many'"),
     "int_as_float": (["--config", "model.dim=64.5"], "expects int, but got 64.5"),
-    "bool_as_word": (["--config", "trainer.amp=maybe"], "expects bool, but got 'maybe'"),
+    "bool_as_word": (["--config", "trainer.amp=maybe"], "expects bool or null, but got 'maybe'"),
     "float_as_word": (["--config", "optimizer.lr=fast"], "expects float, but got 'fast'"),
     "bad_literal": (["--config", "data_parallel=zero"], "expects one of 'auto', 'ddp', 'fsdp'"),
     "short_tuple": (["--config", "optimizer.betas=[0.9]"], "(2 items), but got [0.9]"),
@@ -65,6 +65,10 @@ OVERRIDE_CASES: dict[str, tuple[list[str], str]] = {
     "zero_keep_last": (
         ["--config", "trainer.keep_last_n_checkpoints=0"],
         "keep_last_n_checkpoints must be greater",
+    ),
+    "snapshots_off_the_checkpoint_schedule": (
+        ["--config", "trainer.keep_checkpoint_every_n_steps=150"],
+        "keep_checkpoint_every_n_steps (150) keeps the checkpoints of its multiples",
     ),
     "unscored_checkpoints": (
         ["--config", "trainer.checkpoint_every_n_steps=50", "trainer.validate_every_n_steps=100"],

@@ -1,7 +1,8 @@
 """Checkpoint integrity under ``torchrun``; each rank writes what it saw as JSON.
 
 ``shares OUT``: save a sync and an async checkpoint over all ranks, then verify, load, and load
-again after damaging a file of rank 1's share. Records the bytes each rank read to verify.
+again after damaging a file of rank 1's share. Records the bytes each rank read to verify. Then
+mark an async save in flight unhealthy, resume past it, and save its step again.
 ``staging OUT``: the entries each rank stages for an asynchronous save of replicated state.
 ``dirs OUT``: every rank names a checkpoint directory of its own (no shared filesystem).
 ``machine OUT``: rank 1 runs out of memory loading its trainer state of the newest checkpoint;
@@ -98,7 +99,27 @@ def shares(output_dir: Path) -> dict[str, Any]:
     loaded = manager.load_last_checkpoint(model=fresh, optimizer=fresh_optimizer)
     report["after_damage_loaded_step"] = None if loaded is None else loaded.step_nr
     report["damaged_dirs"] = [path.name for path in manager.damaged_dirs()]
+    report.update(unhealthy(manager, model, optimizer, rank))
     gangs.root.close()
+    return report
+
+
+def unhealthy(
+    manager: CheckpointManager, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int
+) -> dict[str, Any]:
+    """Mark the async save of step 3, still in flight, unhealthy; what each rank sees after."""
+    state = {"rank": rank}
+    manager.save_checkpoint(
+        3, model=model, optimizer=optimizer, trainer_state=state, async_checkpoint=True
+    )
+    manager.mark_unhealthy([3], reason="a spike")
+    report: dict[str, Any] = {"healthy_3": manager.is_healthy(3)}
+    report["last_healthy"] = manager.last_healthy_step()
+    loaded = manager.load_last_checkpoint(model=model, optimizer=optimizer)
+    report["resumed_from"] = None if loaded is None else loaded.step_nr
+    manager.save_checkpoint(3, model=model, optimizer=optimizer, trainer_state=state)
+    report["healthy_3_again"] = manager.is_healthy(3)
+    report["replaced_dirs"] = [path.name for path in manager.replaced_dirs()]
     return report
 
 

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from checkpoint import CheckpointChoice, CheckpointError, CheckpointManager
+from checkpoint.health import unhealthy_reason
 from gangs import Gangs
 from runtime.cli.hf_export import write_hf_directory
 from runtime.cli.peft_export import is_lora_run, merged_state, write_peft_directory
@@ -29,7 +30,7 @@ def list_checkpoints(output_dir: Path) -> str:
             state = "ok"
         except CheckpointError as ex:
             state = f"damaged: {ex}"
-        reason = manager.unhealthy_reason(info.step_nr)
+        reason = unhealthy_reason(manager.checkpoint_path(info.step_nr))
         if reason is not None:
             state += f"; unhealthy: {reason}"
         rows.append(

@@ -238,3 +238,16 @@ def test_training_resumes_through_a_checkpoint_manager_of_another_storage(
     whole_model = toy_model()
     assert make_toy_trainer(tmp_path, model=whole_model, max_num_steps=5, momentum=0.9).run() == 0
     assert_same_state(second_model.state_dict(), whole_model.state_dict())
+
+
+def test_a_storage_of_its_own_passes_unhealthy_checkpoints_over(tmp_path: Any) -> None:
+    manager = MemoryCheckpointManager()
+    kwargs: dict[str, Any] = {"checkpoint_manager": manager, "checkpoint_every_n_steps": 2}
+    assert make_toy_trainer(tmp_path, max_num_steps=4, **kwargs).run() == 0
+    manager.mark_unhealthy([4], reason="a loss spike")
+    assert not manager.is_healthy(4) and manager.last_healthy_step() == 2
+
+    at_start = StateAtStart(manager)
+    assert make_toy_trainer(tmp_path, max_num_steps=5, callbacks=[at_start], **kwargs).run() == 0
+    assert at_start.step_nr == 2
+    assert manager.is_healthy(4) and manager.last_healthy_step(before=5) == 4
