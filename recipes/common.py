@@ -61,6 +61,9 @@ class LossSpikeSection:
     num_deviations: float | None = None
     margin: int = 0
     lookback: int = 0
+    cool_lr_steps: int = 0
+    """Steps after a rollback trained with the learning rate times ``cool_lr_factor``."""
+    cool_lr_factor: float = 0.1
     max_rollbacks: int = 3
     rollback_window: int = 1000
     check_every_step: bool = False
@@ -80,6 +83,8 @@ class LossSpikeSection:
             num_deviations=self.num_deviations,
             margin=self.margin,
             lookback=self.lookback,
+            cool_lr_steps=self.cool_lr_steps,
+            cool_lr_factor=self.cool_lr_factor,
             max_rollbacks=self.max_rollbacks,
             rollback_window=self.rollback_window,
             check_every_step=self.check_every_step,

@@ -245,6 +245,8 @@ class TrainLoop(Generic[BatchT]):
         self.state.step_nr += 1
         step_nr = self.state.step_nr
         self._callbacks.on_step_begin(step_nr=step_nr, batches=batches)
+        if self._spikes is not None:
+            self._train_step.lr_scale = self._spikes.lr_scale(step_nr)
         try:
             # The gradient norm is measured where it is published: on the publishing steps and
             # on those after which the run may end (a validation may stop it early, and the end

@@ -60,6 +60,10 @@ class LossSpikeGuard:
     """Steps before the spike step where it may have begun (a loss creeping up before it
     jumps): the rollback goes to a checkpoint before them, and the checkpoints among them are
     marked unhealthy."""
+    cool_lr_steps: int = 0
+    """Steps after a rollback whose optimizer steps use the learning rate times
+    ``cool_lr_factor`` (0: no cooling)."""
+    cool_lr_factor: float = 0.1
     max_rollbacks: int = 3
     """Rollbacks allowed within ``rollback_window`` steps; one more spike stops the run."""
     rollback_window: int = 1000
@@ -74,7 +78,15 @@ class LossSpikeGuard:
         check_positive("num_deviations", self.num_deviations)
         check_positive("max_rollbacks", self.max_rollbacks)
         check_positive("rollback_window", self.rollback_window)
-        for name, value in (("margin", self.margin), ("lookback", self.lookback)):
+        if not 0.0 < self.cool_lr_factor <= 1.0:
+            raise ValueError(
+                f"cool_lr_factor must be in (0, 1], but is {self.cool_lr_factor} instead."
+            )
+        for name, value in (
+            ("margin", self.margin),
+            ("lookback", self.lookback),
+            ("cool_lr_steps", self.cool_lr_steps),
+        ):
             if value < 0:
                 raise ValueError(f"{name} must be 0 or more, but is {value} instead.")
         if self.min_history > self.window:
@@ -161,6 +173,15 @@ class SpikeDetector:
             return False
         deviation = 1.4826 * statistics.median(abs(x - median) for x in self._losses)
         return loss > median + guard.num_deviations * deviation
+
+    def lr_scale(self, step_nr: int) -> float:
+        """The learning-rate factor of step ``step_nr``: ``cool_lr_factor`` within
+        ``cool_lr_steps`` after the last rollback, else 1 (resumable: the rollbacks are state)."""
+        guard = self.guard
+        if not self.rollbacks or guard.cool_lr_steps == 0:
+            return 1.0
+        last = self.rollbacks[-1].to_step
+        return guard.cool_lr_factor if last < step_nr <= last + guard.cool_lr_steps else 1.0
 
     def recent_rollbacks(self, step_nr: int) -> list[Rollback]:
         """The rollbacks from spikes within ``rollback_window`` steps before ``step_nr``."""

@@ -95,6 +95,38 @@ def test_the_per_step_check_rolls_back_at_the_spike_step(
     assert_same_weights(spiked, clean)
 
 
+class Weights(TrainerCallback):
+    """The weights right after the rollback, and after each step that follows it."""
+
+    def __init__(self) -> None:
+        self.model: torch.nn.Module | None = None
+        self.after: dict[int, list[torch.Tensor]] = {}
+
+    def on_rollback(self, *, from_step: int, to_step: int) -> None:
+        self.after[to_step] = self._snapshot()
+
+    def on_step_end(self, *, step_nr: int, metrics: Any = None) -> None:
+        if self.after:
+            self.after[step_nr] = self._snapshot()
+
+    def _snapshot(self) -> list[torch.Tensor]:
+        assert self.model is not None
+        return [p.detach().clone() for p in self.model.parameters()]
+
+
+def test_lr_cooling_scales_the_steps_after_a_rollback(tmp_path: Path) -> None:
+    # A factor so small that an update rounds away: the cooled steps 5 and 6 leave the weights
+    # of step 4, step 7 moves them.
+    guard = GUARD | {"cool_lr_steps": 2, "cool_lr_factor": 1e-30}
+    weights = Weights()
+    options = {"poison_indices": [25], "guard": guard}
+    trainer, model, _ = make_trainer(Gangs.single(), tmp_path, options, (weights,))
+    weights.model = model
+    assert trainer.run() == 0
+    same = [all(map(torch.equal, weights.after[4], weights.after[s])) for s in (5, 6, 7)]
+    assert same == [True, True, False]
+
+
 class Crash(TrainerCallback):
     """Stops the process the way kill -9 does for the checkpoints: nothing more is saved."""
 
@@ -175,6 +207,7 @@ def test_too_many_rollbacks_stop_the_run_listing_the_spikes_and_keep_the_checkpo
         ({"window": 0}, "window must be greater than zero, but is 0 instead."),
         ({"margin": -1}, "margin must be 0 or more, but is -1 instead."),
         ({"lookback": -1}, "lookback must be 0 or more, but is -1 instead."),
+        ({"cool_lr_factor": 0.0}, r"cool_lr_factor must be in \(0, 1\], but is 0.0 instead."),
         ({"min_history": 9, "window": 8}, r"min_history \(9\) must not exceed window \(8\)"),
         ({"factor": None}, "factor and num_deviations are both None"),
     ],
