@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from gangs import Gangs
-from runtime import LossSpikeError, LossSpikeGuard, TrainerCallback
+from runtime import PREEMPTED_EXIT_CODE, LossSpikeError, LossSpikeGuard, TrainerCallback
 from tests.conftest import RunTorch, assert_ok, read_jsonl
 from tests.workers.train_spike import full_params, make_trainer
 
@@ -160,6 +162,25 @@ def test_a_run_killed_in_or_after_a_rollback_resumes_to_the_same_weights(
     assert records[-1]["step_nr"] == 10 and records[-1]["num_rollbacks"] == 1
     # The uninterrupted run ends with the weights of the clean run (tested above).
     assert_same_weights(resumed, clean)
+
+
+class Sigterm(TrainerCallback):
+    def on_rollback(self, *, from_step: int, to_step: int) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_sigterm_in_a_rollback_stops_after_it_and_resumes_to_the_same_weights(
+    tmp_path: Path, clean: dict[str, torch.Tensor]
+) -> None:
+    # Every rank stops at the next step, 5, with a checkpoint that holds the rollback.
+    options = {"poison_indices": [25], "guard": GUARD}
+    trainer, _, _ = make_trainer(Gangs.single(), tmp_path, options, (Sigterm(),))
+    assert trainer.run() == PREEMPTED_EXIT_CODE
+    assert (tmp_path / "checkpoints" / "step_5").is_dir()
+    trainer, model, log = make_trainer(Gangs.single(), tmp_path, options)
+    assert trainer.run() == 0
+    assert log.rollbacks == []
+    assert_same_weights(full_params(model), clean)
 
 
 def test_a_spike_before_the_first_checkpoint_stops_with_a_clear_message(tmp_path: Path) -> None:
