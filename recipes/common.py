@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypedDict, cast
 
@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from checkpoint import CheckpointManager
 from gangs import Gangs
-from runtime import DataParallelKind, PatienceEarlyStopper, TorchProfiler
+from runtime import DataParallelKind, LossSpikeGuard, PatienceEarlyStopper, TorchProfiler
 from runtime.data.text import IGNORE_INDEX
 
 
@@ -54,6 +54,49 @@ class OptimizerSection:
     """AdamW's moving-average factors of the gradient and of its square."""
     warmup_steps: int = 20
     """Steps over which the learning rate rises linearly to lr."""
+
+
+@dataclass
+class LossSpikeSection:
+    """Loss-spike rollback, off unless ``enabled`` (see docs/reliability.md): a step whose loss
+    exceeds ``factor`` times the running median of the last ``window`` steps (or is NaN) rolls
+    the run back to the checkpoint before it and skips its data, plus ``margin`` steps."""
+
+    enabled: bool = False
+    window: int = 100
+    min_history: int = 20
+    factor: float | None = 3.0
+    num_deviations: float | None = None
+    margin: int = 0
+    lookback: int = 0
+    cool_lr_steps: int = 0
+    """Steps after a rollback trained with the learning rate times ``cool_lr_factor``."""
+    cool_lr_factor: float = 0.1
+    max_rollbacks: int = 3
+    rollback_window: int = 1000
+    check_every_step: bool = False
+    """Check after every step (one host read per step), not only at publishes and checkpoints."""
+
+    def guard(self) -> LossSpikeGuard | None:
+        return self._build() if self.enabled else None
+
+    def validate(self) -> None:
+        self._build()
+
+    def _build(self) -> LossSpikeGuard:
+        return LossSpikeGuard(
+            window=self.window,
+            min_history=self.min_history,
+            factor=self.factor,
+            num_deviations=self.num_deviations,
+            margin=self.margin,
+            lookback=self.lookback,
+            cool_lr_steps=self.cool_lr_steps,
+            cool_lr_factor=self.cool_lr_factor,
+            max_rollbacks=self.max_rollbacks,
+            rollback_window=self.rollback_window,
+            check_every_step=self.check_every_step,
+        )
 
 
 @dataclass
@@ -109,6 +152,7 @@ class TrainerSection:
     """With nan_policy=skip: fail after this many skipped steps in a row."""
     gc_every_n_steps: int | None = 50
     """Python's garbage collection runs on every rank after the same steps (None: automatic)."""
+    loss_spike: LossSpikeSection = field(default_factory=LossSpikeSection)
     device_peak_flops: float | None = None
     """The device's peak FLOP/s in the training dtype, to publish ``mfu`` (e.g. 312e12: A100 bf16);
     on CUDA, None means the Trainer's table of common devices (H100, A100, ...)."""
@@ -283,6 +327,7 @@ def trainer_options(
         "seed": t.seed,
         "init_from": init_from,
         "nan_policy": t.nan_policy,
+        "loss_spike_guard": t.loss_spike.guard(),
         "max_consecutive_skipped_steps": t.max_consecutive_skipped_steps,
         "gc_every_n_steps": t.gc_every_n_steps,
         # On CUDA the Trainer knows the peak of common devices, so mfu needs only the FLOPs.

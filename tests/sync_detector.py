@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gangs import Gangs
-from runtime import TorchProfiler, TrainerCallback
+from runtime import LossSpikeGuard, TorchProfiler, TrainerCallback
 from tests.conftest import make_toy_trainer
 
 _PYTHON_SYNCS: set[Callable[..., Any]] = {
@@ -189,17 +189,26 @@ FEATURES: dict[str, dict[str, Any]] = {
     "profiler": {"profiler": True},
     "nan_policy_skip": {"nan_policy": "skip"},
     "fp16": {"dtype": torch.float16, "amp": True},
+    "loss_spike_guard": {
+        "loss_spike_guard": LossSpikeGuard(),
+        "checkpoint_every_n_steps": 100,
+    },
+    "loss_spike_every_step": {
+        "loss_spike_guard": LossSpikeGuard(check_every_step=True),
+        "checkpoint_every_n_steps": 100,
+    },
 }
 """The Trainer options under watch (``profiler``: a TorchProfiler of the run's root gang)."""
 
 SYNCS_PER_STEP: dict[str, dict[str, int]] = {
     "nan_policy_skip": {"step_totals.py": 1, "non_finite.py": 1},
     "fp16": {"loss_scale.py": 1},
+    "loss_spike_every_step": {"non_finite.py": 1},
 }
 """The features that decide on the host whether a step's update is applied, and the syncs a step
 pays for it, by the file that reads: ``nan_policy="skip"`` reads whether this rank's losses were
-finite, then the gradient norm; fp16 loss scaling reads the gradient norm. Every other feature
-pays none."""
+finite, then the gradient norm; fp16 loss scaling reads the gradient norm; the loss-spike guard's
+``check_every_step`` reads the step's losses. Every other feature pays none."""
 
 
 def assert_as_pinned(feature: str, syncs: list[str]) -> None:

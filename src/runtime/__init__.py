@@ -53,6 +53,7 @@ if TYPE_CHECKING:
         load_initial_weights,
     )
     from runtime.training.loss_scale import LossScaler
+    from runtime.training.loss_spike import LossSpikeError, LossSpikeGuard
     from runtime.training.out_of_memory import StepOutOfMemoryError
     from runtime.training.schedule import Schedule
     from runtime.training.signals import PREEMPTED_EXIT_CODE
@@ -94,6 +95,8 @@ _MODULE_OF: dict[str, str] = {
     "TrainerCallback": "runtime.training.callbacks",
     "TrainerError": "runtime.errors",
     "NonFiniteError": "runtime.errors",
+    "LossSpikeError": "runtime.training.loss_spike",
+    "LossSpikeGuard": "runtime.training.loss_spike",
     "WandbRecorder": "runtime.metrics.recorders",
     "WindowedDataReader": "runtime.data",
     "apply_activation_checkpointing": "runtime.parallel.activation_checkpoint",
@@ -161,6 +164,8 @@ __all__ = [
     "TrainState",
     "TrainerError",
     "NonFiniteError",
+    "LossSpikeError",
+    "LossSpikeGuard",
     "WandbRecorder",
     "WindowedDataReader",
     "apply_activation_checkpointing",

@@ -1,4 +1,4 @@
-"""What the recipes share: the precision they train in by default."""
+"""What the recipes share: the precision they train in by default, the loss-spike switches."""
 
 from __future__ import annotations
 
@@ -7,7 +7,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from recipes.char_lm import CharLMConfig
 from recipes.common import TrainerSection, precision_options
+from recipes.lm import LMConfig
+from runtime import ConfigError, LossSpikeGuard
+from runtime.cli.config import load_config
 
 CUDA = torch.device("cuda", 0)  # never touched: only its type decides
 
@@ -48,3 +52,25 @@ def test_the_config_overrides_the_cuda_defaults(
 def test_a_cpu_run_autocasts_when_told() -> None:
     section = TrainerSection(amp=True)
     assert precision_options(section, torch.device("cpu")) == {"dtype": torch.bfloat16, "amp": True}
+
+
+@pytest.mark.parametrize("config_class", [CharLMConfig, LMConfig])
+def test_the_recipes_switch_the_loss_spike_guard_on_from_the_config(
+    config_class: type[CharLMConfig] | type[LMConfig],
+) -> None:
+    # The LM recipe needs a model and data; the char LM has its own.
+    model = ["model.name=llama_debug", "data.train=a.txt"] if config_class is LMConfig else []
+    assert load_config(config_class, overrides=model).trainer.loss_spike.guard() is None
+    config = load_config(
+        config_class,
+        overrides=[*model, "trainer.loss_spike.enabled=true", "trainer.loss_spike.margin=50"],
+    )
+    assert config.trainer.loss_spike.guard() == LossSpikeGuard(margin=50)
+
+
+def test_a_bad_loss_spike_option_is_a_config_error_naming_it() -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"section 'trainer\.loss_spike' is invalid: margin must be 0 or more, but is -1",
+    ):
+        load_config(CharLMConfig, overrides=["trainer.loss_spike.margin=-1"])

@@ -52,6 +52,7 @@ from runtime.cli.config import (
 )
 from runtime.cli.run_lock import LauncherWatchdog, RunLock, RunLockError
 from runtime.training.initial_weights import InitialWeightsError
+from runtime.training.loss_spike import LossSpikeError
 from runtime.training.signals import PREEMPTED_EXIT_CODE, StartupInterrupted, StartupSignals
 
 ConfigT = TypeVar("ConfigT")
@@ -79,7 +80,8 @@ def main(
     builds its trainer, print one ``error: ...`` line to stderr and exit with status 2, leaving no
     ``config.yaml`` and no checkpoints behind (only ``logs/`` with the error). Errors from
     ``run()`` itself propagate with their traceback, except a collective that failed or timed
-    out (one ``error:`` line naming the collective and the step, exit status 1) and a checkpoint
+    out (one ``error:`` line naming the collective and the step, exit status 1), a run stopped
+    by loss spikes (one ``error:`` line listing them, exit status 1) and a checkpoint
     this config cannot resume from (exit status 2, see below).
 
     Under ``torchrun`` the ranks meet at a :class:`~gangs.LaunchBarrier` before the recipe runs:
@@ -282,6 +284,10 @@ class _Run:
             raise
         except GangError as ex:
             self._collective_failed(runnable, str(ex))
+        except LossSpikeError as ex:
+            # Every rank stopped on the same spikes; the message lists them.
+            log.exception("The run stopped: %s", ex, extra=_FILE_ONLY)
+            raise _Refusal(str(ex), exit_code=1) from None
         except RuntimeError as ex:
             # A collective inside torch (DDP's gradient all-reduce, FSDP, DCP) that timed out.
             if not (is_collective_timeout(ex) and dist.is_initialized()):

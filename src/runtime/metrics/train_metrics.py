@@ -185,6 +185,7 @@ class TrainMetrics:
             losses=losses,
             gradient_flag=self._gradient_flag,
             unchecked_steps=(steps[0].step_nr, steps[-1].step_nr) if steps else None,
+            num_targets={output.step_nr: output.num_targets for output in steps},
         )
         # The same additions in the same order as summing the whole window at its end, so a
         # fold changes no bit of what is published.

@@ -28,7 +28,9 @@ class TrainerCallback:
        or None); then a validation (4) on the step schedule; then ``on_checkpoint_saved`` when a
        checkpoint is due. When the reader runs out of data after step N: ``on_out_of_data``,
        the validation and checkpoint of the epoch schedules (same order), ``on_epoch_end``, and,
-       unless the training ends there, ``on_epoch_begin`` of the next data epoch.
+       unless the training ends there, ``on_epoch_begin`` of the next data epoch. With a
+       ``loss_spike_guard``, a spike found at a publish or before a checkpoint rolls back
+       instead (``on_rollback``), and the steps go on from the checkpoint's.
     4. A validation: ``on_metrics_published`` once per valid unit in the order of ``valid_units``
        (``run`` is ``valid`` or ``valid/<display_name>``), then ``on_validation_end``, then
        ``on_early_stop`` if the early stopper decided to stop (never at step 0).
@@ -87,6 +89,11 @@ class TrainerCallback:
 
     def on_early_stop(self, *, step_nr: int, score: float) -> None:
         """When the early stopper decided to stop, before the final checkpoint."""
+
+    def on_rollback(self, *, from_step: int, to_step: int) -> None:
+        """After a loss spike at ``from_step`` rolled the training back to the checkpoint of
+        ``to_step`` (weights, optimizer and trainer state reloaded, the stateful callbacks
+        included, and the data moved past the spike); the next step is ``to_step + 1``."""
 
     def on_train_end(self, *, step_nr: int) -> None:
         """After training finished (not after a preemption stop)."""
@@ -164,6 +171,10 @@ class CallbackList(TrainerCallback):
     def on_early_stop(self, *, step_nr: int, score: float) -> None:
         for callback in self._callbacks:
             callback.on_early_stop(step_nr=step_nr, score=score)
+
+    def on_rollback(self, *, from_step: int, to_step: int) -> None:
+        for callback in self._callbacks:
+            callback.on_rollback(from_step=from_step, to_step=to_step)
 
     def on_train_end(self, *, step_nr: int) -> None:
         for callback in self._callbacks:

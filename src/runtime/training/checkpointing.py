@@ -122,6 +122,22 @@ class Checkpointer:
             self.last_saved_step = loaded.step_nr
         return loaded
 
+    def load_before(self, step_nr: int) -> LoadedCheckpoint | None:
+        """Mark the run's checkpoints from ``step_nr`` on unhealthy, then load the newest healthy
+        one before it (None if there is none): the rollback from a loss spike at ``step_nr``."""
+        manager = self._manager
+        later = [info.step_nr for info in manager.list_checkpoints() if info.step_nr >= step_nr]
+        if later:
+            manager.mark_unhealthy(
+                later, reason=f"saved after a loss spike began at step {step_nr}"
+            )
+        if manager.last_healthy_step(before=step_nr) is None:
+            return None
+        loaded = manager.load_last_checkpoint(model=self._model, optimizer=self._optimizer)
+        if loaded is not None:
+            self.last_saved_step = loaded.step_nr
+        return loaded
+
     def _load_resume_from(self, path: Path) -> LoadedCheckpoint:
         """Load the full checkpoint ``path`` of another run; this run must have none of its own
         (it resumes from those, and two starting points would be a guess)."""

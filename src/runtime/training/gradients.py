@@ -194,6 +194,11 @@ class Gradients:
             self._sparse.normalize(sparse, factor, self._non_finite)
         return self._non_finite
 
+    def clear_non_finite(self) -> None:
+        """Lower the non-finite flag: the weights it warned of were replaced (a rollback)."""
+        if self._non_finite is not None:
+            self._non_finite.zero_()
+
     def norm(self) -> Tensor:
         """The total 2-norm of the gradients, in float32 or wider (a collective for sharded
         gradients, none for plain and DDP ones)."""

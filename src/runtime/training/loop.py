@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar, final
 
 import torch
 
-from checkpoint import CheckpointLayoutError
+from checkpoint import CheckpointLayoutError, LoadedCheckpoint
 from gangs import Gangs
 from runtime.data import DataReader, WaitInterrupted
 from runtime.errors import TrainerError
@@ -31,6 +31,14 @@ from runtime.training.callbacks import CallbackList
 from runtime.training.checkpointing import Checkpointer
 from runtime.training.early_stop import Stateful
 from runtime.training.garbage_collection import GarbageCollection
+from runtime.training.loss_spike import (
+    LossSpikeDetected,
+    LossSpikeError,
+    Rollback,
+    Spike,
+    SpikeDetector,
+    too_many_rollbacks,
+)
 from runtime.training.out_of_memory import MemoryFigures, step_out_of_memory_error
 from runtime.training.relaunch import Limits, reopen_finished_run
 from runtime.training.rng import rng_state, seed_rngs, set_rng_state
@@ -46,6 +54,9 @@ from runtime.training.state import (
 from runtime.training.stateful_section import load_stateful, save_stateful
 from runtime.training.step import TrainStep
 from runtime.training.validation import Validator
+
+LOSS_SPIKE_STATE = "runtime.loss_spike"
+"""The name of the loss-spike guard's state (trailing losses, rollbacks) in the stateful section."""
 
 # The training's log lines share the Trainer's logger, the one name users filter on.
 log = logging.getLogger("runtime.training.trainer")
@@ -82,8 +93,10 @@ class TrainLoop(Generic[BatchT]):
         observers: Observers,
         gangs: Gangs,
         seed: int,
+        spikes: SpikeDetector | None = None,
     ) -> None:
         self.state = TrainState()
+        self._spikes = spikes
         self._data_reader = data_reader
         self._train_step = train_step
         self._metrics = metrics
@@ -180,16 +193,35 @@ class TrainLoop(Generic[BatchT]):
             state.stop_reason = StopReason.MAX_NUM_STEPS
 
     def _train_until_stop(self) -> None:
-        """Read, step, and do what falls due after the step, until a stop reason."""
+        """Train step by step until a stop reason; a loss spike rolls back and trains on."""
+        while self.state.stop_reason is None:
+            try:
+                self._train_one_step()
+            except LossSpikeDetected as detected:
+                self._roll_back(detected.spike)
+
+    def _train_one_step(self) -> None:
+        """Read, step, and do what falls due after the step (or end the data epoch)."""
         state = self.state
-        while state.stop_reason is None:
-            batches = self._read_step()
-            if batches is None:
-                self._end_data_epoch()
-                continue
+        batches = self._read_step()
+        if batches is None:
+            self._end_data_epoch()
+        else:
             due = self._schedules.due_after_step(state.step_nr + 1)
             stop_requested = self._take_step(batches, due)
+            if self._checks_this_step(due):
+                self._metrics.check_finite()
             self._after_step(due, stop_requested=stop_requested)
+        if self._spikes is not None and state.stop_reason is not None:
+            # A spike among the steps not checked yet rolls back before the run ends.
+            self._metrics.check_finite()
+
+    def _checks_this_step(self, due: Due) -> bool:
+        """Whether the loss-spike guard checks after this step itself: with
+        ``check_every_step``, on the steps whose publish or checkpoint does not check anyway."""
+        if self._spikes is None or not self._spikes.guard.check_every_step:
+            return False
+        return not (due.publish or due.checkpoint)
 
     def _read_step(self) -> list[BatchT] | None:
         """The next step's micro-batches, or None at the end of the data epoch."""
@@ -213,6 +245,8 @@ class TrainLoop(Generic[BatchT]):
         self.state.step_nr += 1
         step_nr = self.state.step_nr
         self._callbacks.on_step_begin(step_nr=step_nr, batches=batches)
+        if self._spikes is not None:
+            self._train_step.lr_scale = self._spikes.lr_scale(step_nr)
         try:
             # The gradient norm is measured where it is published: on the publishing steps and
             # on those after which the run may end (a validation may stop it early, and the end
@@ -344,6 +378,70 @@ class TrainLoop(Generic[BatchT]):
         log.info("Training finished at step %d.", step_nr)
         self._validator.log_best()
 
+    # -------------------------------------------------------------- rollback
+
+    def _roll_back(self, spike: Spike) -> None:
+        """Reload the newest healthy checkpoint before ``spike`` and move the data past it (plus
+        the margin); or stop when the rollbacks are too many, or there is no checkpoint."""
+        assert self._spikes is not None
+        guard = self._spikes.guard
+        recent = self._spikes.recent_rollbacks(spike.step_nr)
+        if len(recent) >= guard.max_rollbacks:
+            raise LossSpikeError(too_many_rollbacks(spike, recent, guard))
+        start = time.perf_counter()
+        detected_at = self.state.step_nr
+        self._checkpointer.finish_pending_save()
+        loaded = self._checkpointer.load_before(max(spike.step_nr - guard.lookback, 1))
+        if loaded is None:
+            raise LossSpikeError(
+                f"Loss spike at step {spike.step_nr} (loss {spike.loss:.4g} against a running "
+                f"median of {spike.median:.4g}) before the first checkpoint, so there is "
+                "nothing to roll back to. Checkpoint earlier (checkpoint_every_n_steps), or "
+                "raise min_history of the loss-spike guard."
+            )
+        self._reload_keeping_the_data(loaded)
+        to_step = loaded.step_nr
+        # The steps since the checkpoint read the data up to the detection; it stays read, so a
+        # second rollback to the same checkpoint never reads the data of the first again.
+        skipped_until = detected_at + self._skip_data(spike.step_nr + guard.margin - detected_at)
+        rollback = Rollback(spike.step_nr, to_step, skipped_until, spike.loss, spike.median)
+        self._spikes.rollbacks.append(rollback)
+        log.warning(
+            "Loss spike at step %d: loss %.4g against a running median %.4g; rolled back to "
+            "step %d, skipping the data of steps %d..%d (%.2f s).",
+            spike.step_nr, spike.loss, spike.median, to_step, to_step + 1, skipped_until,
+            time.perf_counter() - start,
+        )  # fmt: skip
+        self._callbacks.on_rollback(from_step=spike.step_nr, to_step=to_step)
+
+    def _reload_keeping_the_data(self, loaded: LoadedCheckpoint) -> None:
+        """Load the trainer state of ``loaded``, all but the data position (and its epoch) and
+        the rollbacks, which stay the run's."""
+        assert self._spikes is not None
+        reader_state = self._data_reader.state_dict()
+        epoch_nr, rollbacks = self.state.data_epoch_nr, self._spikes.rollbacks
+        self.load_state_dict(loaded.trainer_state, resharded=loaded.resharded)
+        self._data_reader.load_state_dict(reader_state)
+        self.state.data_epoch_nr, self._spikes.rollbacks = epoch_nr, rollbacks
+        self._train_step.clear_non_finite()
+
+    def _skip_data(self, num_steps: int) -> int:
+        """Read and drop the micro-batches of ``num_steps`` steps (none if it is not positive),
+        or fewer at the end of the data epoch (the reader then ends it at the next read); return
+        how many."""
+        num_steps = max(num_steps, 0)
+        for skipped in range(num_steps):
+            try:
+                self._data_reader.__next__()
+            except StopIteration:
+                log.warning(
+                    "The data epoch ended after skipping the data of %d steps of %d.",
+                    skipped,
+                    num_steps,
+                )
+                return skipped
+        return num_steps
+
     # ------------------------------------------------------ publish and save
 
     def _publish_train_metrics(self) -> dict[str, Any]:
@@ -356,6 +454,8 @@ class TrainLoop(Generic[BatchT]):
         loss_scale = self._train_step.loss_scale
         if loss_scale is not None:
             extra["loss_scale"] = loss_scale
+        if self._spikes is not None:
+            extra["num_rollbacks"] = len(self._spikes.rollbacks)
         values = self._metrics.compute(extra)
         self._recorder.record("train", step_nr, values)
         self._callbacks.on_metrics_published(run="train", step_nr=step_nr, values=values)
@@ -389,7 +489,10 @@ class TrainLoop(Generic[BatchT]):
         }
 
     def _all_stateful(self) -> dict[str, Stateful]:
-        return {**self._callbacks.stateful(), **self.stateful}
+        runtime: dict[str, Stateful] = {}
+        if self._spikes is not None:
+            runtime[LOSS_SPIKE_STATE] = self._spikes
+        return {**self._callbacks.stateful(), **self.stateful, **runtime}
 
     def load_state_dict(self, state: Mapping[str, Any], *, resharded: bool = False) -> None:
         """Load this rank's trainer state, or rank 0's when the checkpoint was ``resharded``.

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Final, Literal, final
 
 import torch
@@ -34,6 +34,7 @@ from torch import Tensor
 from checkpoint.arguments import check_positive
 from gangs import Gang, ReduceOperation
 from runtime.errors import NonFiniteError
+from runtime.training.loss_spike import LossSpikeDetected, Spike, SpikeDetector
 
 log = logging.getLogger("runtime.training.trainer")
 
@@ -61,6 +62,9 @@ class NonFiniteGuard:
         self._root_gang = root_gang
         self._checks_gradients = checks_gradients
         self._consecutive_skips = 0
+        self.spikes: SpikeDetector | None = None
+        """With a loss-spike guard, a non-finite value is a spike too: it rolls back (see
+        :mod:`runtime.training.loss_spike`) instead of stopping."""
 
     @property
     def skips(self) -> bool:
@@ -109,23 +113,74 @@ class NonFiniteGuard:
         losses: Sequence[tuple[int, Tensor]],
         gradient_flag: Tensor | None,
         unchecked_steps: tuple[int, int] | None,
+        num_targets: Mapping[int, int] | None = None,
     ) -> None:
         """With ``"error"``: stop every rank if a loss of the window, or a gradient of the
-        ``unchecked_steps`` (first, last), was not finite.
+        ``unchecked_steps`` (first, last), was not finite. With a loss-spike guard, raise
+        :class:`LossSpikeDetected` on every rank instead, also for a spike of a finite loss
+        (each step's loss is its summed losses over its ``num_targets``).
 
         Every rank of the root gang must call it (one all-reduce). The losses and the flag
         (non-zero once a gradient was NaN or infinite) are this rank's.
         """
-        if self.skips:
+        if self.skips and self.spikes is None:
             return
         size, rank = self._root_gang.size, self._root_gang.rank
-        checks_flag = self._checks_gradients and unchecked_steps is not None
-        first_loss, flagged = _read_window(losses, gradient_flag if checks_flag else None)
+        checks_flag = self._checks_gradients and unchecked_steps is not None and not self.skips
+        read, flagged = _read_window(losses, gradient_flag if checks_flag else None)
+        pairs = zip(losses, read, strict=True)
+        first_loss = next((s for (s, _), v in pairs if not math.isfinite(v)), _NONE)
+        spike = (-1, math.nan, math.nan)
+        if self.spikes is not None:
+            spike = self.spikes.first_spike(_step_losses(losses, read, num_targets or {}))
         codes = torch.tensor(
-            [first_loss * size + rank, rank if flagged else _NONE], dtype=torch.int64
+            [
+                first_loss * size + rank,
+                rank if flagged else _NONE,
+                (_NONE if spike[0] < 0 else spike[0]) * size + rank,
+            ],
+            dtype=torch.int64,
+            device="cpu",
         )
         self._root_gang.all_reduce(codes, ReduceOperation.MIN)
-        loss_code, flagged_rank = codes.tolist()
+        loss_code, flagged_rank, spike_code = codes.tolist()
+        if self.spikes is not None:
+            self._raise_spike(spike_code, flagged_rank < _NONE, unchecked_steps, spike[1:])
+            return
+        self._raise_non_finite(loss_code, flagged_rank, unchecked_steps)
+
+    def _raise_spike(
+        self,
+        spike_code: int,
+        flagged: bool,
+        unchecked_steps: tuple[int, int] | None,
+        loss_and_median: tuple[float, float],
+    ) -> None:
+        """Raise the spike the ranks agreed on: the first spike step, or the first unchecked
+        step if a gradient was not finite (the flag says whether, not when)."""
+        size = self._root_gang.size
+        step_nr, spike_rank = divmod(spike_code, size) if spike_code < _NONE * size else (_NONE, -1)
+        if flagged and unchecked_steps is not None and unchecked_steps[0] < step_nr:
+            step_nr, spike_rank = unchecked_steps[0], -1
+        if step_nr == _NONE:
+            return
+        # The rank that saw the spike tells the others its loss and median (one all-reduce,
+        # only on a spike).
+        values = torch.tensor(
+            loss_and_median if self._root_gang.rank == spike_rank else (0.0, 0.0),
+            dtype=torch.float64,
+            device="cpu",
+        )
+        if spike_rank < 0:
+            values.fill_(math.nan)
+        self._root_gang.all_reduce(values, ReduceOperation.SUM)
+        loss, median = values.tolist()
+        raise LossSpikeDetected(Spike(step_nr, loss, median))
+
+    def _raise_non_finite(
+        self, loss_code: int, flagged_rank: int, unchecked_steps: tuple[int, int] | None
+    ) -> None:
+        size = self._root_gang.size
         flagged = flagged_rank < _NONE
         if loss_code < _NONE * size:
             step_nr, bad_rank = divmod(loss_code, size)
@@ -151,18 +206,30 @@ class NonFiniteGuard:
         )
 
 
-def _read_window(losses: Sequence[tuple[int, Tensor]], flag: Tensor | None) -> tuple[int, bool]:
-    """The first step whose loss is NaN or infinite (or _NONE), and whether ``flag`` is set."""
+def _step_losses(
+    losses: Sequence[tuple[int, Tensor]], read: Sequence[float], num_targets: Mapping[int, int]
+) -> list[tuple[int, float]]:
+    """Each step's loss on this rank: its micro-batches' summed losses over its targets."""
+    sums: dict[int, float] = {}
+    for (step_nr, _), value in zip(losses, read, strict=True):
+        sums[step_nr] = sums.get(step_nr, 0.0) + value
+    # A rank without targets at a step has no loss of it to judge.
+    return [(s, total / num_targets[s]) for s, total in sums.items() if num_targets.get(s, 0) > 0]
+
+
+def _read_window(
+    losses: Sequence[tuple[int, Tensor]], flag: Tensor | None
+) -> tuple[list[float], bool]:
+    """The losses read on the host, and whether ``flag`` is set."""
     values = [loss.detach().float() for _, loss in losses]
     if flag is not None:
         values.append(flag.float())
     if not values:
-        return _NONE, False
+        return [], False
     # One host read for the whole window.
     read = torch.stack(values).tolist()
     flagged = flag is not None and read.pop() != 0
-    first = next((s for (s, _), v in zip(losses, read, strict=True) if not math.isfinite(v)), _NONE)
-    return first, flagged
+    return read, flagged
 
 
 def _where(loss_finite_here: bool, what: str) -> str:

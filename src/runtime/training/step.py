@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Generic, TypeVar, final
 
@@ -136,6 +136,9 @@ class TrainStep(Generic[BatchT]):
         self._backward = traced(BACKWARD, torch.autograd.backward, enabled=trace)
         self._normalize = traced(GRADIENT_SYNC, self._normalize_gradients, enabled=trace)
         self._update = traced(OPTIMIZER_STEP, self._update_model, enabled=trace)
+        self.lr_scale = 1.0
+        """A factor on every learning rate for the optimizer step alone (the schedulers and the
+        published ``lr`` do not see it): the cooling after a loss-spike rollback."""
 
     def __call__(
         self,
@@ -257,8 +260,9 @@ class TrainStep(Generic[BatchT]):
     def _update_model(self, applied: bool, may_skip: bool) -> None:
         # Every optimizer steps, or none does: a skipped step skips them together.
         if applied:
-            for optimizer in self.optimizers:
-                optimizer.step()
+            with _scaled_learning_rates(self.optimizers, self.lr_scale):
+                for optimizer in self.optimizers:
+                    optimizer.step()
         if may_skip:
             if applied:
                 self._unit.metric_bag.commit_updates()
@@ -268,6 +272,10 @@ class TrainStep(Generic[BatchT]):
             optimizer.zero_grad(set_to_none=True)
         for scheduler in self._lr_schedulers:
             scheduler.step()
+
+    def clear_non_finite(self) -> None:
+        """Forget a non-finite gradient: the weights were reloaded from before it."""
+        self._gradients.clear_non_finite()
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The unit's forward context: autocast to ``dtype`` with ``amp``, nothing otherwise."""
@@ -363,6 +371,23 @@ def _as_schedulers(
             f"{_describe(lr_scheduler)} instead."
         )
     return schedulers
+
+
+@contextlib.contextmanager
+def _scaled_learning_rates(optimizers: Sequence[Optimizer], scale: float) -> Iterator[None]:
+    """Every parameter group's learning rate times ``scale`` within the block, as before after."""
+    if scale == 1.0:
+        yield
+        return
+    groups = [group for optimizer in optimizers for group in optimizer.param_groups]
+    rates = [group["lr"] for group in groups]
+    for group, lr in zip(groups, rates, strict=True):
+        group["lr"] = lr * scale
+    try:
+        yield
+    finally:
+        for group, lr in zip(groups, rates, strict=True):
+            group["lr"] = lr
 
 
 def _in_autocast(

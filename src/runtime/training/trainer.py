@@ -32,7 +32,8 @@ from runtime.parallel.placement import check_model_device
 from runtime.training.callbacks import CallbackList, TrainerCallback
 from runtime.training.checkpointing import Checkpointer, CheckpointOptions
 from runtime.training.early_stop import EarlyStopper, Stateful
-from runtime.training.loop import Observers, TrainLoop
+from runtime.training.loop import LOSS_SPIKE_STATE, Observers, TrainLoop
+from runtime.training.loss_spike import LossSpikeGuard, SpikeDetector
 from runtime.training.non_finite import NanPolicy
 from runtime.training.relaunch import Limits
 from runtime.training.schedule import (
@@ -124,6 +125,7 @@ class Trainer(Generic[BatchT]):
         move_batches_to_device: bool = True,
         resume_from: Path | None = None,
         checkpoint_exclude: Sequence[str] = (),
+        loss_spike_guard: LossSpikeGuard | None = None,
     ) -> None:
         gangs = _resolve_gangs(gangs, root_gang, dp_gang, tp_gang)
         check_model_device(unit.model, gangs.root.device)
@@ -179,6 +181,8 @@ class Trainer(Generic[BatchT]):
         self._validator = self._make_validator(valid_units, valid_data_readers, max_num_valid_steps)
         self._checkpointer = self._make_checkpointer(self._train_step.optimizers, checkpointing)
         throughput = _throughput(unit, gangs, flops_per_target, device_peak_flops, precision)
+        spikes = _spike_detector(loss_spike_guard, checkpoint_every_n_steps)
+        self._train_step.guard.spikes = spikes
         self._loop = TrainLoop(
             data_reader=data_reader,
             train_step=self._train_step,
@@ -190,6 +194,7 @@ class Trainer(Generic[BatchT]):
             observers=Observers(self._callbacks, self._recorder, self._progress, profiler),
             gangs=gangs,
             seed=seed,
+            spikes=spikes,
         )
 
     def _take_readers(
@@ -263,10 +268,11 @@ class Trainer(Generic[BatchT]):
                 f"{name} must have state_dict() and load_state_dict(), but "
                 f"{type(obj).__name__} lacks them."
             )
-        if name in self._loop.stateful or name.startswith("callbacks."):
+        if name in self._loop.stateful or name.startswith("callbacks.") or name == LOSS_SPIKE_STATE:
             raise ValueError(
                 f"The name {name!r} is taken (names starting with 'callbacks.' are the stateful "
-                "callbacks'). Register each object under a name of its own."
+                f"callbacks', {LOSS_SPIKE_STATE!r} the loss-spike guard's). Register each object "
+                "under a name of its own."
             )
         self._loop.stateful[name] = obj
 
@@ -387,6 +393,24 @@ def _schedules(
         collect_garbage=Schedule("gc", gc_every),
         validate_at_start=validate_at_start,
     )
+
+
+def _spike_detector(
+    guard: LossSpikeGuard | None, checkpoint_every: int | None
+) -> SpikeDetector | None:
+    """The detector of ``loss_spike_guard``; a rollback needs checkpoints to go back to."""
+    if guard is None:
+        return None
+    if not isinstance(guard, LossSpikeGuard):
+        raise TypeError(
+            f"loss_spike_guard must be a LossSpikeGuard, but is {type(guard).__name__} instead."
+        )
+    if checkpoint_every is None:
+        raise ValueError(
+            "loss_spike_guard rolls back to a checkpoint, so checkpoint_every_n_steps must be "
+            "set too."
+        )
+    return SpikeDetector(guard)
 
 
 def _prepare_readers(
