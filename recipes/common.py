@@ -63,17 +63,27 @@ class LossSpikeSection:
     the run back to the checkpoint before it and skips its data, plus ``margin`` steps."""
 
     enabled: bool = False
+    """Watch the loss for spikes and roll back on one."""
     window: int = 100
+    """The trailing steps whose median loss a step is compared with."""
     min_history: int = 20
+    """Steps the window must hold before a finite loss can count as a spike."""
     factor: float | None = 3.0
+    """A loss above this many times the median is a spike (None: not by this rule)."""
     num_deviations: float | None = None
+    """A loss above the median plus this many deviations (1.4826 MAD) is a spike (None: off)."""
     margin: int = 0
+    """Steps of data skipped past the spike, besides the spike's own."""
     lookback: int = 0
+    """Steps before the spike where it may have begun; their checkpoints are marked unhealthy."""
     cool_lr_steps: int = 0
     """Steps after a rollback trained with the learning rate times ``cool_lr_factor``."""
     cool_lr_factor: float = 0.1
+    """The learning rate's factor for ``cool_lr_steps`` steps after a rollback."""
     max_rollbacks: int = 3
+    """Rollbacks allowed within ``rollback_window`` steps; one more spike stops the run (exit 1)."""
     rollback_window: int = 1000
+    """The steps over which ``max_rollbacks`` counts."""
     check_every_step: bool = False
     """Check after every step (one host read per step), not only at publishes and checkpoints."""
 
