@@ -217,9 +217,9 @@ def test_a_bad_sft_line_names_its_file_and_line(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("layout", "dp_size"),
     [
-        # FSDP2 over a transformers Llama also trains in test_validation's sharded-Llama tests.
+        # make test trains transformers models under FSDP2 and TP in test_families' one launch.
         pytest.param("data_parallel=fsdp", 2, marks=pytest.mark.slow),
-        ("gang.tp_size=2", 1),
+        pytest.param("gang.tp_size=2", 1, marks=pytest.mark.slow),
     ],
 )
 def test_a_hugging_face_llama_trains_on_two_ranks(

@@ -85,15 +85,21 @@ def test_tp2_matches_tp1(
     assert_same_params(params, single_process_reference)
 
 
+@pytest.mark.parametrize(
+    "paths",
+    # make test: torch's private kernels; make test-all: also the public path, bit for bit.
+    [("private",), pytest.param(("private", "public"), marks=pytest.mark.slow, id="both")],
+)
 def test_dp2_x_tp2_matches_dp1_with_the_same_bits_on_both_torch_paths(
     run_torchrun: RunTorch,
     tmp_path: Path,
     single_process_reference: dict[str, Tensor],
     monkeypatch: pytest.MonkeyPatch,
+    paths: tuple[str, ...],
 ) -> None:
     # The public path normalizes and clips the DTensor gradients' local shards one by one.
     trained = {}
-    for path in ("private", "public"):
+    for path in paths:
         monkeypatch.setenv(PRIVATE_APIS_ENV_VAR, path)
         (tmp_path / path).mkdir()
         trained[path] = train(
@@ -107,11 +113,20 @@ def test_dp2_x_tp2_matches_dp1_with_the_same_bits_on_both_torch_paths(
         )
         assert_same_params(trained[path], single_process_reference)
     for name, private in trained["private"].items():
-        assert torch.equal(private, trained["public"][name]), name
+        for path in paths[1:]:
+            assert torch.equal(private, trained[path][name]), name
 
 
+@pytest.mark.parametrize(
+    "with_ddp",
+    # make test: HSDP against one process; make test-all: also DDP on the same 4 ranks.
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+)
 def test_hsdp_2x2_matches_ddp_on_4_and_dp1(
-    run_torchrun: RunTorch, tmp_path: Path, single_process_reference: dict[str, Tensor]
+    run_torchrun: RunTorch,
+    tmp_path: Path,
+    single_process_reference: dict[str, Tensor],
+    with_ddp: bool,
 ) -> None:
     (tmp_path / "hsdp").mkdir()
     (tmp_path / "ddp").mkdir()
@@ -125,8 +140,9 @@ def test_hsdp_2x2_matches_ddp_on_4_and_dp1(
         dp_shard_size=2,
     )
     assert_same_params(hsdp, single_process_reference)
-    ddp = train(run_torchrun, tmp_path / "ddp", 4, batch_size=2, max_gradient_norm=0.5)
-    assert_same_params(ddp, single_process_reference)
+    if with_ddp:
+        ddp = train(run_torchrun, tmp_path / "ddp", 4, batch_size=2, max_gradient_norm=0.5)
+        assert_same_params(ddp, single_process_reference)
 
 
 @pytest.mark.parametrize(

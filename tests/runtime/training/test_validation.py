@@ -696,7 +696,11 @@ def test_a_failing_early_stopper_fails_every_rank(tmp_path: Path, run_torchrun: 
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("num_ranks", [1, 2, 3])
+@pytest.mark.parametrize(
+    "num_ranks",
+    # make test: 3 ranks; test_uneven_validation scores every size on 2 against one process.
+    [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3],
+)
 def test_the_score_is_the_mean_over_the_whole_valid_set_at_any_dp_size(
     tmp_path: Path, num_ranks: int
 ) -> None:
