@@ -88,7 +88,10 @@ def test_tp2_matches_tp1(
 @pytest.mark.parametrize(
     "paths",
     # make test: torch's private kernels; make test-all: also the public path, bit for bit.
-    [("private",), pytest.param(("private", "public"), marks=pytest.mark.slow, id="both")],
+    [
+        pytest.param(("private",), id="private"),
+        pytest.param(("private", "public"), marks=pytest.mark.slow, id="both"),
+    ],
 )
 def test_dp2_x_tp2_matches_dp1_with_the_same_bits_on_both_torch_paths(
     run_torchrun: RunTorch,
