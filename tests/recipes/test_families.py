@@ -45,20 +45,11 @@ from tests.recipes.families import (
     write_train,
     write_valid,
 )
-from tests.recipes.test_lm import sentences
+from tests.recipes.test_lm import last_model, losses, sentences
 
 transformers = pytest.importorskip("transformers")
 
 QUICK_STEPS = 3
-
-
-def losses(out: Path) -> list[float]:
-    return [float(r["loss"]) for r in read_jsonl(out / "metrics" / "train.jsonl") if "loss" in r]
-
-
-def last_model(out: Path) -> dict[str, torch.Tensor]:
-    manager = CheckpointManager(out / "checkpoints", Gangs.single())
-    return manager.read_model_state(manager.select_checkpoint("last", lower_better=True))
 
 
 def test_the_docs_table_is_the_matrix_the_tests_run() -> None:

@@ -75,9 +75,9 @@ def write_jsonl(path: Path, records: list[dict[str, object]]) -> Path:
     return path
 
 
-def make_hf_llama_dir(directory: Path, **overrides: object) -> Path:
-    """A tiny Hugging Face Llama saved here: config.json, model.safetensors, tokenizer files;
-    ``overrides`` change its ``LlamaConfig``."""
+def make_hf_model_dir(directory: Path, *, architecture: str = "Llama", **overrides: object) -> Path:
+    """A tiny Hugging Face causal LM of ``architecture`` (``Llama``, ``Qwen2``, ...) saved here:
+    config.json, model.safetensors, tokenizer files; ``overrides`` change its config."""
     make_tokenizer_dir(directory, sentences(200, seed=0))
     vocab_size = load_tokenizer(directory).vocab_size
     options: dict[str, object] = {
@@ -92,10 +92,14 @@ def make_hf_llama_dir(directory: Path, **overrides: object) -> Path:
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
-    config = transformers.LlamaConfig(**(options | overrides))
+    config = getattr(transformers, f"{architecture}Config")(**(options | overrides))
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    getattr(transformers, f"{architecture}ForCausalLM")(config).save_pretrained(directory)
     return directory
+
+
+def make_hf_llama_dir(directory: Path, **overrides: object) -> Path:
+    return make_hf_model_dir(directory, **overrides)
 
 
 def recipe_args(out: Path, *config: str) -> list[str]:

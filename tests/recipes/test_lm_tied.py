@@ -10,15 +10,14 @@ import pytest
 import torch
 
 from runtime.cli.tools import export_model
-from runtime.data.text import load_tokenizer
-from tests.conftest import assert_ok, make_tokenizer_dir, torchrun
+from tests.conftest import assert_ok, torchrun
 from tests.recipes.test_lm import (
     TINY_TRAINING,
     last_model,
     losses,
+    make_hf_model_dir,
     recipe_args,
     repeated,
-    sentences,
     write_jsonl,
 )
 
@@ -30,21 +29,7 @@ EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 def make_hf_tied_dir(directory: Path) -> Path:
     """A tiny Hugging Face Qwen2 with tied embeddings: its safetensors hold the weight once."""
-    make_tokenizer_dir(directory, sentences(200, seed=0))
-    config = transformers.Qwen2Config(
-        vocab_size=load_tokenizer(directory).vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    transformers.Qwen2ForCausalLM(config).save_pretrained(directory)
+    make_hf_model_dir(directory, architecture="Qwen2", tie_word_embeddings=True)
     with safe_open(str(directory / "model.safetensors"), framework="pt") as file:
         assert EMBED in file.keys() and HEAD not in file.keys()  # noqa: SIM118
     return directory
