@@ -11,7 +11,6 @@ import sysconfig
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
@@ -22,7 +21,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torcheval.metrics import Mean, Perplexity
 
 from checkpoint.arguments import check_not_negative, check_positive
-from gangs import Gangs, setup_gangs
+from gangs import Gangs
 from recipes.common import (
     FsdpSection,
     GangSection,
@@ -30,6 +29,7 @@ from recipes.common import (
     TrainerSection,
     adamw_with_schedule,
     parallel_options,
+    setup_recipe_gangs,
     summed_nll_loss,
     trainer_options,
 )
@@ -358,11 +358,7 @@ def build_model(config: CharLMConfig, gangs: Gangs) -> nn.Module:
 
 
 def recipe(config: CharLMConfig, output_dir: Path) -> Trainer[LMBatch]:
-    gangs = setup_gangs(
-        tp_size=config.gang.tp_size,
-        dp_shard_size=config.gang.dp_shard_size,
-        timeout=timedelta(minutes=config.gang.timeout_minutes),
-    )
+    gangs = setup_recipe_gangs(config)
     train_bytes, valid_bytes = load_corpus(config.data)
     log.info("Corpus: %d train bytes, %d valid bytes.", train_bytes.numel(), valid_bytes.numel())
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypedDict, cast
 
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from checkpoint import CheckpointManager
-from gangs import Gangs
+from gangs import Gangs, setup_gangs
 from runtime import DataParallelKind, LossSpikeGuard, PatienceEarlyStopper, TorchProfiler
 from runtime.data.text import IGNORE_INDEX
 
@@ -173,6 +174,26 @@ class ParallelConfig(Protocol):
 
     gang: GangSection
     data_parallel: Literal["auto", "ddp", "fsdp", "hsdp"]
+
+
+def shards_parameters(config: ParallelConfig) -> bool:
+    """Whether ``config`` asks for FSDP2 or HSDP, on any number of processes: ``fsdp``,
+    ``hsdp``, or ``auto`` with ``gang.dp_shard_size`` (``auto`` with TP needs several)."""
+    return config.data_parallel in ("fsdp", "hsdp") or (
+        config.data_parallel == "auto" and config.gang.dp_shard_size is not None
+    )
+
+
+def setup_recipe_gangs(config: ParallelConfig) -> Gangs:
+    """The gangs of ``config.gang``. FSDP2 and HSDP get a process group and a DeviceMesh on one
+    process too, so that ``data_parallel=fsdp`` means FSDP2 (its mixed precision, its sharded
+    checkpoints) on one GPU as on many; the recipe's ``main`` destroys the group on every exit."""
+    return setup_gangs(
+        tp_size=config.gang.tp_size,
+        dp_shard_size=config.gang.dp_shard_size,
+        timeout=timedelta(minutes=config.gang.timeout_minutes),
+        force_process_group=shards_parameters(config),
+    )
 
 
 def data_parallel_kind(config: ParallelConfig, gangs: Gangs) -> DataParallelKind:

@@ -20,7 +20,6 @@ import logging
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 from functools import partial
 from itertools import chain
 from pathlib import Path
@@ -39,7 +38,7 @@ from torch.distributed.tensor.parallel import (
 from torcheval.metrics import Max, Mean
 
 from checkpoint.arguments import check_positive
-from gangs import Gangs, setup_gangs
+from gangs import Gangs
 from recipes.common import (
     FsdpSection,
     GangSection,
@@ -47,6 +46,7 @@ from recipes.common import (
     TrainerSection,
     adamw_with_schedule,
     parallel_options,
+    setup_recipe_gangs,
     summed_nll_loss,
     trainer_options,
 )
@@ -569,11 +569,7 @@ def write_hf_files(config: LMConfig, hf: dict[str, Any], tokenizer: Tokenizer, o
 
 
 def recipe(config: LMConfig, output_dir: Path) -> Trainer[Any]:
-    gangs = setup_gangs(
-        tp_size=config.gang.tp_size,
-        dp_shard_size=config.gang.dp_shard_size,
-        timeout=timedelta(minutes=config.gang.timeout_minutes),
-    )
+    gangs = setup_recipe_gangs(config)
     return build_trainer(config, output_dir, gangs)
 
 

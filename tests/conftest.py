@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from checkpoint import CheckpointManager
-from gangs import Gang, Gangs, ReduceOperation
+from gangs import Gang, Gangs, ReduceOperation, setup_gangs
 from runtime import MapDataReader, MetricRecorder, Trainer
 from tests.workers.train_toy import ToyBatch, ToyDataset, ToyModel, ToyUnit, collate
 from units import TrainUnit
@@ -274,6 +274,21 @@ def public_torch_path_in_test_all(test: Callable[..., None]) -> Callable[..., No
         ["private", pytest.param("public", marks=pytest.mark.slow)],
         indirect=True,
     )(on_both_paths)
+
+
+@pytest.fixture
+def gangs_with_mesh_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gangs]:
+    """The gangs of this process alone with a process group (gloo) and a DeviceMesh of size 1,
+    as ``data_parallel=fsdp`` makes them on one process; destroyed after the test."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    gangs = setup_gangs(device=torch.device("cpu"), force_process_group=True)
+    try:
+        yield gangs
+    finally:
+        gangs.root.close()
+    assert not dist.is_initialized()
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,12 @@ from typing import Any, TypeVar, final
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed import ProcessGroup, Store, TCPStore  # type: ignore[attr-defined]
+from torch.distributed import (  # type: ignore[attr-defined]
+    HashStore,
+    ProcessGroup,
+    Store,
+    TCPStore,
+)
 from typing_extensions import override
 
 from gangs.torch_versions import private_apis_supported
@@ -211,14 +216,22 @@ class ProcessGroupGang(Gang):
         self._timeout = timeout
 
     @classmethod
-    def init_default(cls, *, device: torch.device, timeout: timedelta) -> ProcessGroupGang:
-        """Initialize the default process group from the ``torchrun`` environment."""
+    def init_default(
+        cls, *, device: torch.device, timeout: timedelta, alone: bool = False
+    ) -> ProcessGroupGang:
+        """Initialize the default process group from the ``torchrun`` environment; ``alone``:
+        a group of this process only, met through an in-process store (no port, no launcher)."""
         # gloo carries CPU tensors (objects, metric states) next to nccl on CUDA.
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        rendezvous: dict[str, Any] = (
+            {"store": HashStore(), "rank": 0, "world_size": 1} if alone else {}
+        )
         try:
             if not dist.is_initialized():
                 with _stop_signals_end_the_process():
-                    dist.init_process_group(backend, timeout=timeout, device_id=_device_id(device))
+                    dist.init_process_group(
+                        backend, timeout=timeout, device_id=_device_id(device), **rendezvous
+                    )
                 # A process that exits with the group alive aborts in the C++ destructor.
                 atexit.register(_destroy_default_group)
         except (RuntimeError, ValueError) as ex:

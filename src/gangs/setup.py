@@ -1,5 +1,10 @@
 """Set up the root gang from the ``torchrun`` environment and split it into DP and TP gangs.
 
+One process needs no process group (its gangs are fake: :class:`FakeGang`), except to shard with
+FSDP2 or HSDP, which shard over a ``DeviceMesh``: ``force_process_group=True`` then makes a
+process group of this one rank and a mesh of size 1, so that FSDP2's mixed precision and its
+sharded (DTensor) checkpoints are the same on one process as on many.
+
 With HSDP the whole DP gang spans two mesh dims. On the tested torch versions (see
 :mod:`gangs.torch_versions`) the private ``DeviceMesh._flatten`` makes them one ``dp`` dim,
 whose group is the DP gang's and whose mesh FSDP2 takes beside TP. Otherwise public
@@ -62,8 +67,9 @@ class Gangs:
         """The ``("dp", "tp")`` mesh, or ``("dp_replicate", "dp_shard", "tp")`` with HSDP."""
         if self._device_mesh is None:
             raise GangError(
-                "A DeviceMesh needs torch.distributed, but this process runs alone (WORLD_SIZE is 1). "
-                "Launch with torchrun and --nproc-per-node 2 or more to use FSDP2 or tensor parallelism."
+                "A DeviceMesh needs torch.distributed, but this process runs alone (WORLD_SIZE is "
+                "1) without a process group. Pass force_process_group=True to setup_gangs for "
+                "FSDP2 on one process, or launch with torchrun and --nproc-per-node 2 or more."
             )
         return self._device_mesh
 
@@ -155,9 +161,10 @@ def _whole_dp_mesh(mesh: DeviceMesh, dp: Gang) -> DeviceMesh | None:
         return _flat_dp_mesh(mesh)
     if mesh["tp"].size() > 1:
         return None
-    # Without TP the DP gang is every rank (at least two: one process has no mesh).
-    assert isinstance(dp, ProcessGroupGang), dp
-    return DeviceMesh.from_group(dp.as_process_group(), mesh.device_type, mesh_dim_names=("dp",))
+    # Without TP the DP gang is every rank; alone, a FakeGang, and the world is its group.
+    group = dp.as_process_group() if isinstance(dp, ProcessGroupGang) else dist.group.WORLD
+    assert group is not None
+    return DeviceMesh.from_group(group, mesh.device_type, mesh_dim_names=("dp",))
 
 
 def _public_dp_gang(mesh: DeviceMesh, root: Gang, timeout: timedelta | None) -> Gang:
@@ -200,14 +207,21 @@ def default_device() -> torch.device:
 
 
 def setup_root_gang(
-    device: torch.device | None = None, timeout: timedelta = timedelta(minutes=15)
+    device: torch.device | None = None,
+    timeout: timedelta = timedelta(minutes=15),
+    *,
+    force_process_group: bool = False,
 ) -> Gang:
-    """Return the gang of all processes: a :class:`FakeGang` when ``WORLD_SIZE`` is 1."""
+    """Return the gang of all processes: a :class:`FakeGang` when ``WORLD_SIZE`` is 1, unless
+    ``force_process_group``: then a :class:`ProcessGroupGang` over a default process group of
+    this rank alone (gloo on a CPU, nccl beside gloo on CUDA), which its ``close()`` destroys."""
     if device is None:
         device = default_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if _int_env("WORLD_SIZE", 1) == 1:
+        if force_process_group:
+            return ProcessGroupGang.init_default(device=device, timeout=timeout, alone=True)
         return FakeGang(device=device)
     launch = LaunchBarrier.from_environment(timeout)
     if launch is not None:
@@ -223,7 +237,8 @@ def setup_parallel_gangs(
     """Split ``root`` into DP and TP gangs with a DeviceMesh over them.
 
     The mesh is ``("dp", "tp")``; with ``dp_shard_size`` (HSDP) it is ``("dp_replicate",
-    "dp_shard", "tp")`` and :attr:`Gangs.dp` is still the whole DP gang.
+    "dp_shard", "tp")`` and :attr:`Gangs.dp` is still the whole DP gang. A root gang of one
+    process gets a mesh (of size 1) only when it has a process group.
     """
     if tp_size <= 0:
         raise GangError(f"tp_size must be greater than zero, but is {tp_size} instead.")
@@ -237,7 +252,7 @@ def setup_parallel_gangs(
             f"dp_shard_size must be greater than zero and divide the DP size ({dp_size} = "
             f"{root.size} processes / tp_size {tp_size}), but is {dp_shard_size} instead."
         )
-    if root.size == 1:
+    if root.size == 1 and not isinstance(root, ProcessGroupGang):
         return Gangs(root=root, dp=root, tp=root)
 
     shape: tuple[int, ...]
@@ -279,11 +294,22 @@ def setup_gangs(
     dp_shard_size: int | None = None,
     device: torch.device | None = None,
     timeout: timedelta = timedelta(minutes=15),
+    force_process_group: bool = False,
 ) -> Gangs:
-    """:func:`setup_root_gang` and :func:`setup_parallel_gangs` in one call."""
-    return setup_parallel_gangs(
-        setup_root_gang(device, timeout), tp_size=tp_size, dp_shard_size=dp_shard_size
-    )
+    """:func:`setup_root_gang` and :func:`setup_parallel_gangs` in one call.
+
+    ``force_process_group``: on one process too, a process group and a DeviceMesh of size 1,
+    which FSDP2 and HSDP shard over (``apply_data_parallel`` then shards on one process as on
+    many). Close the root gang (or destroy the default process group) when done.
+    """
+    group_made_here = force_process_group and not dist.is_initialized()
+    root = setup_root_gang(device, timeout, force_process_group=force_process_group)
+    try:
+        return setup_parallel_gangs(root, tp_size=tp_size, dp_shard_size=dp_shard_size)
+    except BaseException:
+        if group_made_here and root.size == 1:
+            root.close()  # nothing else holds this rank's group yet
+        raise
 
 
 def _int_env(name: str, default: int) -> int:

@@ -13,6 +13,7 @@ from gangs import (
     FakeGang,
     GangError,
     Gangs,
+    ProcessGroupGang,
     ReduceOperation,
     is_collective_timeout,
     setup_gangs,
@@ -171,8 +172,59 @@ def test_single_process_setup_has_no_mesh(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("WORLD_SIZE", "1")
     gangs = setup_gangs()
     assert isinstance(gangs.root, FakeGang)
-    with pytest.raises(GangError, match="nproc-per-node 2"):
+    with pytest.raises(GangError, match="force_process_group=True to setup_gangs for FSDP2"):
         _ = gangs.device_mesh
+
+
+def test_one_process_asked_for_a_process_group_gets_a_mesh_of_one(
+    gangs_with_mesh_of_one: Gangs,
+) -> None:
+    """What FSDP2 shards over on one process: a gloo group of this rank and a mesh of size 1;
+    the DP and TP gangs stay fake, so no step pays for a collective of one."""
+    import torch.distributed as dist
+
+    gangs = gangs_with_mesh_of_one
+    assert isinstance(gangs.root, ProcessGroupGang) and gangs.root.size == 1
+    assert dist.get_backend(gangs.root.as_process_group()) == "gloo"
+    assert isinstance(gangs.dp, FakeGang) and isinstance(gangs.tp, FakeGang)
+    assert gangs.device_mesh.mesh_dim_names == ("dp", "tp")
+    assert gangs.device_mesh.mesh.tolist() == [[0]]
+    assert (gangs.dp_mesh.size(), gangs.tp_mesh.size()) == (1, 1)
+    tensor = torch.tensor([3.0])
+    gangs.root.all_reduce(tensor, ReduceOperation.SUM)
+    assert tensor.item() == 3.0
+    assert gangs.root.all_gather_objects("x") == ["x"]
+
+
+@pytest.mark.parametrize("private", ["private", "public"])
+def test_hsdp_on_one_process_has_both_dp_meshes(
+    monkeypatch: pytest.MonkeyPatch, private: str
+) -> None:
+    import torch.distributed as dist
+
+    from gangs.torch_versions import PRIVATE_APIS_ENV_VAR
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv(PRIVATE_APIS_ENV_VAR, private)
+    gangs = setup_gangs(device=torch.device("cpu"), dp_shard_size=1, force_process_group=True)
+    try:
+        assert gangs.dp_shard_size == 1
+        assert gangs.hsdp_mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
+        assert gangs.dp_mesh.size() == 1
+    finally:
+        gangs.root.close()
+    assert not dist.is_initialized()
+
+
+def test_a_forced_process_group_is_destroyed_when_its_gangs_cannot_be_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch.distributed as dist
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(GangError, match=r"tp_size must divide the number of processes \(1\)"):
+        setup_gangs(device=torch.device("cpu"), tp_size=2, force_process_group=True)
+    assert not dist.is_initialized()
 
 
 def test_bad_world_size_env_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -63,7 +63,12 @@ def apply_data_parallel(
     A model that is not on the meta device is moved to ``gangs.root.device`` first, on one
     process too.
 
-    A no-op when DP is off. With FSDP2 and HSDP, each submodule whose type is in ``fsdp_units``
+    DDP is a no-op on a DP gang of one. FSDP2 and HSDP shard over the gangs' DeviceMesh, on one
+    process too when it has one (``setup_gangs(force_process_group=True)``, which the recipes
+    ask for with ``data_parallel=fsdp`` or ``hsdp``): then the parameters are DTensors on a mesh
+    of size 1 and the mixed precision below applies as on many processes. Without a mesh one
+    process leaves the model unsharded, and asking it for mixed precision is a ``ValueError``.
+    With FSDP2 and HSDP, each submodule whose type is in ``fsdp_units``
     becomes its own shard unit (its parameters are gathered only around its own forward and
     backward), then the whole model. A parameter that several modules share (tied input and
     output embeddings) is sharded once: every module that holds it must sit in one unit (the
@@ -105,7 +110,14 @@ def apply_data_parallel(
     if not has_meta_tensors(model):
         # The model leaves on the gangs' device whatever the layout (a no-op when it is there).
         model.to(gangs.root.device)
-    if gangs.dp.size == 1:
+    if gangs.dp.size == 1 and (kind == "ddp" or not gangs.has_device_mesh):
+        if param_dtype is not None or reduce_dtype is not None:
+            raise ValueError(
+                f"param_dtype ({param_dtype}) and reduce_dtype ({reduce_dtype}) are FSDP2's "
+                "mixed precision, which needs a DeviceMesh, but this process runs alone "
+                "without one. Make the gangs with setup_gangs(force_process_group=True) to "
+                "shard with FSDP2 on one process, or use autocast (Trainer amp=True)."
+            )
         return model
     if kind != "ddp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
