@@ -179,6 +179,45 @@ def test_fsdp2_mixed_precision_computes_in_bf16_and_keeps_fp32_weights(
     }
 
 
+def test_fsdp2_on_one_process_shards_over_a_mesh_of_one_in_mixed_precision(
+    gangs_with_mesh_of_one: Gangs,
+) -> None:
+    """``data_parallel=fsdp`` on one process: DTensor parameters on a mesh of one, kept in
+    float32, computed in bf16, with float32 gradients near the unsharded model's."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from recipes.char_lm import build_model
+    from tests.workers.large_model import backward, full_grads, make_config, mixed_precision
+
+    gangs = gangs_with_mesh_of_one
+    config = make_config({"data_parallel": "fsdp"})
+    assert mixed_precision(config, gangs) == {
+        "forward_weight": "torch.bfloat16",
+        "forward_output": "torch.bfloat16",
+        "sharded_param": "torch.float32",
+        "grad": "torch.float32",
+    }
+    sharded = build_model(config, gangs)
+    for name, param in sharded.named_parameters():
+        assert isinstance(param, DTensor), name
+        assert param.device_mesh == gangs.dp_mesh and param.placements == (Shard(0),), name
+    plain = build_model(make_config({"data_parallel": "ddp"}), Gangs.single())
+    backward(sharded, gangs, 0)
+    backward(plain, Gangs.single(), 0)
+    expected = full_grads(plain)
+    for name, grad in full_grads(sharded).items():
+        # bf16 keeps 8 bits of mantissa: the gradients agree to about 1%.
+        error = (grad - expected[name]).norm() / expected[name].norm()
+        assert error < 0.03, (name, float(error))
+
+
+def test_mixed_precision_without_a_mesh_is_refused_on_one_process() -> None:
+    with pytest.raises(ValueError, match=r"setup_gangs\(force_process_group=True\)"):
+        apply_data_parallel(
+            nn.Linear(2, 2), Gangs.single(), kind="fsdp", param_dtype=torch.bfloat16
+        )
+
+
 def test_mixed_precision_is_rejected_with_ddp() -> None:
     with pytest.raises(ValueError, match="are FSDP2 options, but kind is 'ddp'"):
         apply_data_parallel(nn.Linear(2, 2), Gangs.single(), kind="ddp", param_dtype=torch.bfloat16)
