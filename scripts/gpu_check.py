@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -153,9 +154,14 @@ LM_1B = [
     "trainer.keep_last_n_checkpoints=1",
     "trainer.gc_every_n_steps=null",
     "optimizer.warmup_steps=5",
+    "data_parallel=fsdp",
+    "fsdp.param_dtype=bfloat16",
+    "fsdp.reduce_dtype=float32",
+    "trainer.amp=false",
 ]
-"""llama_1b (1 B parameters with the byte tokenizer) on 4 x 2048 tokens a step, in the recipes'
-CUDA default: bf16 autocast, TF32. One process has no ranks for FSDP2 to shard over."""
+"""llama_1b (1 B parameters with the byte tokenizer) on 4 x 2048 tokens a step, under FSDP2 on
+one GPU (a mesh of one): bf16 parameters and compute, float32 gradient reduction, float32
+sharded weights and AdamW state. No autocast on top: the blocks already compute in bf16."""
 
 
 def recipe(module: str, out: Path, overrides: list[str]) -> list[str]:
@@ -171,8 +177,8 @@ def make_parts(out_dir: Path) -> list[Part]:
         f"trainer.checkpoint_every_n_steps={CHAR_LM_STEPS}",
         "trainer.publish_metrics_every_n_steps=50",
     ]
-    lm = [f"data.train={data}", *LM_1B]
-    lm_ac = [*lm, "model.activation_checkpointing=true"]
+    lm = [f"data.train={data}", *LM_1B, "model.activation_checkpointing=false"]
+    lm_ac = [f"data.train={data}", *LM_1B, "model.activation_checkpointing=true"]
     oom = ["max_num_steps=12", "checkpoint_every=5", "oom_at_step=7"]
     cuda_run = "tests/cuda/cuda_run.py"
 
@@ -190,10 +196,10 @@ def make_parts(out_dir: Path) -> list[Part]:
         Part("cuda_suite", "the CUDA test suite (pytest -m cuda tests/cuda)",
              [PYTHON, "-m", "pytest", "-v", "-rP", "-p", "no:cacheprovider", "-m", "cuda",
               "tests/cuda", "--basetemp", str(at("cuda_suite"))], 240, pytest_figure),
-        Part("lm_1b", "recipes.lm llama_1b, bf16 autocast, no activation checkpointing",
+        Part("lm_1b", "recipes.lm llama_1b, FSDP2 bf16 (fp32 reduce), no activation checkpointing",
              recipe("recipes.lm", at("lm_1b"), lm), 120, training_figure,
              [("recipes.lm", "LMConfig", lm)], needs_data=True),
-        Part("lm_1b_ac", "recipes.lm llama_1b, bf16 autocast, activation checkpointing",
+        Part("lm_1b_ac", "recipes.lm llama_1b, FSDP2 bf16 (fp32 reduce), activation checkpointing",
              recipe("recipes.lm", at("lm_1b_ac"), lm_ac), 120, training_figure,
              [("recipes.lm", "LMConfig", lm_ac)], needs_data=True),
         Part("bench_1b_hand", "G2: the 1.1 B Llama, hand-written loop (compiled, bf16)",
@@ -374,6 +380,7 @@ def dry_run(parts: list[Part], out_dir: Path) -> int:
         status = "checked" if not problems else "broken: " + "; ".join(problems)
         rows.append(Row(part, status, f"at most {part.timeout_s} s"))
         print(f"gpu_check --dry-run: {part.name}: {status}", flush=True)
+        print(f"  $ {shlex.join(part.command)}", flush=True)
     total = sum(part.timeout_s for part in parts)
     header = [f"- Dry run: {len(parts)} parts, {total} s of time limits in a {BUDGET_S} s budget"]
     print(

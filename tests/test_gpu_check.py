@@ -40,6 +40,41 @@ def test_the_dry_run_checks_every_part(tmp_path: Path) -> None:
     for part in gpu_check.make_parts(tmp_path):
         assert f"| {part.name} | {part.what} | checked |" in report
     assert (tmp_path / "data" / "train.txt").stat().st_size > 0
+    # It shows each part's command: the 1B runs are FSDP2 in bf16 on one GPU, with and
+    # without activation checkpointing.
+    fsdp_bf16 = "data_parallel=fsdp fsdp.param_dtype=bfloat16 fsdp.reduce_dtype=float32"
+    for checkpointing in ("false", "true"):
+        shown = f"{fsdp_bf16} trainer.amp=false model.activation_checkpointing={checkpointing}"
+        assert shown in result.stdout
+
+
+LM_1B_ON_A_CPU = {
+    "model.name=llama_1b": "model.name=llama_debug",
+    "data.seq_len=2048": "data.seq_len=64",
+    "trainer.max_num_steps=30": "trainer.max_num_steps=4",
+    "trainer.publish_metrics_every_n_steps=10": "trainer.publish_metrics_every_n_steps=2",
+    "optimizer.warmup_steps=5": "optimizer.warmup_steps=1",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part_name", ["lm_1b", "lm_1b_ac"])
+def test_the_1b_parts_command_trains_a_small_llama_on_a_cpu(tmp_path: Path, part_name: str) -> None:
+    """The part's own command line, llama_debug for llama_1b: the recipe takes every argument,
+    shards with FSDP2 on one process and learns, and the part's figure reads its metrics."""
+    (part,) = [p for p in gpu_check.make_parts(tmp_path) if p.name == part_name]
+    command = [LM_1B_ON_A_CPU.get(arg, arg) for arg in part.command]
+    gpu_check.write_lm_data(tmp_path / "data" / "train.txt", num_bytes=100_000)
+    log = tmp_path / f"{part_name}.log"
+    with log.open("w") as sink:
+        returncode = subprocess.call(
+            command, stdout=sink, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO_ROOT,
+            timeout=300,
+        )  # fmt: skip
+    outcome = gpu_check.Outcome(returncode, log, tmp_path / part_name, 0.0)
+    passed, figure = gpu_check.training_figure(outcome)
+    assert passed, (figure, log.read_text()[-3000:])
+    assert "loss" in figure and "tokens/s" in figure
 
 
 def test_the_dry_run_names_what_would_stop_a_part(tmp_path: Path) -> None:
