@@ -26,7 +26,8 @@ pytestmark = CUDA_SUITE
         pytest.param(("trainer.amp=false", "trainer.tf32=false"), id="float32"),
         pytest.param(("trainer.amp=false",), id="tf32"),
         pytest.param((), id="bf16-autocast-default"),
-        # On one process FSDP2 has no ranks to shard over; tests/cuda/test_two_gpus.py shards.
+        # FSDP2 over a mesh of one GPU (a 1-rank nccl group); tests/cuda/test_two_gpus.py
+        # shards over two.
         pytest.param(
             ("data_parallel=fsdp", "fsdp.param_dtype=bfloat16", "trainer.amp=false"),
             id="fsdp2-bf16",
