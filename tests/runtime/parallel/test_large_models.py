@@ -211,6 +211,26 @@ def test_fsdp2_on_one_process_shards_over_a_mesh_of_one_in_mixed_precision(
         assert error < 0.03, (name, float(error))
 
 
+def test_hsdp_on_one_process_replicates_and_shards_over_a_mesh_of_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from gangs import setup_gangs
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    gangs = setup_gangs(device=torch.device("cpu"), dp_shard_size=1, force_process_group=True)
+    try:
+        model = apply_data_parallel(nn.Linear(4, 4), gangs, kind="hsdp")
+        assert isinstance(model.weight, DTensor)
+        assert model.weight.placements == (Replicate(), Shard(0))
+        assert model.weight.device_mesh == gangs.hsdp_mesh
+    finally:
+        gangs.root.close()
+    assert not dist.is_initialized()
+
+
 def test_mixed_precision_without_a_mesh_is_refused_on_one_process() -> None:
     with pytest.raises(ValueError, match=r"setup_gangs\(force_process_group=True\)"):
         apply_data_parallel(
