@@ -33,8 +33,8 @@ def lm_config(tmp_path: Path, *extra: str) -> list[str]:
         "model.name=llama_debug",
         f"data.train={train}",
         *TINY_TRAINING,
-        "trainer.max_num_steps=3",
-        "trainer.checkpoint_every_n_steps=3",
+        "trainer.max_num_steps=2",
+        "trainer.checkpoint_every_n_steps=2",
         *extra,
     ]
 
@@ -82,7 +82,8 @@ def test_fsdp_on_one_process_shards_and_trains_as_the_unsharded_run(
     assert all(torch.equal(expected[key], actual[key]) for key in expected)
 
     bf16 = tmp_path / "bf16"
-    model = train_in_this_process(monkeypatch, bf16, lm_config(tmp_path, *BF16_FSDP))
+    no_checkpoint = "trainer.checkpoint_every_n_steps=1000"
+    model = train_in_this_process(monkeypatch, bf16, lm_config(tmp_path, *BF16_FSDP, no_checkpoint))
     assert fsdp_param_dtype(model) == torch.bfloat16
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert losses(bf16) == pytest.approx(losses(tmp_path / "plain"), rel=BF16_RTOL)

@@ -187,23 +187,25 @@ def test_fsdp2_on_one_process_shards_over_a_mesh_of_one_in_mixed_precision(
     from torch.distributed.tensor import DTensor, Shard
 
     from recipes.char_lm import build_model
-    from tests.workers.large_model import backward, full_grads, make_config, mixed_precision
+    from tests.workers.large_model import backward, full_grads, make_config
 
     gangs = gangs_with_mesh_of_one
     config = make_config({"data_parallel": "fsdp"})
-    assert mixed_precision(config, gangs) == {
-        "forward_weight": "torch.bfloat16",
-        "forward_output": "torch.bfloat16",
-        "sharded_param": "torch.float32",
-        "grad": "torch.float32",
-    }
+    config.fsdp.param_dtype, config.fsdp.reduce_dtype = "bfloat16", "float32"
     sharded = build_model(config, gangs)
     for name, param in sharded.named_parameters():
-        assert isinstance(param, DTensor), name
+        assert isinstance(param, DTensor) and param.dtype == torch.float32, name
         assert param.device_mesh == gangs.dp_mesh and param.placements == (Shard(0),), name
+    seen: list[torch.dtype] = []
+    wq = sharded.blocks[0].attn.wq  # type: ignore[index, union-attr]
+    wq.register_forward_hook(
+        lambda module, args, out: seen.extend([module.weight.dtype, out.dtype])
+    )
     plain = build_model(make_config({"data_parallel": "ddp"}), Gangs.single())
     backward(sharded, gangs, 0)
     backward(plain, Gangs.single(), 0)
+    assert seen == [torch.bfloat16, torch.bfloat16]  # gathered and computed in bf16
+    assert wq.weight.grad is not None and wq.weight.grad.dtype == torch.float32
     expected = full_grads(plain)
     for name, grad in full_grads(sharded).items():
         # bf16 keeps 8 bits of mantissa: the gradients agree to about 1%.
