@@ -145,3 +145,18 @@ def test_a_checkpoint_of_fsdp_on_one_process_resumes_on_two(tmp_path: Path) -> N
     )
     manifest = json.loads((resumed / "checkpoints" / "step_8" / "manifest.json").read_text())
     assert (manifest["world_size"], manifest["dp_shard_size"]) == (2, 2)
+
+
+def test_a_run_refused_after_its_group_was_made_destroys_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The data is checked after the model is sharded: the refusal (one line, exit status 2)
+    still destroys the one-process group."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    config = lm_config(tmp_path, "data_parallel=fsdp", f"data.train={tmp_path / 'none*.jsonl'}")
+    with pytest.raises(SystemExit) as exit_info:
+        main(recipes.lm.recipe, LMConfig, [str(tmp_path / "run"), "--config", *config])
+    assert exit_info.value.code == 2
+    assert "none*.jsonl matches no data file" in capsys.readouterr().err
+    assert "Model: FSDPLlama" in (tmp_path / "run" / "logs" / "rank_0.log").read_text()
+    assert not dist.is_initialized()
