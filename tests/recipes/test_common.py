@@ -1,4 +1,5 @@
-"""What the recipes share: the precision they train in by default, the loss-spike switches."""
+"""What the recipes share: the precision they train in by default, the loss-spike switches, and
+which layouts make a process group on one process."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from recipes.char_lm import CharLMConfig
-from recipes.common import TrainerSection, precision_options
+from recipes.common import TrainerSection, precision_options, shards_parameters
 from recipes.lm import LMConfig
 from runtime import ConfigError, LossSpikeGuard
 from runtime.cli.config import load_config
@@ -74,3 +75,23 @@ def test_a_bad_loss_spike_option_is_a_config_error_naming_it() -> None:
         match=r"section 'trainer\.loss_spike' is invalid: margin must be 0 or more, but is -1",
     ):
         load_config(CharLMConfig, overrides=["trainer.loss_spike.margin=-1"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "shards"),
+    [
+        ([], False),
+        (["data_parallel=ddp"], False),
+        (["data_parallel=fsdp"], True),
+        (["data_parallel=hsdp", "gang.dp_shard_size=1"], True),
+        (["gang.dp_shard_size=1"], True),  # auto picks HSDP
+    ],
+)
+def test_fsdp2_and_hsdp_ask_for_a_process_group_on_one_process_too(
+    overrides: list[str], shards: bool
+) -> None:
+    for config_class in (CharLMConfig, LMConfig):
+        extra = ["model.name=llama_debug", "data.train=x.txt"] if config_class is LMConfig else []
+        assert (
+            shards_parameters(load_config(config_class, overrides=[*extra, *overrides])) is shards
+        )
