@@ -63,11 +63,11 @@ def apply_data_parallel(
     A model that is not on the meta device is moved to ``gangs.root.device`` first, on one
     process too.
 
-    DDP is a no-op on a DP gang of one. FSDP2 and HSDP shard over the gangs' DeviceMesh, on one
-    process too when it has one (``setup_gangs(force_process_group=True)``, which the recipes
-    ask for with ``data_parallel=fsdp`` or ``hsdp``): then the parameters are DTensors on a mesh
-    of size 1 and the mixed precision below applies as on many processes. Without a mesh one
-    process leaves the model unsharded, and asking it for mixed precision is a ``ValueError``.
+    A no-op on a DP gang of one, but for one process with a DeviceMesh
+    (``setup_gangs(force_process_group=True)``, which the recipes ask for with
+    ``data_parallel=fsdp`` or ``hsdp``): FSDP2 and HSDP shard it over the mesh of size 1, so its
+    parameters are DTensors and the mixed precision below applies as on many processes. Without
+    a mesh one process stays unsharded, and asking it for mixed precision is a ``ValueError``.
     With FSDP2 and HSDP, each submodule whose type is in ``fsdp_units``
     becomes its own shard unit (its parameters are gathered only around its own forward and
     backward), then the whole model. A parameter that several modules share (tied input and
@@ -110,8 +110,9 @@ def apply_data_parallel(
     if not has_meta_tensors(model):
         # The model leaves on the gangs' device whatever the layout (a no-op when it is there).
         model.to(gangs.root.device)
-    if gangs.dp.size == 1 and (kind == "ddp" or not gangs.has_device_mesh):
-        if param_dtype is not None or reduce_dtype is not None:
+    if gangs.dp.size == 1 and not _shards_alone(kind, gangs):
+        mixed_precision = param_dtype is not None or reduce_dtype is not None
+        if mixed_precision and gangs.root.size == 1:
             raise ValueError(
                 f"param_dtype ({param_dtype}) and reduce_dtype ({reduce_dtype}) are FSDP2's "
                 "mixed precision, which needs a DeviceMesh, but this process runs alone "
@@ -132,6 +133,13 @@ def apply_data_parallel(
             _FSDP_PARAM_DTYPES[model] = param_dtype
         return model
     return _wrap_ddp(model, gangs, ddp_options)
+
+
+def _shards_alone(kind: DataParallelKind, gangs: Gangs) -> bool:
+    """Whether FSDP2 or HSDP shards a process that runs alone: over the mesh of one that
+    ``setup_gangs(force_process_group=True)`` made. (A DP gang of one beside TP on several
+    processes is left as it is.)"""
+    return kind != "ddp" and gangs.root.size == 1 and gangs.has_device_mesh
 
 
 def _check_ties_in_one_unit(model: Module, fsdp_units: tuple[type[Module], ...]) -> None:
