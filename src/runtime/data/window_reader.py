@@ -15,7 +15,6 @@ from typing import Any, NamedTuple, TypeVar, final, overload
 from torch.utils.data import default_collate
 from typing_extensions import override
 
-from checkpoint.arguments import check_not_negative, check_positive
 from gangs import Gang, agree, decide_on_rank_zero, run_on_all_ranks
 from runtime.data.map_reader import MapDataReader, MapDataset
 from runtime.data.reader import DataReader, DataReaderError, WaitInterrupted, int_entry
@@ -26,6 +25,7 @@ from runtime.data.windows import (
     stream_stopped,
     window_names,
 )
+from trainkit_utils.arguments import check_not_negative, check_positive
 
 log = logging.getLogger(__name__)
 

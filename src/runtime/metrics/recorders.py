@@ -22,8 +22,8 @@ from typing import IO, Any, final
 
 from typing_extensions import override
 
-from checkpoint.directory import write_text_atomically
 from gangs import Gang
+from trainkit_utils.files import write_text_atomically
 
 
 class MetricRecorder(ABC):

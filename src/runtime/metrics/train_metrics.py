@@ -13,12 +13,12 @@ from typing import Any, final
 import torch
 from torch import Tensor
 
-from checkpoint.arguments import check_positive
 from gangs import Gangs, ReduceOperation
 from runtime.metrics.device_peaks import matmul_precision, peak_flops
 from runtime.training.non_finite import NonFiniteGuard
 from runtime.training.state import check_state_keys
 from runtime.training.step import StepOutput
+from trainkit_utils.arguments import check_positive
 from units import MetricBag
 
 log = logging.getLogger(__name__)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol, final, runtime_checkable
 
-from checkpoint import is_better_score
-from checkpoint.arguments import check_not_negative, check_positive
+from trainkit_utils.arguments import check_not_negative, check_positive
+from trainkit_utils.scores import is_better_score
 
 log = logging.getLogger(__name__)
 

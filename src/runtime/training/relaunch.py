@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import final
 
-from checkpoint.arguments import check_positive
 from runtime.training.state import StopReason, TrainState
+from trainkit_utils.arguments import check_positive
 
 log = logging.getLogger("runtime.training.trainer")
 

@@ -14,7 +14,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from checkpoint.arguments import check_positive
 from gangs import Gangs
 from runtime.errors import TrainerError
 from runtime.metrics.tracing import BACKWARD, FORWARD, GRADIENT_SYNC, OPTIMIZER_STEP, traced
@@ -25,6 +24,7 @@ from runtime.training.non_finite import NanPolicy, NonFiniteGuard
 from runtime.training.sparse_gradients import check_sparse_outside_ddp
 from runtime.training.state import check_state_keys
 from runtime.training.step_totals import StepTotals
+from trainkit_utils.arguments import check_positive
 from units import TrainUnit
 
 log = logging.getLogger(__name__)

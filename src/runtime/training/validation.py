@@ -10,8 +10,6 @@ from typing import Any, final
 
 from torch.nn import Module
 
-from checkpoint import is_better_score
-from checkpoint.arguments import check_positive, check_same_length
 from gangs import Gangs, decide_on_rank_zero
 from runtime.data import DataReader
 from runtime.errors import TrainerError
@@ -21,6 +19,8 @@ from runtime.training.callbacks import TrainerCallback
 from runtime.training.early_stop import EarlyStopper, Stateful
 from runtime.training.evaluation import AutocastFactory, Evaluator, combine_scores
 from runtime.training.state import check_state_keys
+from trainkit_utils.arguments import check_positive, check_same_length
+from trainkit_utils.scores import is_better_score
 from units import EvalUnit
 
 # The training's log lines share the Trainer's logger, the one name users filter on.
