@@ -362,7 +362,7 @@ def make_recorder(
     closing it closes ``recorders`` there too, since every rank built its own."""
     if gang.rank != 0:
         return _ClosingOnly(recorders)
-    log_line = LogMetricRecorder(logging.getLogger("runtime.training.trainer"))
+    log_line = LogMetricRecorder(logging.getLogger(__name__))
     return CompositeMetricRecorder([log_line, *options.build(), *recorders])
 
 

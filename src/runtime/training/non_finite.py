@@ -36,7 +36,7 @@ from runtime.errors import NonFiniteError
 from runtime.training.loss_spike import LossSpikeDetected, Spike, SpikeDetector
 from trainkit_utils.arguments import check_positive
 
-log = logging.getLogger("runtime.training.trainer")
+log = logging.getLogger(__name__)
 
 NanPolicy = Literal["error", "skip"]
 

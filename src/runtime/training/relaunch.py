@@ -11,7 +11,7 @@ from typing import final
 from runtime.training.state import StopReason, TrainState
 from trainkit_utils.arguments import check_positive
 
-log = logging.getLogger("runtime.training.trainer")
+log = logging.getLogger(__name__)
 
 
 @final

@@ -9,7 +9,7 @@ from typing import Any
 from runtime.training.early_stop import Stateful
 from runtime.training.state import STATEFUL_SECTION
 
-log = logging.getLogger("runtime.training.trainer")
+log = logging.getLogger(__name__)
 
 
 def save_stateful(objects: Mapping[str, Stateful]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from trainkit_utils.scores import is_better_score
 from units import EvalUnit
 
 # The training's log lines share the Trainer's logger, the one name users filter on.
-log = logging.getLogger("runtime.training.trainer")
+log = logging.getLogger(__name__)
 
 
 @final

@@ -107,7 +107,7 @@ def test_memory_and_throughput_are_published(
         flops_per_target=1e6,
         device_peak_flops=1e12,
     )
-    with caplog.at_level(logging.INFO, logger="runtime.training.trainer"):
+    with caplog.at_level(logging.INFO, logger="runtime"):
         assert trainer.run() == 0
     records = read_jsonl(tmp_path / "metrics" / "train.jsonl")
     assert [r["step_nr"] for r in records] == [2, 4]
