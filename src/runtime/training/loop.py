@@ -58,7 +58,6 @@ from runtime.training.validation import Validator
 LOSS_SPIKE_STATE = "runtime.loss_spike"
 """The name of the loss-spike guard's state (trailing losses, rollbacks) in the stateful section."""
 
-# The training's log lines share the Trainer's logger, the one name users filter on.
 log = logging.getLogger(__name__)
 
 BatchT = TypeVar("BatchT")

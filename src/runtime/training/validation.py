@@ -23,7 +23,6 @@ from trainkit_utils.arguments import check_positive, check_same_length
 from trainkit_utils.scores import is_better_score
 from units import EvalUnit
 
-# The training's log lines share the Trainer's logger, the one name users filter on.
 log = logging.getLogger(__name__)
 
 
