@@ -31,11 +31,11 @@ from runtime.metrics.train_metrics import Throughput, TrainMetrics
 from runtime.parallel.placement import check_model_device
 from runtime.training.callbacks import CallbackList, TrainerCallback
 from runtime.training.checkpointing import Checkpointer, CheckpointOptions
-from runtime.training.early_stop import EarlyStopper, Stateful
+from runtime.training.early_stop import EarlyStopper
+from runtime.training.limits import Limits
 from runtime.training.loop import LOSS_SPIKE_STATE, Observers, TrainLoop
 from runtime.training.loss_spike import LossSpikeGuard, SpikeDetector
 from runtime.training.non_finite import NanPolicy
-from runtime.training.relaunch import Limits
 from runtime.training.schedule import (
     Schedule,
     Schedules,
@@ -43,7 +43,7 @@ from runtime.training.schedule import (
     check_snapshots_are_saved,
 )
 from runtime.training.signals import PREEMPTED_EXIT_CODE
-from runtime.training.state import StopReason
+from runtime.training.state import Stateful, StopReason
 from runtime.training.step import Precision, TrainStep
 from runtime.training.validation import Scoring, Validator
 from units import EvalUnit, TrainUnit

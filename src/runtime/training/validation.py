@@ -16,9 +16,9 @@ from runtime.errors import TrainerError
 from runtime.metrics.recorders import MetricRecorder
 from runtime.metrics.tracing import VALIDATION, trace_range
 from runtime.training.callbacks import TrainerCallback
-from runtime.training.early_stop import EarlyStopper, Stateful
+from runtime.training.early_stop import EarlyStopper
 from runtime.training.evaluation import AutocastFactory, Evaluator, combine_scores
-from runtime.training.state import check_state_keys
+from runtime.training.state import Stateful, check_state_keys
 from trainkit_utils.arguments import check_positive, check_same_length
 from trainkit_utils.scores import is_better_score
 from units import EvalUnit
