@@ -21,11 +21,12 @@ one holds bumps the version.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from enum import Enum
 from typing import Any, Final, Protocol, final, runtime_checkable
 
 from checkpoint import CheckpointError
+from checkpoint.state_keys import check_state_keys
 
 log = logging.getLogger(__name__)
 
@@ -114,23 +115,6 @@ class TrainState:
                 f"{', '.join(repr(r.value) for r in StopReason)}. Resume with the version of the "
                 "runtime that saved the checkpoint."
             ) from None
-
-
-def check_state_keys(state: Mapping[str, Any], expected: Collection[str], *, what: str) -> None:
-    """Raise CheckpointError unless ``state`` has exactly the ``expected`` keys."""
-    missing = sorted(set(expected) - set(state))
-    unknown = sorted(set(state) - set(expected))
-    if missing or unknown:
-        problems = []
-        if missing:
-            problems.append(f"lacks {', '.join(missing)}")
-        if unknown:
-            problems.append(f"has unknown entries {', '.join(unknown)}")
-        raise CheckpointError(
-            f"The {what} state of the checkpoint {' and '.join(problems)}, so it was not saved by "
-            "this version of the runtime or this Trainer. Resume with the version and settings "
-            "that saved it, or start the run in a fresh output directory."
-        )
 
 
 def check_trainer_state(state: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any, final
 
 from torch.nn import Module
 
+from checkpoint.state_keys import check_state_keys
 from gangs import Gangs, decide_on_rank_zero
 from runtime.data import DataReader
 from runtime.errors import TrainerError
@@ -18,7 +19,7 @@ from runtime.metrics.tracing import VALIDATION, trace_range
 from runtime.training.callbacks import TrainerCallback
 from runtime.training.early_stop import EarlyStopper
 from runtime.training.evaluation import AutocastFactory, Evaluator, combine_scores
-from runtime.training.state import Stateful, check_state_keys
+from runtime.training.state import Stateful
 from trainkit_utils.arguments import check_positive, check_same_length
 from trainkit_utils.scores import is_better_score
 from units import EvalUnit

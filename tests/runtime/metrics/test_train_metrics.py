@@ -17,10 +17,9 @@ from torch import nn
 from gangs import Gangs
 from runtime import NonFiniteError, TrainerCallback
 from runtime.metrics.device_peaks import compute_dtype, peak_flops
-from runtime.metrics.train_metrics import Throughput, TrainMetrics
+from runtime.metrics.train_metrics import StepOutput, Throughput, TrainMetrics
 from runtime.parallel import wrapping
 from runtime.training.non_finite import NonFiniteGuard
-from runtime.training.step import StepOutput
 from tests.conftest import make_toy_trainer, read_jsonl
 from units import MetricBag
 
