@@ -200,8 +200,8 @@ def test_the_checks_find_a_cycle_an_upward_arrow_and_a_forbidden_package(
     files = {
         "runtime/__init__.py": "",
         "runtime/errors.py": "",
-        "runtime/data/__init__.py": "from .reader import DataReader\n",
-        "runtime/data/reader.py": "def f():\n    from runtime.training.loop import x\n",
+        "runtime/data/__init__.py": "from .data_reader import DataReader\n",
+        "runtime/data/data_reader.py": "def f():\n    from runtime.training.loop import x\n",
         "runtime/training/__init__.py": "",
         "runtime/training/loop.py": "from runtime.data import DataReader\nx = 1\n",
         "runtime/training/step.py": "from runtime.errors import E\n",
@@ -218,10 +218,10 @@ def test_the_checks_find_a_cycle_an_upward_arrow_and_a_forbidden_package(
     graph = import_graph(modules)
 
     assert find_cycles(graph) == [
-        ["runtime.data", "runtime.data.reader", "runtime.training.loop", "runtime.data"]
+        ["runtime.data", "runtime.data.data_reader", "runtime.training.loop", "runtime.data"]
     ]
     assert wrong_arrows(graph) == [
         "gangs.gang -> checkpoint (gangs may not import it)",
-        "runtime.data.reader -> runtime.training.loop (up a floor inside runtime)",
+        "runtime.data.data_reader -> runtime.training.loop (up a floor inside runtime)",
     ]
     assert outside_imports(modules, "trainkit_utils") == ["trainkit_utils imports yaml"]

@@ -10,7 +10,7 @@ from torch.utils.data import default_collate
 from typing_extensions import override
 
 from gangs import Gang, ReduceOperation, agree
-from runtime.data.reader import DataReader, DataReaderError, SyncMode, int_entry
+from runtime.data.data_reader import DataReader, DataReaderError, SyncMode, int_entry
 from trainkit_utils.arguments import check_positive
 
 BatchT = TypeVar("BatchT")

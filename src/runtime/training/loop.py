@@ -28,7 +28,7 @@ from runtime.metrics.recorders import MetricRecorder
 from runtime.metrics.tracing import CHECKPOINT, DATA_WAIT, trace_range, traced
 from runtime.metrics.train_metrics import TrainMetrics, describe_devices
 from runtime.training.callbacks import CallbackList
-from runtime.training.checkpointing import Checkpointer
+from runtime.training.checkpointer import Checkpointer
 from runtime.training.garbage_collection import GarbageCollection
 from runtime.training.limits import Limits
 from runtime.training.loss_spike import (

@@ -2,7 +2,7 @@
 
 The parts, each in its own module: :class:`~runtime.training.step.TrainStep` (one optimizer step),
 :class:`~runtime.training.loop.TrainLoop` (the loop and the stop decision),
-:class:`~runtime.training.validation.Validator`, :class:`~runtime.training.checkpointing.Checkpointer`,
+:class:`~runtime.training.validation.Validator`, :class:`~runtime.training.checkpointer.Checkpointer`,
 :class:`~runtime.metrics.train_metrics.TrainMetrics` and the schedules that say when each is due.
 """
 
@@ -30,7 +30,7 @@ from runtime.metrics.recorders import MetricRecorder, RecorderOptions, make_reco
 from runtime.metrics.train_metrics import Throughput, TrainMetrics
 from runtime.parallel.placement import check_model_device
 from runtime.training.callbacks import CallbackList, TrainerCallback
-from runtime.training.checkpointing import Checkpointer, CheckpointOptions
+from runtime.training.checkpointer import Checkpointer, CheckpointOptions
 from runtime.training.early_stop import EarlyStopper
 from runtime.training.limits import Limits
 from runtime.training.loop import LOSS_SPIKE_STATE, Observers, TrainLoop

@@ -10,7 +10,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from gangs import Gang, find_disagreements
-from runtime.data.reader import DataReader, DataReaderError, int_entry
+from runtime.data.data_reader import DataReader, DataReaderError, int_entry
 from runtime.data.text.files import ReadOptions, find_files
 from runtime.data.text.mixture import MixtureSampler, TextSource
 from runtime.data.text.packing import TextBatch, make_batch
