@@ -13,6 +13,7 @@ still an arrow a reader follows. The graph is read from the source (``ast``), no
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -172,17 +173,20 @@ def outside_imports(modules: Mapping[str, Path], package: str) -> list[str]:
     return sorted(found)
 
 
+@functools.cache
+def src_graph() -> dict[str, set[str]]:
+    return import_graph(read_modules(SRC))
+
+
 def test_src_has_no_import_cycle() -> None:
-    modules = read_modules(SRC)
-    assert {"runtime.training.step", "checkpoint.manager", "trainkit_utils.arguments"} <= set(
-        modules
-    )
-    cycles = find_cycles(import_graph(modules))
+    graph = src_graph()
+    assert {"runtime.training.step", "checkpoint.manager", "trainkit_utils.arguments"} <= set(graph)
+    cycles = find_cycles(graph)
     assert not cycles, "Import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
 def test_src_imports_only_down_the_floors() -> None:
-    graph = import_graph(read_modules(SRC))
+    graph = src_graph()
     assert {m.split(".")[0] for m in graph} == set(PACKAGES_BELOW)
     wrong = wrong_arrows(graph)
     assert not wrong, "Arrows against the layering:\n" + "\n".join(wrong)
