@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torcheval.metrics import Mean, Perplexity
 
-from checkpoint.arguments import check_not_negative, check_positive
 from gangs import Gangs
 from recipes.common import (
     FsdpSection,
@@ -42,6 +41,7 @@ from runtime import (
     main,
     parallelize_model,
 )
+from trainkit_utils.arguments import check_not_negative, check_positive
 from units import EvalUnit, TrainUnit
 
 log = logging.getLogger(__name__)

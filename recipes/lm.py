@@ -37,7 +37,6 @@ from torch.distributed.tensor.parallel import (
 )
 from torcheval.metrics import Max, Mean
 
-from checkpoint.arguments import check_positive
 from gangs import Gangs
 from recipes.common import (
     FsdpSection,
@@ -73,6 +72,7 @@ from runtime.data.text import (
     load_tokenizer,
     parse_mixture,
 )
+from trainkit_utils.arguments import check_positive
 from units import EvalUnit, TrainUnit
 
 log = logging.getLogger(__name__)

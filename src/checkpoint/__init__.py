@@ -18,7 +18,6 @@ from checkpoint.retention import (
     RetentionPlan,
     RetentionPolicy,
     best_checkpoint,
-    is_better_score,
     plan_retention,
 )
 
@@ -37,6 +36,5 @@ __all__ = [
     "RetentionPolicy",
     "WorldLayout",
     "best_checkpoint",
-    "is_better_score",
     "plan_retention",
 ]

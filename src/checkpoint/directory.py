@@ -1,12 +1,12 @@
-"""The checkpoint directory on disk: what is in it, the moves that keep it consistent, the
-writes that survive a crash, and whether every rank sees it.
+"""The checkpoint directory on disk: what is in it, the moves that keep it consistent, a head
+start for the flushes of large files, and whether every rank sees it.
 
 ``step_N/`` with a manifest is a committed checkpoint; ``step_N.tmp/`` (or a ``step_N/`` without
 a manifest, left by an interrupted delete) is incomplete; ``step_N.damaged[K]/`` was found damaged
 by a resume and moved aside; ``step_N.unhealthy[K]/`` was marked unhealthy and moved aside when the
 run, rolled back, saved step N again. Every function here runs on one rank; the manager coordinates.
 
-A durable write leaves a reader the old file or the whole new one, never half. The shared-directory
+The durable writes themselves are :mod:`trainkit_utils.files`. The shared-directory
 check runs before any training: ranks that name different directories (a per-rank temp dir, nodes
 without a shared filesystem) would otherwise fail at the first save, after a whole checkpoint
 interval of training is lost.
@@ -15,7 +15,6 @@ interval of training is lost.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import re
@@ -28,6 +27,7 @@ from typing import Any, Final, cast
 
 from checkpoint.errors import CheckpointDirectoryError
 from gangs import Gang
+from trainkit_utils.files import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -107,33 +107,6 @@ def remove_incomplete(checkpoint_dir: Path) -> None:
 
 
 _SYNC_FILE_RANGE_WRITE: Final = 2
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` in one step (no fsync: for files a crash may lose)."""
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(text, encoding="utf-8")
-    os.replace(partial, path)
-
-
-def write_json_durably(obj: Any, file: Path) -> None:
-    """Replace ``file`` with ``obj`` as JSON, flushed to disk with its directory entry."""
-    tmp = file.with_name(file.name + ".partial")
-    with tmp.open("w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, file)
-    fsync_dir(file.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make the entries of ``path`` (new, renamed or removed files) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def start_writeback(fd: int, offset: int, length: int) -> None:

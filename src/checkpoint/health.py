@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any, Final
 
 from checkpoint import directory
-from checkpoint.directory import write_json_durably
 from checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from checkpoint.retention import RetentionPolicy
+from trainkit_utils.files import write_json_durably
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ from typing_extensions import override
 
 from checkpoint import directory, health
 from checkpoint.base import AbstractCheckpointManager, LoadedCheckpoint
-from checkpoint.directory import check_shared_directory, fsync_dir
+from checkpoint.directory import check_shared_directory
 from checkpoint.errors import (
     CheckpointError,
     CheckpointLayoutError,
@@ -76,6 +76,7 @@ from checkpoint.storage import (
     set_state_dicts,
 )
 from gangs import Gang, Gangs, agree, run_on_all_ranks
+from trainkit_utils.files import fsync_dir
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from typing import Any, Final, Literal, final
 import torch
 
 from checkpoint import directory
-from checkpoint.directory import MANIFEST_NAME, write_json_durably
+from checkpoint.directory import MANIFEST_NAME
 from checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from checkpoint.health import PERMANENT_MARK, is_marked, unhealthy_reason
 from checkpoint.integrity import (
@@ -56,6 +56,7 @@ from checkpoint.integrity import (
     verify_file,
 )
 from checkpoint.retention import CheckpointInfo, best_checkpoint
+from trainkit_utils.files import write_json_durably
 
 FORMAT_VERSION: Final = 2
 

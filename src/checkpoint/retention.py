@@ -4,12 +4,12 @@ never deleted by retention (see :mod:`checkpoint.health`)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from checkpoint.arguments import check_positive
+from trainkit_utils.arguments import check_positive
+from trainkit_utils.scores import score_key
 
 
 @dataclass(frozen=True)
@@ -128,28 +128,6 @@ def best_checkpoint(
     one is scored."""
     best = _ranked(infos, lower_better)
     return best[0] if best else None
-
-
-def score_key(score: float, *, lower_better: bool) -> float:
-    """``score`` oriented so that a smaller key is a better score."""
-    return score if lower_better else -score
-
-
-def is_better_score(
-    score: float, than: float | None, *, lower_better: bool, min_delta: float = 0.0
-) -> bool:
-    """Whether ``score`` improves on ``than`` by more than ``min_delta``.
-
-    A NaN or infinite score (a diverged model) never does; any finite score improves on ``None``.
-    """
-    if not math.isfinite(score):
-        return False
-    if than is None:
-        return True
-    return (
-        score_key(than, lower_better=lower_better) - score_key(score, lower_better=lower_better)
-        > min_delta
-    )
 
 
 def _never_deleted(info: CheckpointInfo, policy: RetentionPolicy) -> bool:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
         TensorBoardRecorder,
         WandbRecorder,
     )
-    from runtime.parallel.activation_checkpoint import apply_activation_checkpointing
+    from runtime.parallel.activation_recompute import apply_activation_checkpointing
     from runtime.parallel.compile import compile_blocks, compile_loss
     from runtime.parallel.materialize import InitFn, has_meta_tensors, materialize_model
     from runtime.parallel.parallelize import parallelize_model
@@ -99,7 +99,7 @@ _MODULE_OF: dict[str, str] = {
     "LossSpikeGuard": "runtime.training.loss_spike",
     "WandbRecorder": "runtime.metrics.recorders",
     "WindowedDataReader": "runtime.data",
-    "apply_activation_checkpointing": "runtime.parallel.activation_checkpoint",
+    "apply_activation_checkpointing": "runtime.parallel.activation_recompute",
     "apply_data_parallel": "runtime.parallel.wrapping",
     "apply_tensor_parallel": "runtime.parallel.wrapping",
     "clip_gradient_norm": "runtime.training.gradients",

@@ -179,7 +179,7 @@ def test_the_cli_shows_health_and_permanent_snapshots(
     [
         ("os.fsync", False),  # the mark's bytes written, not yet flushed
         ("os.replace", False),  # flushed, not yet renamed into place
-        ("checkpoint.directory.fsync_dir", True),  # renamed, the rename not yet flushed
+        ("trainkit_utils.files.fsync_dir", True),  # renamed, the rename not yet flushed
     ],
 )
 def test_a_kill_9_while_marking_leaves_the_checkpoint_marked_or_not_and_whole(

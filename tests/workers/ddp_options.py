@@ -20,8 +20,8 @@ from torch import Tensor, nn
 
 from gangs import setup_gangs
 from runtime import apply_data_parallel
+from runtime.parallel.sparse_embeddings import check_sparse_outside_ddp
 from runtime.training.rng import seed_rngs
-from runtime.training.sparse_gradients import check_sparse_outside_ddp
 from tests.workers.leave import leave
 
 

@@ -33,7 +33,6 @@ from checkpoint import (
     CheckpointError,
     CheckpointLayoutError,
 )
-from checkpoint.directory import write_text_atomically
 from checkpoint.errors import exception_chain
 from gangs import (
     GangError,
@@ -54,6 +53,7 @@ from runtime.cli.run_lock import LauncherWatchdog, RunLock, RunLockError
 from runtime.training.initial_weights import InitialWeightsError
 from runtime.training.loss_spike import LossSpikeError
 from runtime.training.signals import PREEMPTED_EXIT_CODE, StartupInterrupted, StartupSignals
+from trainkit_utils.files import write_text_atomically
 
 ConfigT = TypeVar("ConfigT")
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from runtime.data.data_reader import DataReader, DataReaderError, SyncMode, WaitInterrupted
 from runtime.data.device import DeviceDataReader, move_to_device, pin_memory
 from runtime.data.iterable_reader import IterableDataReader
 from runtime.data.map_reader import MapDataReader, MapDataset
-from runtime.data.reader import DataReader, DataReaderError, SyncMode, WaitInterrupted
-from runtime.data.window_reader import WindowedDataReader
-from runtime.data.windows import load_window_files
+from runtime.data.windows import WindowedDataReader, load_window_files
 
 __all__ = [
     "DataReader",

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from runtime.data.reader import DataReader
+from runtime.data.data_reader import DataReader
 
 BatchT = TypeVar("BatchT")
 T = TypeVar("T")

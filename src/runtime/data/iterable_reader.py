@@ -9,9 +9,9 @@ from typing import Any, TypeVar, final, overload
 from torch.utils.data import default_collate
 from typing_extensions import override
 
-from checkpoint.arguments import check_positive
 from gangs import Gang, ReduceOperation, agree
-from runtime.data.reader import DataReader, DataReaderError, SyncMode, int_entry
+from runtime.data.data_reader import DataReader, DataReaderError, SyncMode, int_entry
+from trainkit_utils.arguments import check_positive
 
 BatchT = TypeVar("BatchT")
 

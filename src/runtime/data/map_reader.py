@@ -10,12 +10,12 @@ from torch import Tensor
 from torch.utils.data import TensorDataset, default_collate
 from typing_extensions import override
 
-from checkpoint.arguments import check_not_negative, check_positive
 from gangs import Gang, find_disagreements
+from runtime.data.data_reader import DataReader, DataReaderError, SyncMode, int_entry
 from runtime.data.device import pin_memory
 from runtime.data.prefetch import Prefetcher
-from runtime.data.reader import DataReader, DataReaderError, SyncMode, int_entry
 from runtime.data.sharding import ShardLayout, resume_position
+from trainkit_utils.arguments import check_not_negative, check_positive
 
 BatchT = TypeVar("BatchT")
 

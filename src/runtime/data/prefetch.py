@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar, final
 
-from runtime.data.reader import DataReaderError
+from runtime.data.data_reader import DataReaderError
 
 BatchT = TypeVar("BatchT")
 

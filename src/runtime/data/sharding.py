@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import final
 
-from runtime.data.reader import SyncMode, divide
+from runtime.data.data_reader import SyncMode, divide
 
 
 @final

@@ -6,8 +6,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import final
 
-from checkpoint.arguments import check_not_negative, check_positive
 from gangs import Gang
+from trainkit_utils.arguments import check_not_negative, check_positive
 
 
 @final

@@ -22,8 +22,8 @@ from typing import IO, Any, final
 
 from typing_extensions import override
 
-from checkpoint.directory import write_text_atomically
 from gangs import Gang
+from trainkit_utils.files import write_text_atomically
 
 
 class MetricRecorder(ABC):
@@ -362,7 +362,7 @@ def make_recorder(
     closing it closes ``recorders`` there too, since every rank built its own."""
     if gang.rank != 0:
         return _ClosingOnly(recorders)
-    log_line = LogMetricRecorder(logging.getLogger("runtime.training.trainer"))
+    log_line = LogMetricRecorder(logging.getLogger(__name__))
     return CompositeMetricRecorder([log_line, *options.build(), *recorders])
 
 

@@ -6,19 +6,17 @@ import logging
 import math
 import resource
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, final
+from typing import Any, Protocol, final
 
 import torch
 from torch import Tensor
 
-from checkpoint.arguments import check_positive
+from checkpoint.state_keys import check_state_keys
 from gangs import Gangs, ReduceOperation
 from runtime.metrics.device_peaks import matmul_precision, peak_flops
-from runtime.training.non_finite import NonFiniteGuard
-from runtime.training.state import check_state_keys
-from runtime.training.step import StepOutput
+from trainkit_utils.arguments import check_positive
 from units import MetricBag
 
 log = logging.getLogger(__name__)
@@ -33,6 +31,55 @@ _WINDOW_KEYS = (
     "num_steps",
     "num_skipped_steps",
 )
+
+
+@final
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepOutput:
+    """What one step measured; tensors stay on the device, so reading them is left to publish."""
+
+    step_nr: int
+    """The number of the step."""
+    losses: list[Tensor]
+    """This rank's summed loss of each micro-batch."""
+    num_targets: int
+    """This rank's targets (or micro-batches, for a unit that returns mean losses)."""
+    total_targets: float
+    """The targets of the whole DP gang: the normalizer of the step."""
+    total_examples: float
+    """The examples of the whole DP gang."""
+    grad_norm: Tensor | None
+    """The gradient norm before clipping, on the steps that measure it (see
+    :meth:`~runtime.training.step.TrainStep.__call__`)."""
+    non_finite_gradients: Tensor | None
+    """This rank's flag, one tensor for the run: non-zero since the first NaN or infinite
+    gradient (None without gradients)."""
+    stop_requested: bool
+    """Whether any rank asked to stop (a signal) before this step."""
+    applied: bool = True
+    """False when the step was skipped (fp16 overflow, or a non-finite value with
+    ``nan_policy="skip"``): the weights are as before it."""
+
+
+class NonFiniteCheck(Protocol):
+    """What :class:`TrainMetrics` asks of the guard against non-finite values
+    (:class:`~runtime.training.non_finite.NonFiniteGuard`) when it checks a window."""
+
+    @property
+    def skips(self) -> bool:
+        """Whether steps are checked on the host and skipped (``nan_policy="skip"``)."""
+        ...
+
+    def raise_if_non_finite(
+        self,
+        *,
+        losses: Sequence[tuple[int, Tensor]],
+        gradient_flag: Tensor | None,
+        unchecked_steps: tuple[int, int] | None,
+        num_targets: Mapping[int, int] | None = None,
+    ) -> None:
+        """Stop every rank if a loss or gradient of the window was not finite."""
+        ...
 
 
 @final
@@ -130,7 +177,7 @@ class TrainMetrics:
         *,
         unit_metrics: MetricBag,
         gangs: Gangs,
-        guard: NonFiniteGuard,
+        guard: NonFiniteCheck,
         throughput: Throughput = Throughput(),
     ) -> None:
         self._unit_metrics = unit_metrics

@@ -10,7 +10,7 @@ import torch
 from torch.nn import Module
 
 from gangs import Gangs
-from runtime.parallel.activation_checkpoint import apply_activation_checkpointing
+from runtime.parallel.activation_recompute import apply_activation_checkpointing
 from runtime.parallel.compile import compile_blocks
 from runtime.parallel.materialize import InitFn, materialize_model
 from runtime.parallel.wrapping import DataParallelKind, apply_data_parallel, apply_tensor_parallel

@@ -13,8 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gangs import Gangs
 from gangs.torch_versions import private_apis_refused, private_apis_supported
 from runtime.parallel.materialize import has_meta_tensors
+from runtime.parallel.sparse_embeddings import sparse_parameters
 from runtime.parallel.tying import retie, shared_parameters
-from runtime.training.sparse_gradients import sparse_parameters
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle

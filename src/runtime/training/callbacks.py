@@ -8,7 +8,7 @@ from typing import Any, final
 
 from torch.nn import Module
 
-from runtime.training.early_stop import Stateful
+from runtime.training.state import Stateful
 
 
 class TrainerCallback:

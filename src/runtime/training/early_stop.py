@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol, final, runtime_checkable
+from typing import Any, Protocol, final
 
-from checkpoint import is_better_score
-from checkpoint.arguments import check_not_negative, check_positive
+from trainkit_utils.arguments import check_not_negative, check_positive
+from trainkit_utils.scores import is_better_score
 
 log = logging.getLogger(__name__)
 
@@ -15,15 +15,6 @@ class EarlyStopper(Protocol):
     """Any callable ``(step_nr, score) -> bool``; ``True`` stops the training."""
 
     def __call__(self, step_nr: int, score: float) -> bool: ...
-
-
-@runtime_checkable
-class Stateful(Protocol):
-    """Something whose state a checkpoint keeps, such as :class:`PatienceEarlyStopper`."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @final

@@ -11,11 +11,11 @@ import torch
 from torch.nn import Module
 
 from checkpoint import AbstractCheckpointManager, CheckpointChoice
-from checkpoint.arguments import check_same_length
 from gangs import Gang, Gangs
 from runtime.data import DataReader
 from runtime.metrics.recorders import MetricRecorder
 from runtime.training.stand_in import StandInBatch
+from trainkit_utils.arguments import check_same_length
 from units import EvalUnit
 
 log = logging.getLogger(__name__)

@@ -17,22 +17,18 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Final, final
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 from typing_extensions import TypeIs
 
 from gangs import Gang
 from gangs.torch_versions import private_apis_supported
-from runtime.training.sparse_gradients import SparseGradients, sparse_parameters
+from runtime.parallel.process_group import process_group_exists
+from runtime.parallel.sparse_embeddings import sparse_parameters
+from runtime.training.sparse_gradients import SparseGradients
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
-
-
-def process_group_exists() -> bool:
-    """Whether the default process group exists (DDP, FSDP2 and DTensor all need one)."""
-    return dist.is_available() and dist.is_initialized()
 
 
 def _is_dtensor(tensor: object) -> TypeIs[DTensor]:

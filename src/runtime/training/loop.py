@@ -28,9 +28,9 @@ from runtime.metrics.recorders import MetricRecorder
 from runtime.metrics.tracing import CHECKPOINT, DATA_WAIT, trace_range, traced
 from runtime.metrics.train_metrics import TrainMetrics, describe_devices
 from runtime.training.callbacks import CallbackList
-from runtime.training.checkpointing import Checkpointer
-from runtime.training.early_stop import Stateful
+from runtime.training.checkpointer import Checkpointer
 from runtime.training.garbage_collection import GarbageCollection
+from runtime.training.limits import Limits
 from runtime.training.loss_spike import (
     LossSpikeDetected,
     LossSpikeError,
@@ -40,26 +40,27 @@ from runtime.training.loss_spike import (
     too_many_rollbacks,
 )
 from runtime.training.out_of_memory import MemoryFigures, step_out_of_memory_error
-from runtime.training.relaunch import Limits, reopen_finished_run
+from runtime.training.relaunch import reopen_finished_run
 from runtime.training.rng import rng_state, seed_rngs, set_rng_state
 from runtime.training.schedule import Due, Schedules
 from runtime.training.signals import StopSignals
 from runtime.training.state import (
     STATEFUL_SECTION,
     TRAINER_STATE_VERSION,
+    Stateful,
     StopReason,
     TrainState,
     check_trainer_state,
+    load_stateful,
+    save_stateful,
 )
-from runtime.training.stateful_section import load_stateful, save_stateful
 from runtime.training.step import TrainStep
 from runtime.training.validation import Validator
 
 LOSS_SPIKE_STATE = "runtime.loss_spike"
 """The name of the loss-spike guard's state (trailing losses, rollbacks) in the stateful section."""
 
-# The training's log lines share the Trainer's logger, the one name users filter on.
-log = logging.getLogger("runtime.training.trainer")
+log = logging.getLogger(__name__)
 
 BatchT = TypeVar("BatchT")
 

@@ -28,8 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, final
 
-from checkpoint.arguments import check_positive
 from runtime.errors import TrainerError
+from trainkit_utils.arguments import check_positive
 
 
 class LossSpikeError(TrainerError):

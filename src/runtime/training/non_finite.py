@@ -31,12 +31,12 @@ from typing import Final, Literal, final
 import torch
 from torch import Tensor
 
-from checkpoint.arguments import check_positive
 from gangs import Gang, ReduceOperation
 from runtime.errors import NonFiniteError
 from runtime.training.loss_spike import LossSpikeDetected, Spike, SpikeDetector
+from trainkit_utils.arguments import check_positive
 
-log = logging.getLogger("runtime.training.trainer")
+log = logging.getLogger(__name__)
 
 NanPolicy = Literal["error", "skip"]
 

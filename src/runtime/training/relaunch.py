@@ -1,38 +1,15 @@
-"""The limits of a run, and what a relaunch of a finished run does: one that reached a limit
-the relaunch lifts, or whose data has gone on since, trains on."""
+"""What a relaunch of a finished run does: one that reached a limit the relaunch lifts, or whose
+data has gone on since, trains on."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import final
 
-from checkpoint.arguments import check_positive
+from runtime.training.limits import Limits
 from runtime.training.state import StopReason, TrainState
 
-log = logging.getLogger("runtime.training.trainer")
-
-
-@final
-@dataclass(frozen=True)
-class Limits:
-    max_num_steps: int | None
-    max_num_data_epochs: int | None
-
-    def __post_init__(self) -> None:
-        check_positive("max_num_steps", self.max_num_steps)
-        check_positive("max_num_data_epochs", self.max_num_data_epochs)
-
-    def reached(self, state: TrainState) -> bool:
-        """Whether ``max_num_steps`` or ``max_num_data_epochs`` ends the training at ``state``."""
-        if self.max_num_steps is not None and state.step_nr >= self.max_num_steps:
-            return True
-        return (
-            state.stop_reason is StopReason.MAX_NUM_DATA_EPOCHS
-            and self.max_num_data_epochs is not None
-            and state.data_epoch_nr >= self.max_num_data_epochs
-        )
+log = logging.getLogger(__name__)
 
 
 def reopen_finished_run(

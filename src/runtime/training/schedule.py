@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import final
 
-from checkpoint.arguments import check_not_negative, check_positive
+from trainkit_utils.arguments import check_not_negative, check_positive
 
 
 @final

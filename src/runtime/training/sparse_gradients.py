@@ -1,13 +1,13 @@
 """Sparse gradients (``nn.Embedding(sparse=True)``): reduced over the DP gang, normalized,
 measured and clipped beside the dense ones.
 
-DDP sums sparse gradients where it averages dense ones, and the fused unscale kernel that
-normalizes dense gradients has no sparse kernel. So :func:`~runtime.parallel.wrapping.
-apply_data_parallel` leaves the parameters of sparse embeddings out of DDP, and each step
-reduces their gradients here: every rank coalesces its gradient, the ranks gather each other's
-rows (indices and values, padded to the longest), and each coalesces the gathered rows and
-divides by the gang size, which is what DDP does to a dense gradient. Only the rows a step
-touched travel, never the whole table.
+DDP sums sparse gradients where it averages dense ones, and the fused unscale kernel that normalizes
+dense gradients has no sparse kernel. So :func:`~runtime.parallel.wrapping.apply_data_parallel`
+leaves the parameters of sparse embeddings out of DDP (see
+:mod:`runtime.parallel.sparse_embeddings`), and each step reduces their gradients here: every rank
+coalesces its gradient, the ranks gather each other's rows (indices and values, padded to the
+longest), and each coalesces the gathered rows and divides by the gang size, which is what DDP does
+to a dense gradient. Only the rows a step touched travel, never the whole table.
 """
 
 from __future__ import annotations
@@ -16,41 +16,8 @@ from typing import final
 
 import torch
 from torch import Tensor
-from torch.nn import Embedding, EmbeddingBag, Module
 
 from gangs import Gang
-
-
-def sparse_parameters(model: Module) -> dict[str, Tensor]:
-    """The parameters of ``model`` whose gradients are sparse, by name: the weights of
-    embeddings built with ``sparse=True``."""
-    found: dict[str, Tensor] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, (Embedding, EmbeddingBag)) and module.sparse:
-            found[f"{name}.weight" if name else "weight"] = module.weight
-    return found
-
-
-def check_sparse_outside_ddp(model: Module) -> None:
-    """Raise if ``model`` is DDP that reduces sparse gradients itself (it sums them where it
-    averages dense ones, and the step would reduce them a second time)."""
-    # Imported here: that module imports this one.
-    from runtime.training.gradients import process_group_exists
-
-    if not process_group_exists():
-        return
-    from torch.nn.parallel import DistributedDataParallel
-
-    if not isinstance(model, DistributedDataParallel):
-        return
-    ignored = set(getattr(model, "parameters_to_ignore", ()))
-    reduced = sorted(set(sparse_parameters(model.module)) - ignored)
-    if reduced:
-        raise ValueError(
-            f"The DDP model reduces the sparse gradients of {', '.join(reduced)}, which the "
-            "Trainer reduces itself. Wrap the model with runtime.apply_data_parallel, which "
-            "leaves sparse embeddings out of DDP."
-        )
 
 
 def reduce_sparse_gradient(grad: Tensor, gang: Gang) -> Tensor:

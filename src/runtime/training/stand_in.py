@@ -14,8 +14,8 @@ from typing import Any, final
 import torch
 
 from gangs import Gang, ReduceOperation
+from runtime.data.data_reader import DataReaderError
 from runtime.data.device import move_to_device, tensor_devices
-from runtime.data.reader import DataReaderError
 
 _CPU = torch.device("cpu")
 

@@ -12,18 +12,23 @@ the part of the Trainer that reads and writes it::
     validation     last and best scores, early stopper
     stateful       (only when there are any) the stateful callbacks and registered objects
 
-The format is version 3 (``TRAINER_STATE_VERSION``); a checkpoint of any other version is a
-clear error (:func:`check_trainer_state`). A change to the sections or to what one holds bumps
-the version.
+The ``stateful`` section holds each :class:`Stateful` object by its name (:func:`save_stateful`,
+:func:`load_stateful`). The format is version 3 (``TRAINER_STATE_VERSION``); a checkpoint of any
+other version is a clear error (:func:`check_trainer_state`). A change to the sections or to what
+one holds bumps the version.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import logging
+from collections.abc import Mapping
 from enum import Enum
-from typing import Any, Final, final
+from typing import Any, Final, Protocol, final, runtime_checkable
 
 from checkpoint import CheckpointError
+from checkpoint.state_keys import check_state_keys
+
+log = logging.getLogger(__name__)
 
 TRAINER_STATE_VERSION: Final = 3
 
@@ -41,6 +46,16 @@ TRAINER_STATE_SECTIONS: Final = frozenset(
 
 STATEFUL_SECTION: Final = "stateful"
 """The optional section: absent in a checkpoint of a run without stateful callbacks."""
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Something whose state a checkpoint keeps, such as
+    :class:`~runtime.training.early_stop.PatienceEarlyStopper`."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class StopReason(Enum):
@@ -102,23 +117,6 @@ class TrainState:
             ) from None
 
 
-def check_state_keys(state: Mapping[str, Any], expected: Collection[str], *, what: str) -> None:
-    """Raise CheckpointError unless ``state`` has exactly the ``expected`` keys."""
-    missing = sorted(set(expected) - set(state))
-    unknown = sorted(set(state) - set(expected))
-    if missing or unknown:
-        problems = []
-        if missing:
-            problems.append(f"lacks {', '.join(missing)}")
-        if unknown:
-            problems.append(f"has unknown entries {', '.join(unknown)}")
-        raise CheckpointError(
-            f"The {what} state of the checkpoint {' and '.join(problems)}, so it was not saved by "
-            "this version of the runtime or this Trainer. Resume with the version and settings "
-            "that saved it, or start the run in a fresh output directory."
-        )
-
-
 def check_trainer_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
     """``state`` if it is a trainer state of the current format; CheckpointError if not."""
     version = state.get("version")
@@ -131,3 +129,29 @@ def check_trainer_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
     optional = {STATEFUL_SECTION} & set(state)
     check_state_keys(state, TRAINER_STATE_SECTIONS | optional, what="trainer")
     return state
+
+
+def save_stateful(objects: Mapping[str, Stateful]) -> dict[str, Any]:
+    """The section of ``objects`` by name, to merge into the trainer state."""
+    # Absent without stateful objects, so such a checkpoint reads as it always did.
+    if not objects:
+        return {}
+    return {STATEFUL_SECTION: {name: obj.state_dict() for name, obj in objects.items()}}
+
+
+def load_stateful(objects: Mapping[str, Stateful], saved: Mapping[str, Any]) -> None:
+    """Restore the objects the checkpoint holds; one without a saved state keeps its own (it is
+    new in this launch), and a saved state without an object is left unused, each with a
+    warning."""
+    for name, obj in objects.items():
+        if name in saved:
+            obj.load_state_dict(saved[name])
+        else:
+            log.warning("The checkpoint holds no state of %s; it starts from its own.", name)
+    unused = sorted(set(saved) - set(objects))
+    if unused:
+        log.warning(
+            "The checkpoint holds the state of %s, but nothing of that name is registered "
+            "(a callback or Trainer.register_stateful) in this launch; it is not used.",
+            ", ".join(unused),
+        )

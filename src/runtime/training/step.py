@@ -14,51 +14,24 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from checkpoint.arguments import check_positive
+from checkpoint.state_keys import check_state_keys
 from gangs import Gangs
 from runtime.errors import TrainerError
 from runtime.metrics.tracing import BACKWARD, FORWARD, GRADIENT_SYNC, OPTIMIZER_STEP, traced
+from runtime.metrics.train_metrics import StepOutput
+from runtime.parallel.sparse_embeddings import check_sparse_outside_ddp
 from runtime.training.callbacks import TrainerCallback
 from runtime.training.gradients import Gradients, gradient_sync_switch
 from runtime.training.loss_scale import LossScaler
 from runtime.training.non_finite import NanPolicy, NonFiniteGuard
-from runtime.training.sparse_gradients import check_sparse_outside_ddp
-from runtime.training.state import check_state_keys
 from runtime.training.step_totals import StepTotals
+from trainkit_utils.arguments import check_positive
 from units import TrainUnit
 
 log = logging.getLogger(__name__)
 
 BatchT = TypeVar("BatchT")
 R = TypeVar("R")
-
-
-@final
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StepOutput:
-    """What one step measured; tensors stay on the device, so reading them is left to publish."""
-
-    step_nr: int
-    """The number of the step."""
-    losses: list[Tensor]
-    """This rank's summed loss of each micro-batch."""
-    num_targets: int
-    """This rank's targets (or micro-batches, for a unit that returns mean losses)."""
-    total_targets: float
-    """The targets of the whole DP gang: the normalizer of the step."""
-    total_examples: float
-    """The examples of the whole DP gang."""
-    grad_norm: Tensor | None
-    """The gradient norm before clipping, on the steps that measure it (see
-    :meth:`TrainStep.__call__`)."""
-    non_finite_gradients: Tensor | None
-    """This rank's flag, one tensor for the run: non-zero since the first NaN or infinite
-    gradient (None without gradients)."""
-    stop_requested: bool
-    """Whether any rank asked to stop (a signal) before this step."""
-    applied: bool = True
-    """False when the step was skipped (fp16 overflow, or a non-finite value with
-    ``nan_policy="skip"``): the weights are as before it."""
 
 
 @final

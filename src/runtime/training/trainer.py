@@ -2,7 +2,7 @@
 
 The parts, each in its own module: :class:`~runtime.training.step.TrainStep` (one optimizer step),
 :class:`~runtime.training.loop.TrainLoop` (the loop and the stop decision),
-:class:`~runtime.training.validation.Validator`, :class:`~runtime.training.checkpointing.Checkpointer`,
+:class:`~runtime.training.validation.Validator`, :class:`~runtime.training.checkpointer.Checkpointer`,
 :class:`~runtime.metrics.train_metrics.TrainMetrics` and the schedules that say when each is due.
 """
 
@@ -30,12 +30,12 @@ from runtime.metrics.recorders import MetricRecorder, RecorderOptions, make_reco
 from runtime.metrics.train_metrics import Throughput, TrainMetrics
 from runtime.parallel.placement import check_model_device
 from runtime.training.callbacks import CallbackList, TrainerCallback
-from runtime.training.checkpointing import Checkpointer, CheckpointOptions
-from runtime.training.early_stop import EarlyStopper, Stateful
+from runtime.training.checkpointer import Checkpointer, CheckpointOptions
+from runtime.training.early_stop import EarlyStopper
+from runtime.training.limits import Limits
 from runtime.training.loop import LOSS_SPIKE_STATE, Observers, TrainLoop
 from runtime.training.loss_spike import LossSpikeGuard, SpikeDetector
 from runtime.training.non_finite import NanPolicy
-from runtime.training.relaunch import Limits
 from runtime.training.schedule import (
     Schedule,
     Schedules,
@@ -43,7 +43,7 @@ from runtime.training.schedule import (
     check_snapshots_are_saved,
 )
 from runtime.training.signals import PREEMPTED_EXIT_CODE
-from runtime.training.state import StopReason
+from runtime.training.state import Stateful, StopReason
 from runtime.training.step import Precision, TrainStep
 from runtime.training.validation import Scoring, Validator
 from units import EvalUnit, TrainUnit

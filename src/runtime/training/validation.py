@@ -10,21 +10,21 @@ from typing import Any, final
 
 from torch.nn import Module
 
-from checkpoint import is_better_score
-from checkpoint.arguments import check_positive, check_same_length
+from checkpoint.state_keys import check_state_keys
 from gangs import Gangs, decide_on_rank_zero
 from runtime.data import DataReader
 from runtime.errors import TrainerError
 from runtime.metrics.recorders import MetricRecorder
 from runtime.metrics.tracing import VALIDATION, trace_range
 from runtime.training.callbacks import TrainerCallback
-from runtime.training.early_stop import EarlyStopper, Stateful
+from runtime.training.early_stop import EarlyStopper
 from runtime.training.evaluation import AutocastFactory, Evaluator, combine_scores
-from runtime.training.state import check_state_keys
+from runtime.training.state import Stateful
+from trainkit_utils.arguments import check_positive, check_same_length
+from trainkit_utils.scores import is_better_score
 from units import EvalUnit
 
-# The training's log lines share the Trainer's logger, the one name users filter on.
-log = logging.getLogger("runtime.training.trainer")
+log = logging.getLogger(__name__)
 
 
 @final

@@ -17,7 +17,6 @@ from typing import Any
 
 from torch.nn import Module
 
-from checkpoint.arguments import check_positive
 from gangs import Gangs
 from runtime.metrics.recorders import MetricRecorder
 from runtime.training.callbacks import TrainerCallback
@@ -29,6 +28,7 @@ from runtime.training.initial_weights import (
     init_sources,
     load_initial_weights,
 )
+from trainkit_utils.arguments import check_positive
 
 log = logging.getLogger(__name__)
 

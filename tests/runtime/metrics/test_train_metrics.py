@@ -17,10 +17,9 @@ from torch import nn
 from gangs import Gangs
 from runtime import NonFiniteError, TrainerCallback
 from runtime.metrics.device_peaks import compute_dtype, peak_flops
-from runtime.metrics.train_metrics import Throughput, TrainMetrics
+from runtime.metrics.train_metrics import StepOutput, Throughput, TrainMetrics
 from runtime.parallel import wrapping
 from runtime.training.non_finite import NonFiniteGuard
-from runtime.training.step import StepOutput
 from tests.conftest import make_toy_trainer, read_jsonl
 from units import MetricBag
 
@@ -107,7 +106,7 @@ def test_memory_and_throughput_are_published(
         flops_per_target=1e6,
         device_peak_flops=1e12,
     )
-    with caplog.at_level(logging.INFO, logger="runtime.training.trainer"):
+    with caplog.at_level(logging.INFO, logger="runtime"):
         assert trainer.run() == 0
     records = read_jsonl(tmp_path / "metrics" / "train.jsonl")
     assert [r["step_nr"] for r in records] == [2, 4]

@@ -53,7 +53,7 @@ def test_a_spike_rolls_back_and_ends_as_a_run_without_its_data(
 ) -> None:
     # Found at the publish of step 8 (before its checkpoint): back to step 4, skipping the data
     # of steps 5..7 and a margin of one step.
-    with caplog.at_level(logging.WARNING, logger="runtime.training.trainer"):
+    with caplog.at_level(logging.WARNING, logger="runtime"):
         status, spiked, rollbacks = train(
             tmp_path, "spiked", poison_indices=[25], poison_factor=poison, guard=GUARD
         )

@@ -304,7 +304,7 @@ def test_several_units_combine_into_the_mean_score(
         lower_better=True,
         callbacks=[recorder],
     )
-    with caplog.at_level(logging.INFO, logger="runtime.training.trainer"):
+    with caplog.at_level(logging.INFO, logger="runtime"):
         assert trainer.run() == 0
     assert recorder.scores == {2: 2.0, 4: 2.0, 6: 2.5}
     assert [manifest(tmp_path, s)["score"] for s in (2, 4, 6)] == [2.0, 2.0, 2.5]
@@ -325,7 +325,7 @@ def test_lower_better_orients_the_best_score(
         score_metric_name="score",
         lower_better=lower_better,
     )
-    with caplog.at_level(logging.INFO, logger="runtime.training.trainer"):
+    with caplog.at_level(logging.INFO, logger="runtime"):
         assert trainer.run() == 0
     assert f"Validation score at step 8: 3 (best: {scores[best_step]:g} at step {best_step})." in (
         caplog.text
@@ -356,7 +356,7 @@ def test_the_validation_at_start_is_a_baseline_not_a_best(
         lower_better=True,
         early_stopper=stopper,
     )
-    with caplog.at_level(logging.INFO, logger="runtime.training.trainer"):
+    with caplog.at_level(logging.INFO, logger="runtime"):
         assert trainer.run() == 0
     assert valid_steps(tmp_path) == [0, 3]
     assert calls == [(3, 2.0)]
@@ -375,7 +375,7 @@ def test_best_score_survives_a_resume(tmp_path: Path, caplog: pytest.LogCaptureF
     }
     with pytest.raises(SimulatedCrash):
         make_trainer(tmp_path, callbacks=[CrashAt(4)], **kwargs).run()
-    with caplog.at_level(logging.INFO, logger="runtime.training.trainer"):
+    with caplog.at_level(logging.INFO, logger="runtime"):
         assert make_trainer(tmp_path, **kwargs).run() == 0
     assert "Resumed from the checkpoint of step 4." in caplog.text
     assert "Validation score at step 8: 4 (best: 1 at step 4)." in caplog.text
@@ -551,7 +551,7 @@ def test_a_run_that_ended_with_its_last_data_epoch_is_final(
     assert valid_steps(tmp_path) == [8, 16]
     assert valid_steps(tmp_path, "train") == [5, 10, 15, 16]
 
-    with caplog.at_level(logging.INFO, logger="runtime.training.trainer"):
+    with caplog.at_level(logging.INFO, logger="runtime"):
         assert make_trainer(tmp_path, **kwargs).run() == 0
     assert "The run finished at step 16 already; nothing to do." in caplog.text
     # Nothing published twice.
@@ -623,7 +623,7 @@ def test_a_nan_score_is_never_the_best(tmp_path: Path, caplog: pytest.LogCapture
         score_metric_name="score",
         lower_better=True,
     )
-    with caplog.at_level(logging.INFO, logger="runtime.training.trainer"):
+    with caplog.at_level(logging.INFO, logger="runtime"):
         assert trainer.run() == 0
     assert "The validation score at step 2 is nan: it never counts as the best." in caplog.text
     assert "Validation score at step 8: 4 (best: 2 at step 6)." in caplog.text

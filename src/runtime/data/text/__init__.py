@@ -12,7 +12,7 @@ from runtime.data.text.instructions import (
 )
 from runtime.data.text.mixture import MixtureSampler, TextSource, parse_mixture
 from runtime.data.text.packing import TextBatch
-from runtime.data.text.reader import TextDataReader
+from runtime.data.text.text_reader import TextDataReader
 from runtime.data.text.tokenizer import (
     ByteTokenizer,
     HuggingFaceTokenizer,

@@ -25,9 +25,9 @@ from typing import Any, final
 import torch
 from torch import Tensor
 
-from checkpoint.arguments import check_positive
 from runtime.data.text.files import TextDataError, find_files
 from runtime.data.text.tokenizer import HuggingFaceTokenizer, Tokenizer
+from trainkit_utils.arguments import check_positive
 
 log = logging.getLogger(__name__)
 

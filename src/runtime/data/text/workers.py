@@ -19,7 +19,7 @@ from typing import Any, final
 
 from typing_extensions import override
 
-from runtime.data.reader import DataReaderError
+from runtime.data.data_reader import DataReaderError
 from runtime.data.text.files import ChunkTokens, DataFile, ReadOptions, TextDataError, read_chunk
 
 # A chunk to read: the file and the offsets [start, end) of its documents.

@@ -1,4 +1,4 @@
-"""Checks of arguments, worded the same in the checkpoint and runtime packages."""
+"""Checks of arguments, worded the same in every package."""
 
 from __future__ import annotations
 

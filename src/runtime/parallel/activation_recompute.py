@@ -8,7 +8,7 @@ from typing import Any
 from torch.nn import Module
 from torch.utils.checkpoint import checkpoint
 
-from checkpoint.arguments import check_positive
+from trainkit_utils.arguments import check_positive
 
 
 def apply_activation_checkpointing(

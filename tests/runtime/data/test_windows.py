@@ -138,7 +138,7 @@ def test_a_window_marked_ready_while_the_reader_waits_is_read(
 
     writer = threading.Timer(0.3, mark_ready, args=(late,))
     writer.start()
-    with caplog.at_level(logging.INFO, logger="runtime.data.window_reader"):
+    with caplog.at_level(logging.INFO, logger="runtime.data.windows"):
         started = time.monotonic()
         assert reader.has_next_epoch()
     writer.join()

@@ -9,15 +9,15 @@ from typing import Any, final
 from torch import Tensor
 from typing_extensions import override
 
-from checkpoint.arguments import check_not_negative, check_positive
 from gangs import Gang, find_disagreements
-from runtime.data.reader import DataReader, DataReaderError, int_entry
+from runtime.data.data_reader import DataReader, DataReaderError, int_entry
 from runtime.data.text.files import ReadOptions, find_files
 from runtime.data.text.mixture import MixtureSampler, TextSource
 from runtime.data.text.packing import TextBatch, make_batch
 from runtime.data.text.stream import Cursor, DocumentStream
 from runtime.data.text.tokenizer import Tokenizer
 from runtime.data.text.workers import ChunkReader, make_chunk_reader
+from trainkit_utils.arguments import check_not_negative, check_positive
 
 _CURSOR_FIELDS = ("pass_nr", "file_nr", "offset", "token_nr")
 
