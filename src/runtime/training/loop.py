@@ -25,7 +25,7 @@ from runtime.errors import TrainerError
 from runtime.metrics.profiler import TorchProfiler
 from runtime.metrics.progress import ProgressDisplay
 from runtime.metrics.recorders import MetricRecorder
-from runtime.metrics.tracing import CHECKPOINT, DATA_WAIT, trace_range, traced
+from runtime.metrics.tracing import CHECKPOINT, DATA_WAIT, trace_ranges
 from runtime.metrics.train_metrics import TrainMetrics, describe_devices
 from runtime.training.callbacks import CallbackList
 from runtime.training.checkpointing import Checkpointer
@@ -113,8 +113,7 @@ class TrainLoop(Generic[BatchT]):
         self._progress: ProgressDisplay = observers.progress
         self._profiler = observers.profiler
         self.stop_signals = StopSignals()
-        self._trace = observers.profiler is not None
-        self._next_batches = traced(DATA_WAIT, data_reader.__next__, enabled=self._trace)
+        self._range = trace_ranges(observers.profiler is not None)
         self._run_start = time.perf_counter()
         # Whether the data epoch being read gave a batch; a resumed position may be at its end.
         self._epoch_had_batches = True
@@ -227,7 +226,8 @@ class TrainLoop(Generic[BatchT]):
         """The next step's micro-batches, or None at the end of the data epoch."""
         start = time.perf_counter()
         try:
-            batches = self._next_batches()
+            with self._range(DATA_WAIT):
+                batches = next(self._data_reader)
         except StopIteration:
             return None
         finally:
@@ -468,7 +468,7 @@ class TrainLoop(Generic[BatchT]):
         # A checkpoint of weights a non-finite step poisoned would be resumed from; never save one.
         self._metrics.check_finite()
         step_nr = self.state.step_nr
-        with trace_range(CHECKPOINT, self._trace):
+        with self._range(CHECKPOINT):
             self._checkpointer.save(
                 step_nr, trainer_state=self.state_dict(), score=self._validator.score_at(step_nr)
             )
