@@ -32,10 +32,11 @@ from runtime.parallel.placement import check_model_device
 from runtime.training.callbacks import CallbackList, TrainerCallback
 from runtime.training.checkpointing import Checkpointer, CheckpointOptions
 from runtime.training.early_stop import EarlyStopper, Stateful
-from runtime.training.loop import LOSS_SPIKE_STATE, Observers, TrainLoop
+from runtime.training.loop import Observers, TrainLoop
 from runtime.training.loss_spike import LossSpikeGuard, SpikeDetector
 from runtime.training.non_finite import NanPolicy
 from runtime.training.relaunch import Limits
+from runtime.training.rollback import LOSS_SPIKE_STATE
 from runtime.training.schedule import (
     Schedule,
     Schedules,
