@@ -38,7 +38,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar, final
 
-import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -46,36 +45,23 @@ from typing_extensions import override
 from checkpoint import directory, health
 from checkpoint.base import AbstractCheckpointManager, LoadedCheckpoint
 from checkpoint.directory import check_shared_directory
-from checkpoint.errors import (
-    CheckpointError,
-    CheckpointLayoutError,
-    CheckpointLoadError,
-    caused_by_the_machine,
-)
+from checkpoint.errors import CheckpointError
 from checkpoint.exclusion import excluded_names, pop_entries
 from checkpoint.integrity import FileDigest
-from checkpoint.layout import WorldLayout, needs_reshard
+from checkpoint.layout import WorldLayout
+from checkpoint.loading import CheckpointLoader
 from checkpoint.manifest import (
     CheckpointChoice,
-    LoadCheck,
     list_checkpoints,
     make_manifest,
     prune_to_model,
-    resume_candidates,
     select_checkpoint,
-    verify_share,
     write_manifest,
 )
 from checkpoint.pending import PendingSave, removing_on_failure
 from checkpoint.retention import CheckpointInfo, RetentionPolicy, plan_retention
-from checkpoint.storage import (
-    DcpStorage,
-    get_model_state,
-    get_state_dicts,
-    set_model_state,
-    set_state_dicts,
-)
-from gangs import Gang, Gangs, agree, run_on_all_ranks
+from checkpoint.storage import DcpStorage, get_state_dicts
+from gangs import Gangs, run_on_all_ranks
 from trainkit_utils.files import fsync_dir
 
 log = logging.getLogger(__name__)
@@ -93,6 +79,7 @@ class CheckpointManager(AbstractCheckpointManager):
         self._root = gangs.root
         self._storage = DcpStorage(gangs.root)
         self._pending: PendingSave | None = None
+        self._loader = CheckpointLoader(self._dir, gangs, self._storage)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -251,40 +238,7 @@ class CheckpointManager(AbstractCheckpointManager):
         :meth:`load_checkpoint`). Nor is a failure of the machine while an intact checkpoint
         loads (out of memory, an import, a read error): :class:`CheckpointLoadError` propagates.
         """
-        candidates = resume_candidates(self._dir)
-        damaged: list[int] = []
-        for step_nr in reversed(candidates):
-            try:
-                loaded = self.load_checkpoint(
-                    step_nr, model=model, optimizer=optimizer, reshard=reshard
-                )
-            except (CheckpointLayoutError, CheckpointLoadError):
-                raise
-            except CheckpointError as ex:
-                log.warning(
-                    "Skipping the checkpoint of step %d, which is damaged, and falling back to "
-                    "the one before it: %s",
-                    step_nr,
-                    ex,
-                )
-                damaged.append(step_nr)
-                continue
-            if damaged:
-                _move_aside(self._root, self._dir, damaged)
-                log.warning(
-                    "Resumed from the checkpoint of step %d instead of the damaged one of step %d.",
-                    step_nr,
-                    damaged[0],
-                )
-            health.log_passed_over(self._dir, step_nr)
-            return loaded
-        if candidates:
-            raise CheckpointError(
-                f"None of the checkpoints in {self._dir} (steps {candidates}) is intact. "
-                "Move the directory away to start from scratch."
-            )
-        health.check_not_all_unhealthy(self._dir)
-        return None
+        return self._loader.load_last(model=model, optimizer=optimizer, reshard=reshard)
 
     def load_checkpoint(
         self,
@@ -300,57 +254,12 @@ class CheckpointManager(AbstractCheckpointManager):
         ``reshard``: then DCP reshards the model and optimizer into this layout, and every rank
         gets the trainer state of rank 0 (``resharded`` is set on the result).
         """
-        path = directory.step_dir(self._dir, step_nr)
-        check = self._verdict(
-            f"check the checkpoint of step {step_nr}",
-            lambda: LoadCheck(path, step_nr, rank=self._root.rank, world_size=self._root.size),
-        )
-        manifest = check.manifest
-        if manifest["kind"] != "full":
-            raise CheckpointError(
-                f"The checkpoint of step {step_nr} holds only the model (its optimizer and "
-                "trainer state were pruned by retention), so training cannot resume from it."
-            )
-        resharded = needs_reshard(
-            WorldLayout.of_manifest(manifest),
-            WorldLayout.of(self._gangs, model),
-            step_dir=path,
-            step_nr=step_nr,
-            reshard=reshard,
-        )
-
-        model_state, optim_state = get_state_dicts(model, optimizer)
-        # What the checkpoint left out keeps the model's own values.
-        kept = pop_entries(model_state, manifest.get("excluded", []))
-        trainer_file = path / "trainer" / ("rank_0.pt" if resharded else self._rank_file)
-        try:
-            for subdir, state in (("model", model_state), ("optimizer", optim_state)):
-                load = partial(self._storage.load, state, path / subdir, check.reads(subdir))
-                self._on_all_ranks(f"load the {subdir}", load)
-            trainer_state = self._on_all_ranks(
-                "load the trainer state", lambda: torch.load(trainer_file, weights_only=True)
-            )
-        except CheckpointError as ex:
-            self.verify(step_nr)  # a damaged file that failed to load, named by its digest
-            _raise_if_the_machine_failed(self._root, step_nr, ex)
-            raise
-        # The digests: a damaged file (of the right size) has loaded by now; see checkpoint.manifest.
-        self._verdict(f"verify the checkpoint of step {step_nr}", check.finish)
-        set_state_dicts(model, optimizer, {**model_state, **kept}, optim_state)
-        log.info("Loaded the checkpoint of step %d from %s.", step_nr, path)
-        return LoadedCheckpoint(
-            step_nr=step_nr, trainer_state=trainer_state, manifest=manifest, resharded=resharded
-        )
+        return self._loader.load(step_nr, model=model, optimizer=optimizer, reshard=reshard)
 
     @override
     def load_model(self, step_nr: int, *, model: Module) -> None:
         """Load only the model of the checkpoint of ``step_nr`` (full or model-only)."""
-        path = directory.step_dir(self._dir, step_nr)
-        manifest = self.verify(step_nr)
-        state = get_model_state(model)
-        kept = pop_entries(state, manifest.get("excluded", []))
-        self._on_all_ranks("load the model", lambda: self._storage.load(state, path / "model"))
-        set_model_state(model, {**state, **kept})
+        self._loader.load_model(step_nr, model=model)
 
     def read_model_state(self, step_nr: int) -> dict[str, Any]:
         """The verified model of the checkpoint of ``step_nr`` as a plain state dict (one process;
@@ -366,11 +275,7 @@ class CheckpointManager(AbstractCheckpointManager):
         Every rank must call it: each reads its share of the files once, and all agree on the
         verdict (CheckpointError on every rank if any share is damaged).
         """
-        path = directory.step_dir(self._dir, step_nr)
-        return self._verdict(
-            f"verify the checkpoint of step {step_nr}",
-            lambda: verify_share(path, step_nr, rank=self._root.rank, world_size=self._root.size),
-        )
+        return self._loader.verify(step_nr)
 
     @override
     def prepare(self) -> None:
@@ -407,7 +312,9 @@ class CheckpointManager(AbstractCheckpointManager):
         """Rank 0 writes ``unhealthy.json`` into each (see :mod:`checkpoint.health`)."""
         self.finish_pending_save()
         mark = partial(health.mark_unhealthy, self._dir, step_nrs, reason=reason)
-        self._verdict("mark checkpoints unhealthy", mark if self._root.rank == 0 else lambda: None)
+        self._loader.verdict(
+            "mark checkpoints unhealthy", mark if self._root.rank == 0 else lambda: None
+        )
 
     # --------------------------------------------------------------- retention
 
@@ -442,40 +349,3 @@ class CheckpointManager(AbstractCheckpointManager):
 
     def _on_all_ranks(self, what: str, action: Callable[[], T]) -> T:
         return run_on_all_ranks(self._root, action, what=what, error_type=CheckpointError)
-
-    def _verdict(self, what: str, action: Callable[[], T]) -> T:
-        if self._root.size == 1:
-            return action()  # the error as it is, without a rank prefix
-        return self._on_all_ranks(what, action)
-
-    @property
-    def _rank_file(self) -> str:
-        return f"rank_{self._root.rank}.pt"
-
-
-def _move_aside(root: Gang, checkpoint_dir: Path, step_nrs: list[int]) -> None:
-    """Rank 0 moves the damaged checkpoints of ``step_nrs`` aside; every rank waits for it."""
-    if root.rank == 0:
-        for step_nr in step_nrs:
-            target = directory.move_aside(directory.step_dir(checkpoint_dir, step_nr))
-            log.warning(
-                "Moved the damaged checkpoint of step %d to %s; delete it once you no longer "
-                "need it for inspection.",
-                step_nr,
-                target,
-            )
-    root.barrier()
-
-
-def _raise_if_the_machine_failed(root: Gang, step_nr: int, error: CheckpointError) -> None:
-    """Raise CheckpointLoadError on every rank if the intact checkpoint of ``step_nr`` failed
-    to load on some rank for a reason of the machine: falling back to an older checkpoint
-    would give up its steps for nothing."""
-    machine_failed, _ = agree(root, failed=caused_by_the_machine(error))
-    if machine_failed:
-        raise CheckpointLoadError(
-            f"The checkpoint of step {step_nr} is intact (every file matches its digest), but "
-            f"loading it failed ({error}). That is not damage, so the run does not fall back "
-            "to an older checkpoint: fix the cause (memory, the installation, the filesystem) "
-            "and resume again."
-        ) from error

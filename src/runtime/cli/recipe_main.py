@@ -581,6 +581,19 @@ def _make_parser(config_class: type[object]) -> argparse.ArgumentParser:
         help="a config override such as gang.tp_size=2, the value parsed as YAML; "
         "repeat the flag or give several after it",
     )
+    _add_starting_points(parser)
+    parser.add_argument(
+        "--dump-config",
+        action="store_true",
+        help="print every config key with its value (defaults, then files and overrides) as "
+        "YAML, the required ones marked, and exit without running",
+    )
+    return parser
+
+
+def _add_starting_points(parser: argparse.ArgumentParser) -> None:
+    """What the run starts from besides its OUTPUT_DIR: ``--evaluate`` a checkpoint instead of
+    training, or ``--resume-from`` another run's."""
     parser.add_argument(
         "--evaluate",
         metavar="{last,best,STEP}",
@@ -599,13 +612,6 @@ def _make_parser(config_class: type[object]) -> argparse.ArgumentParser:
         "checkpoint directory of any run: model, optimizer, schedulers, data position, RNG, "
         "step, scores",
     )
-    parser.add_argument(
-        "--dump-config",
-        action="store_true",
-        help="print every config key with its value (defaults, then files and overrides) as "
-        "YAML, the required ones marked, and exit without running",
-    )
-    return parser
 
 
 def _parse_evaluate(text: str) -> CheckpointChoice:

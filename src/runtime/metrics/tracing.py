@@ -2,16 +2,16 @@
 normalization, optimizer step, validation, checkpoint.
 
 A range costs a ``torch.profiler.record_function`` only when the Trainer has a profiler. The
-step's phases are wrapped in theirs when the step is built (:func:`traced`), so that a step
-without a profiler enters no context for them; the rarer ranges (validation, checkpoint) use
-:func:`trace_range`, which returns one shared no-op context without a profiler.
+parts that mark ranges take their range maker once, from :func:`trace_ranges`, and write each
+range inline (``with self._range(FORWARD): ...``); without a profiler the maker returns one
+shared no-op context, so a step creates nothing for its ranges.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, Final, ParamSpec, TypeVar
+from typing import Any, Final, TypeAlias
 
 # torch.profiler's own import takes a tenth of a second; this is the same class.
 from torch.autograd.profiler import record_function
@@ -24,24 +24,17 @@ OPTIMIZER_STEP: Final = "trainkit/optimizer_step"
 VALIDATION: Final = "trainkit/validation"
 CHECKPOINT: Final = "trainkit/checkpoint"
 
+RangeMaker: TypeAlias = Callable[[str], contextlib.AbstractContextManager[Any]]
+"""Makes the context of the range of a name."""
+
 _OFF: Final = contextlib.nullcontext()
 
-P = ParamSpec("P")
-R = TypeVar("R")
+
+def trace_ranges(enabled: bool) -> RangeMaker:
+    """``record_function`` if ``enabled`` (a profiler runs), else a maker of the one shared
+    no-op context."""
+    return record_function if enabled else _no_range
 
 
-def trace_range(name: str, enabled: bool) -> contextlib.AbstractContextManager[Any]:
-    return record_function(name) if enabled else _OFF
-
-
-def traced(name: str, phase: Callable[P, R], *, enabled: bool) -> Callable[P, R]:
-    """``phase`` run in the range ``name`` of the profiler's trace if ``enabled``, else
-    ``phase`` itself."""
-    if not enabled:
-        return phase
-
-    def run_in_range(*args: P.args, **kwargs: P.kwargs) -> R:
-        with record_function(name):
-            return phase(*args, **kwargs)
-
-    return run_in_range
+def _no_range(name: str) -> contextlib.AbstractContextManager[Any]:
+    return _OFF

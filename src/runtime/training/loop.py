@@ -20,28 +20,23 @@ import torch
 
 from checkpoint import CheckpointLayoutError, LoadedCheckpoint
 from gangs import Gangs
-from runtime.data import DataReader, WaitInterrupted
+from runtime.data import DataReader
 from runtime.errors import TrainerError
 from runtime.metrics.profiler import TorchProfiler
 from runtime.metrics.progress import ProgressDisplay
 from runtime.metrics.recorders import MetricRecorder
-from runtime.metrics.tracing import CHECKPOINT, DATA_WAIT, trace_range, traced
+from runtime.metrics.tracing import CHECKPOINT, trace_ranges
 from runtime.metrics.train_metrics import TrainMetrics, describe_devices
 from runtime.training.callbacks import CallbackList
 from runtime.training.checkpointer import Checkpointer
+from runtime.training.epochs import DataEpochs
 from runtime.training.garbage_collection import GarbageCollection
 from runtime.training.limits import Limits
-from runtime.training.loss_spike import (
-    LossSpikeDetected,
-    LossSpikeError,
-    Rollback,
-    Spike,
-    SpikeDetector,
-    too_many_rollbacks,
-)
+from runtime.training.loss_spike import LossSpikeDetected, SpikeDetector
 from runtime.training.out_of_memory import MemoryFigures, step_out_of_memory_error
 from runtime.training.relaunch import reopen_finished_run
 from runtime.training.rng import rng_state, seed_rngs, set_rng_state
+from runtime.training.rollback import LOSS_SPIKE_STATE, LossSpikeRollback
 from runtime.training.schedule import Due, Schedules
 from runtime.training.signals import StopSignals
 from runtime.training.state import (
@@ -56,9 +51,6 @@ from runtime.training.state import (
 )
 from runtime.training.step import TrainStep
 from runtime.training.validation import Validator
-
-LOSS_SPIKE_STATE = "runtime.loss_spike"
-"""The name of the loss-spike guard's state (trailing losses, rollbacks) in the stateful section."""
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +89,6 @@ class TrainLoop(Generic[BatchT]):
         spikes: SpikeDetector | None = None,
     ) -> None:
         self.state = TrainState()
-        self._spikes = spikes
         self._data_reader = data_reader
         self._train_step = train_step
         self._metrics = metrics
@@ -114,11 +105,27 @@ class TrainLoop(Generic[BatchT]):
         self._progress: ProgressDisplay = observers.progress
         self._profiler = observers.profiler
         self.stop_signals = StopSignals()
-        self._trace = observers.profiler is not None
-        self._next_batches = traced(DATA_WAIT, data_reader.__next__, enabled=self._trace)
+        self._range = trace_ranges(observers.profiler is not None)
+        self._epochs = DataEpochs(
+            data_reader=data_reader,
+            state=self.state,
+            metrics=metrics,
+            callbacks=self._callbacks,
+            stop_signals=self.stop_signals,
+            trace_range=self._range,
+        )
         self._run_start = time.perf_counter()
-        # Whether the data epoch being read gave a batch; a resumed position may be at its end.
-        self._epoch_had_batches = True
+        self._rollback: LossSpikeRollback | None = None
+        if spikes is not None:
+            self._rollback = LossSpikeRollback(
+                detector=spikes,
+                state=self.state,
+                data_reader=data_reader,
+                train_step=train_step,
+                checkpointer=checkpointer,
+                callbacks=self._callbacks,
+                reload=self._load_checkpoint_state,
+            )
 
     # ----------------------------------------------------------------- resume
 
@@ -139,9 +146,9 @@ class TrainLoop(Generic[BatchT]):
             if not reloads_initial_weights:
                 self._checkpointer.load_initial_weights()
             return
-        self.load_state_dict(loaded.trainer_state, resharded=loaded.resharded)
+        self._load_checkpoint_state(loaded)
         log.info("Resumed from the checkpoint of step %d.", self.state.step_nr)
-        reopen_finished_run(self.state, self._limits, self._wait_for_next_epoch)
+        reopen_finished_run(self.state, self._limits, self._epochs.wait_for_next)
 
     def _seed_rngs(self, *, step_nr: int) -> None:
         dp = self._gangs.dp
@@ -174,7 +181,7 @@ class TrainLoop(Generic[BatchT]):
         self._progress.start(total_steps=self._limits.max_num_steps, initial_step=state.step_nr)
         self._callbacks.on_train_begin(step_nr=state.step_nr)
         if state.step_nr == 0:
-            has_first = self._wait_for_next_epoch()
+            has_first = self._epochs.wait_for_next()
             if has_first is None:
                 state.stop_reason = StopReason.PREEMPTED
                 return
@@ -199,55 +206,32 @@ class TrainLoop(Generic[BatchT]):
             try:
                 self._train_one_step()
             except LossSpikeDetected as detected:
-                self._roll_back(detected.spike)
+                assert self._rollback is not None
+                self._rollback.roll_back(detected.spike)
 
     def _train_one_step(self) -> None:
         """Read, step, and do what falls due after the step (or end the data epoch)."""
         state = self.state
-        batches = self._read_step()
+        batches = self._epochs.read_step()
         if batches is None:
             self._end_data_epoch()
         else:
             due = self._schedules.due_after_step(state.step_nr + 1)
             stop_requested = self._take_step(batches, due)
-            if self._checks_this_step(due):
+            if self._rollback is not None and self._rollback.checks_after(due):
                 self._metrics.check_finite()
             self._after_step(due, stop_requested=stop_requested)
-        if self._spikes is not None and state.stop_reason is not None:
+        if self._rollback is not None and state.stop_reason is not None:
             # A spike among the steps not checked yet rolls back before the run ends.
             self._metrics.check_finite()
-
-    def _checks_this_step(self, due: Due) -> bool:
-        """Whether the loss-spike guard checks after this step itself: with
-        ``check_every_step``, on the steps whose publish or checkpoint does not check anyway."""
-        if self._spikes is None or not self._spikes.guard.check_every_step:
-            return False
-        return not (due.publish or due.checkpoint)
-
-    def _read_step(self) -> list[BatchT] | None:
-        """The next step's micro-batches, or None at the end of the data epoch."""
-        start = time.perf_counter()
-        try:
-            batches = self._next_batches()
-        except StopIteration:
-            return None
-        finally:
-            self._metrics.add_data_wait(time.perf_counter() - start)
-        if not batches:
-            raise TrainerError(
-                f"The data reader returned no micro-batches for step {self.state.step_nr + 1}. "
-                "Training readers must use SyncMode.UNTIL_FIRST."
-            )
-        self._epoch_had_batches = True
-        return batches
 
     def _take_step(self, batches: list[BatchT], due: Due) -> bool:
         """Take one optimizer step; return whether any rank asked to stop."""
         self.state.step_nr += 1
         step_nr = self.state.step_nr
         self._callbacks.on_step_begin(step_nr=step_nr, batches=batches)
-        if self._spikes is not None:
-            self._train_step.lr_scale = self._spikes.lr_scale(step_nr)
+        if self._rollback is not None:
+            self._rollback.begin_step(step_nr)
         try:
             # The gradient norm is measured where it is published: on the publishing steps and
             # on those after which the run may end (a validation may stop it early, and the end
@@ -295,13 +279,7 @@ class TrainLoop(Generic[BatchT]):
     def _end_data_epoch(self) -> None:
         """Validate and checkpoint on the data-epoch schedules; then stop or start the next epoch."""
         state = self.state
-        log.info("Data epoch %d ended at step %d.", state.data_epoch_nr, state.step_nr)
-        self._callbacks.on_out_of_data(step_nr=state.step_nr, epoch_nr=state.data_epoch_nr)
-        max_epochs = self._limits.max_num_data_epochs
-        if max_epochs is not None and state.data_epoch_nr >= max_epochs:
-            state.stop_reason = StopReason.MAX_NUM_DATA_EPOCHS
-        elif not self._data_reader.has_next_epoch(wait=False):
-            state.stop_reason = StopReason.END_OF_DATA
+        state.stop_reason = self._epochs.end(max_num_data_epochs=self._limits.max_num_data_epochs)
         if state.stop_reason is not None:
             # Known before the save, so the end of training validates and checkpoints this step
             # with a checkpoint that says the run is over.
@@ -322,11 +300,7 @@ class TrainLoop(Generic[BatchT]):
         self._callbacks.on_epoch_end(epoch_nr=state.data_epoch_nr, step_nr=state.step_nr)
         if state.stop_reason is not None:
             return
-        if not self._epoch_had_batches:
-            raise TrainerError(
-                f"The data reader ended epoch {state.data_epoch_nr} without a single batch. "
-                "Check the dataset size against batch_size, num_accumulate and the DP gang."
-            )
+        self._epochs.check_had_batches()
         self._start_next_data_epoch()
 
     def _start_next_data_epoch(self) -> None:
@@ -334,7 +308,7 @@ class TrainLoop(Generic[BatchT]):
         a long wait for data holds nothing unsaved); or stop: the data ended, or a stop signal
         cut the wait short."""
         state = self.state
-        has_next = self._wait_for_next_epoch()
+        has_next = self._epochs.wait_for_next()
         if has_next is None:
             state.stop_reason = StopReason.PREEMPTED
             if self._checkpointer.last_saved_step != state.step_nr:
@@ -344,24 +318,7 @@ class TrainLoop(Generic[BatchT]):
             log.info("The data ended after data epoch %d.", state.data_epoch_nr)
             state.stop_reason = StopReason.END_OF_DATA
             return
-        state.data_epoch_nr += 1
-        self._data_reader.reset()
-        self._epoch_had_batches = False
-        self._callbacks.on_epoch_begin(epoch_nr=state.data_epoch_nr, step_nr=state.step_nr)
-
-    def _wait_for_next_epoch(self) -> bool | None:
-        """Whether the reader has another data epoch, waiting if it must; None when a stop signal
-        cut the wait short."""
-        try:
-            return self._data_reader.has_next_epoch(stop_requested=self._stop_requested)
-        except WaitInterrupted:
-            log.warning(
-                "Stopped waiting for data at step %d: a stop was requested.", self.state.step_nr
-            )
-            return None
-
-    def _stop_requested(self) -> bool:
-        return self.stop_signals.requested
+        self._epochs.start_next()
 
     def _finish(self) -> None:
         """Publish, validate and checkpoint what the last step left undone."""
@@ -379,70 +336,6 @@ class TrainLoop(Generic[BatchT]):
         log.info("Training finished at step %d.", step_nr)
         self._validator.log_best()
 
-    # -------------------------------------------------------------- rollback
-
-    def _roll_back(self, spike: Spike) -> None:
-        """Reload the newest healthy checkpoint before ``spike`` and move the data past it (plus
-        the margin); or stop when the rollbacks are too many, or there is no checkpoint."""
-        assert self._spikes is not None
-        guard = self._spikes.guard
-        recent = self._spikes.recent_rollbacks(spike.step_nr)
-        if len(recent) >= guard.max_rollbacks:
-            raise LossSpikeError(too_many_rollbacks(spike, recent, guard))
-        start = time.perf_counter()
-        detected_at = self.state.step_nr
-        self._checkpointer.finish_pending_save()
-        loaded = self._checkpointer.load_before(max(spike.step_nr - guard.lookback, 1))
-        if loaded is None:
-            raise LossSpikeError(
-                f"Loss spike at step {spike.step_nr} (loss {spike.loss:.4g} against a running "
-                f"median of {spike.median:.4g}) before the first checkpoint, so there is "
-                "nothing to roll back to. Checkpoint earlier (checkpoint_every_n_steps), or "
-                "raise min_history of the loss-spike guard."
-            )
-        self._reload_keeping_the_data(loaded)
-        to_step = loaded.step_nr
-        # The steps since the checkpoint read the data up to the detection; it stays read, so a
-        # second rollback to the same checkpoint never reads the data of the first again.
-        skipped_until = detected_at + self._skip_data(spike.step_nr + guard.margin - detected_at)
-        rollback = Rollback(spike.step_nr, to_step, skipped_until, spike.loss, spike.median)
-        self._spikes.rollbacks.append(rollback)
-        log.warning(
-            "Loss spike at step %d: loss %.4g against a running median %.4g; rolled back to "
-            "step %d, skipping the data of steps %d..%d (%.2f s).",
-            spike.step_nr, spike.loss, spike.median, to_step, to_step + 1, skipped_until,
-            time.perf_counter() - start,
-        )  # fmt: skip
-        self._callbacks.on_rollback(from_step=spike.step_nr, to_step=to_step)
-
-    def _reload_keeping_the_data(self, loaded: LoadedCheckpoint) -> None:
-        """Load the trainer state of ``loaded``, all but the data position (and its epoch) and
-        the rollbacks, which stay the run's."""
-        assert self._spikes is not None
-        reader_state = self._data_reader.state_dict()
-        epoch_nr, rollbacks = self.state.data_epoch_nr, self._spikes.rollbacks
-        self.load_state_dict(loaded.trainer_state, resharded=loaded.resharded)
-        self._data_reader.load_state_dict(reader_state)
-        self.state.data_epoch_nr, self._spikes.rollbacks = epoch_nr, rollbacks
-        self._train_step.clear_non_finite()
-
-    def _skip_data(self, num_steps: int) -> int:
-        """Read and drop the micro-batches of ``num_steps`` steps (none if it is not positive),
-        or fewer at the end of the data epoch (the reader then ends it at the next read); return
-        how many."""
-        num_steps = max(num_steps, 0)
-        for skipped in range(num_steps):
-            try:
-                self._data_reader.__next__()
-            except StopIteration:
-                log.warning(
-                    "The data epoch ended after skipping the data of %d steps of %d.",
-                    skipped,
-                    num_steps,
-                )
-                return skipped
-        return num_steps
-
     # ------------------------------------------------------ publish and save
 
     def _publish_train_metrics(self) -> dict[str, Any]:
@@ -455,8 +348,8 @@ class TrainLoop(Generic[BatchT]):
         loss_scale = self._train_step.loss_scale
         if loss_scale is not None:
             extra["loss_scale"] = loss_scale
-        if self._spikes is not None:
-            extra["num_rollbacks"] = len(self._spikes.rollbacks)
+        if self._rollback is not None:
+            extra["num_rollbacks"] = self._rollback.num_rollbacks
         values = self._metrics.compute(extra)
         self._recorder.record("train", step_nr, values)
         self._callbacks.on_metrics_published(run="train", step_nr=step_nr, values=values)
@@ -469,7 +362,7 @@ class TrainLoop(Generic[BatchT]):
         # A checkpoint of weights a non-finite step poisoned would be resumed from; never save one.
         self._metrics.check_finite()
         step_nr = self.state.step_nr
-        with trace_range(CHECKPOINT, self._trace):
+        with self._range(CHECKPOINT):
             self._checkpointer.save(
                 step_nr, trainer_state=self.state_dict(), score=self._validator.score_at(step_nr)
             )
@@ -491,9 +384,12 @@ class TrainLoop(Generic[BatchT]):
 
     def _all_stateful(self) -> dict[str, Stateful]:
         runtime: dict[str, Stateful] = {}
-        if self._spikes is not None:
-            runtime[LOSS_SPIKE_STATE] = self._spikes
+        if self._rollback is not None:
+            runtime[LOSS_SPIKE_STATE] = self._rollback.detector
         return {**self._callbacks.stateful(), **self.stateful, **runtime}
+
+    def _load_checkpoint_state(self, loaded: LoadedCheckpoint) -> None:
+        self.load_state_dict(loaded.trainer_state, resharded=loaded.resharded)
 
     def load_state_dict(self, state: Mapping[str, Any], *, resharded: bool = False) -> None:
         """Load this rank's trainer state, or rank 0's when the checkpoint was ``resharded``.

@@ -11,12 +11,12 @@ all-reduce, so every rank decides on the same step. A spike on one rank rolls ev
 step, for a rollback that never trains past the spike.
 
 A rollback from a spike at step ``s`` found at step ``d`` (see
-:meth:`runtime.training.loop.TrainLoop`): checkpoints from step ``s - lookback`` on are marked
-unhealthy, every rank loads the newest healthy checkpoint ``c`` before that through the resume
-path (model, optimizer, scheduler, RNG, loss scale, metric window, callbacks), and the data
-reader keeps its position, reading and dropping on to step ``s + margin`` if that is further.
-The run then goes on from step ``c`` exactly as a run whose data never held the batches of
-steps ``c+1 .. max(d, s + margin)``. Policy, defaults and costs: docs/reliability.md.
+:class:`runtime.training.rollback.LossSpikeRollback`): checkpoints from step ``s - lookback`` on
+are marked unhealthy, every rank loads the newest healthy checkpoint ``c`` before that through
+the resume path (model, optimizer, scheduler, RNG, loss scale, metric window, callbacks), and
+the data reader keeps its position, reading and dropping on to step ``s + margin`` if that is
+further. The run then goes on from step ``c`` exactly as a run whose data never held the
+batches of steps ``c+1 .. max(d, s + margin)``. Policy, defaults and costs: docs/reliability.md.
 """
 
 from __future__ import annotations

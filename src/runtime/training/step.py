@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Generic, TypeVar, final
 
@@ -17,7 +17,13 @@ from torch.optim.lr_scheduler import LRScheduler
 from checkpoint.state_keys import check_state_keys
 from gangs import Gangs
 from runtime.errors import TrainerError
-from runtime.metrics.tracing import BACKWARD, FORWARD, GRADIENT_SYNC, OPTIMIZER_STEP, traced
+from runtime.metrics.tracing import (
+    BACKWARD,
+    FORWARD,
+    GRADIENT_SYNC,
+    OPTIMIZER_STEP,
+    trace_ranges,
+)
 from runtime.metrics.train_metrics import StepOutput
 from runtime.parallel.sparse_embeddings import check_sparse_outside_ddp
 from runtime.training.callbacks import TrainerCallback
@@ -31,7 +37,6 @@ from units import TrainUnit
 log = logging.getLogger(__name__)
 
 BatchT = TypeVar("BatchT")
-R = TypeVar("R")
 
 
 @final
@@ -101,14 +106,8 @@ class TrainStep(Generic[BatchT]):
         self._switch_gradient_sync = gradient_sync_switch(self._model)
         # A step is skipped on an fp16 overflow, or with nan_policy="skip" on a non-finite value.
         self._may_skip = self._loss_scaler.enabled or self.guard.skips
-        # The phases of a step; with a profiler each runs in its named range.
-        forward: Callable[[BatchT], tuple[Tensor, int | None]] = unit
-        if self._autocasts:
-            forward = _in_autocast(forward, self.autocast)
-        self._forward = traced(FORWARD, forward, enabled=trace)
-        self._backward = traced(BACKWARD, torch.autograd.backward, enabled=trace)
-        self._normalize = traced(GRADIENT_SYNC, self._normalize_gradients, enabled=trace)
-        self._update = traced(OPTIMIZER_STEP, self._update_model, enabled=trace)
+        # A profiler's named range around each phase; without one, one shared no-op context.
+        self._range = trace_ranges(trace)
         self.lr_scale = 1.0
         """A factor on every learning rate for the optimizer step alone (the schedulers and the
         published ``lr`` do not see it): the cooling after a loss-spike rollback."""
@@ -130,6 +129,7 @@ class TrainStep(Generic[BatchT]):
         if may_skip:
             self._unit.metric_bag.begin_updates()
 
+        # Forward and backward of each micro-batch, each in its range.
         loss_scale = self._loss_scaler.scale
         losses, num_targets, last_loss = self._forward_backward(
             batches, step_nr, stop_requested, loss_scale
@@ -141,9 +141,11 @@ class TrainStep(Generic[BatchT]):
                 "loss cannot be normalized. Check that the data yields non-empty targets."
             )
 
-        non_finite, grad_norm = self._normalize(
-            total_targets * loss_scale, measure_grad_norm or may_skip
-        )
+        with self._range(GRADIENT_SYNC):
+            non_finite, grad_norm = self._normalize_gradients(
+                total_targets * loss_scale, measure_grad_norm or may_skip
+            )
+
         applied = True
         if may_skip:
             assert grad_norm is not None
@@ -158,7 +160,9 @@ class TrainStep(Generic[BatchT]):
             )
         if applied and self._callbacks is not None:
             self._callbacks.on_before_optimizer_step(step_nr=step_nr, model=self._model)
-        self._update(applied, may_skip)
+
+        with self._range(OPTIMIZER_STEP):
+            self._update_model(applied, may_skip)
         # The last loss (and its spent graph) lives until after the update, as in a
         # hand-written loop: freeing the graph first makes the optimizer step slower on CPU.
         del last_loss
@@ -191,9 +195,9 @@ class TrainStep(Generic[BatchT]):
             for index, batch in enumerate(batches):
                 if switch_sync is not None:
                     switch_sync(index == last)
-                loss, batch_targets = _check_unit_output(
-                    self._forward(batch), step_nr, counted_targets
-                )
+                with self._range(FORWARD), self.autocast():
+                    output = self._unit(batch)
+                loss, batch_targets = _check_unit_output(output, step_nr, counted_targets)
                 counted_targets = batch_targets is not None
                 losses.append(loss.detach())
                 num_targets += 1 if batch_targets is None else batch_targets
@@ -207,7 +211,8 @@ class TrainStep(Generic[BatchT]):
                         stop_requested=stop_requested,
                         losses=losses,
                     )
-                self._backward(loss if loss_scale == 1.0 else loss * loss_scale)
+                with self._range(BACKWARD):
+                    torch.autograd.backward(loss if loss_scale == 1.0 else loss * loss_scale)
         finally:
             if switch_sync is not None:
                 switch_sync(True)
@@ -361,18 +366,6 @@ def _scaled_learning_rates(optimizers: Sequence[Optimizer], scale: float) -> Ite
     finally:
         for group, lr in zip(groups, rates, strict=True):
             group["lr"] = lr
-
-
-def _in_autocast(
-    forward: Callable[[BatchT], R], autocast: Callable[[], contextlib.AbstractContextManager[Any]]
-) -> Callable[[BatchT], R]:
-    """``forward`` run in the context ``autocast`` makes."""
-
-    def forward_in_autocast(batch: BatchT) -> R:
-        with autocast():
-            return forward(batch)
-
-    return forward_in_autocast
 
 
 def _check_unit_output(

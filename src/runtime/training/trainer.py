@@ -33,9 +33,10 @@ from runtime.training.callbacks import CallbackList, TrainerCallback
 from runtime.training.checkpointer import Checkpointer, CheckpointOptions
 from runtime.training.early_stop import EarlyStopper
 from runtime.training.limits import Limits
-from runtime.training.loop import LOSS_SPIKE_STATE, Observers, TrainLoop
+from runtime.training.loop import Observers, TrainLoop
 from runtime.training.loss_spike import LossSpikeGuard, SpikeDetector
 from runtime.training.non_finite import NanPolicy
+from runtime.training.rollback import LOSS_SPIKE_STATE
 from runtime.training.schedule import (
     Schedule,
     Schedules,
@@ -128,10 +129,7 @@ class Trainer(Generic[BatchT]):
         loss_spike_guard: LossSpikeGuard | None = None,
     ) -> None:
         gangs = _resolve_gangs(gangs, root_gang, dp_gang, tp_gang)
-        check_model_device(unit.model, gangs.root.device)
-        for bag in (unit.metric_bag, *(u.metric_bag for u in valid_units or ())):
-            # Units update their metrics with the losses they compute, on the gangs' device.
-            bag.to(gangs.root.device)
+        _place_units(unit, valid_units or (), gangs.root.device)
         # The keywords above, each turned into the option group that uses it; from here on only
         # the groups travel.
         schedules = _schedules(
@@ -180,19 +178,36 @@ class Trainer(Generic[BatchT]):
         self._progress = make_progress_display(enabled=progress and gangs.root.rank == 0)
         self._validator = self._make_validator(valid_units, valid_data_readers, max_num_valid_steps)
         self._checkpointer = self._make_checkpointer(self._train_step.optimizers, checkpointing)
-        throughput = _throughput(unit, gangs, flops_per_target, device_peak_flops, precision)
+        metrics = self._make_metrics(
+            _throughput(unit, gangs, flops_per_target, device_peak_flops, precision)
+        )
         spikes = _spike_detector(loss_spike_guard, checkpoint_every_n_steps)
         self._train_step.guard.spikes = spikes
-        self._loop = TrainLoop(
+        limits = Limits(max_num_steps, max_num_data_epochs)
+        self._loop = self._make_loop(
+            data_reader, metrics, schedules, limits, profiler, seed, spikes
+        )
+
+    def _make_loop(
+        self,
+        data_reader: DataReader[BatchT],
+        metrics: TrainMetrics,
+        schedules: Schedules,
+        limits: Limits,
+        profiler: TorchProfiler | None,
+        seed: int,
+        spikes: SpikeDetector | None,
+    ) -> TrainLoop[BatchT]:
+        return TrainLoop(
             data_reader=data_reader,
             train_step=self._train_step,
-            metrics=self._make_metrics(throughput),
+            metrics=metrics,
             validator=self._validator,
             checkpointer=self._checkpointer,
             schedules=schedules,
-            limits=Limits(max_num_steps, max_num_data_epochs),
+            limits=limits,
             observers=Observers(self._callbacks, self._recorder, self._progress, profiler),
-            gangs=gangs,
+            gangs=self._gangs,
             seed=seed,
             spikes=spikes,
         )
@@ -355,6 +370,16 @@ class Trainer(Generic[BatchT]):
             stack.callback(self._progress.close)
             stack.callback(self._checkpoint_manager.close)
             stack.callback(self._recorder.close)
+
+
+def _place_units(
+    unit: TrainUnit[Any], valid_units: Sequence[EvalUnit[Any]], device: torch.device
+) -> None:
+    """Check that the model is on the gangs' ``device``, and move the units' metric bags there:
+    units update their metrics with the losses they compute, on that device."""
+    check_model_device(unit.model, device)
+    for bag in (unit.metric_bag, *(u.metric_bag for u in valid_units)):
+        bag.to(device)
 
 
 def _throughput(

@@ -15,7 +15,7 @@ from gangs import Gangs, decide_on_rank_zero
 from runtime.data import DataReader
 from runtime.errors import TrainerError
 from runtime.metrics.recorders import MetricRecorder
-from runtime.metrics.tracing import VALIDATION, trace_range
+from runtime.metrics.tracing import VALIDATION, trace_ranges
 from runtime.training.callbacks import TrainerCallback
 from runtime.training.early_stop import EarlyStopper
 from runtime.training.evaluation import AutocastFactory, Evaluator, combine_scores
@@ -88,7 +88,7 @@ class Validator:
         self._scoring = scoring
         self._early_stopper = scoring.early_stopper
         self._callbacks = callbacks
-        self._trace = trace
+        self._range = trace_ranges(trace)
         self.last_validated_step: int | None = None
         self._last_score: float | None = None
         self._best_score: float | None = None
@@ -117,7 +117,7 @@ class Validator:
         """
         assert self._evaluator is not None
         self.last_validated_step = step_nr
-        with trace_range(VALIDATION, self._trace):
+        with self._range(VALIDATION):
             results = self._evaluator.run(step_nr)
         for run, values in results.items():
             self._callbacks.on_metrics_published(run=run, step_nr=step_nr, values=values)

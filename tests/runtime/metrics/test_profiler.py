@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -81,15 +83,53 @@ def test_the_trace_names_the_validation_of_a_recorded_step(tmp_path: Path) -> No
     assert names.count(tracing.FORWARD) == 2
 
 
-def test_ranges_cost_nothing_without_a_profiler() -> None:
+def _entered_ranges(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the ranges entered from here on, in their order (instead of the trace)."""
     from runtime.metrics import tracing
 
-    # The step's phases are left as they are: a step enters no context for its ranges.
-    def phase() -> int:
-        return 1
+    entered: list[str] = []
 
-    assert tracing.traced(tracing.FORWARD, phase, enabled=False) is phase
-    assert tracing.traced(tracing.FORWARD, phase, enabled=True) is not phase
-    assert tracing.trace_range(tracing.VALIDATION, False) is tracing.trace_range(
-        tracing.CHECKPOINT, False
+    @contextlib.contextmanager
+    def record(name: str) -> Iterator[None]:
+        entered.append(name)
+        yield
+
+    monkeypatch.setattr(tracing, "record_function", record)
+    return entered
+
+
+def test_a_run_without_a_profiler_enters_no_range(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from runtime.metrics import tracing
+    from tests.runtime.training.test_validation import make_trainer
+
+    entered = _entered_ranges(monkeypatch)
+    # Steps, a validation and checkpoints: every part that marks a range, none of them marked.
+    trainer = make_trainer(
+        tmp_path, max_num_steps=2, validate_every_n_steps=2, checkpoint_every_n_steps=2
     )
+    assert trainer.run() == 0
+    assert entered == []
+    # The ranges are one shared no-op context.
+    ranges = tracing.trace_ranges(False)
+    assert ranges(tracing.FORWARD) is ranges(tracing.CHECKPOINT)
+
+
+def test_a_run_with_a_profiler_enters_the_ranges_of_each_step_in_their_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from runtime.metrics import tracing
+
+    entered = _entered_ranges(monkeypatch)
+    profiler = TorchProfiler(
+        num_skip_steps=0, num_record_steps=1, profile_dir=tmp_path / "profile", gang=FakeGang()
+    )
+    trainer = make_toy_trainer(
+        tmp_path, max_num_steps=2, num_accumulate=2, profiler=profiler, checkpoint_every_n_steps=2
+    )
+    assert trainer.run() == 0
+    micro_batch = [tracing.FORWARD, tracing.BACKWARD]
+    step = [tracing.DATA_WAIT, *micro_batch, *micro_batch]
+    step += [tracing.GRADIENT_SYNC, tracing.OPTIMIZER_STEP]
+    assert entered == [*step, *step, tracing.CHECKPOINT]
