@@ -9,6 +9,8 @@ several ranks; both tools write it to ``BENCH_SCRATCH``.
   the model and optimizer state dicts, one ``dcp.load``, and ``dcp.async_save``.
 - ``project``: ``CheckpointManager`` through its public calls only, on the way through DCP that
   ``--checkpoint-io`` names (``TRAINKIT_CHECKPOINT_IO``; unset: chosen by torch version).
+- ``project-loads``: one save, then ``--rounds`` loads on each of the project's two ways through
+  DCP, taking turns in the process (see :func:`bench_project_loads`).
 
 ``load_s`` reads the files the save just wrote, from the page cache; ``load_cold_s`` reads them
 again after each rank evicted its files from the page cache (``posix_fadvise(DONTNEED)``: no root
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -188,9 +191,36 @@ def bench_project(
     }
 
 
+def bench_project_loads(
+    gangs: Gangs, model: nn.Module, optimizer: Any, scratch: Path, *, rounds: int
+) -> dict[str, float]:
+    """The loads of one checkpoint on each path, taking turns in one process (fast, public,
+    public, fast, ...), so both see the same moments of the host: each from the page cache and
+    evicted from it. The medians of each path, and of the ratio of each pair."""
+    manager = CheckpointManager(scratch / "checkpoints", gangs)
+    manager.save_checkpoint(
+        1, model=model, optimizer=optimizer, trainer_state={"step_nr": 1}, async_checkpoint=False
+    )
+    times: dict[str, list[float]] = {}
+    for round_nr in range(rounds):
+        for path in ("fast", "public") if round_nr % 2 == 0 else ("public", "fast"):
+            os.environ["TRAINKIT_CHECKPOINT_IO"] = path
+            evict(manager.checkpoint_path(1))
+            for key in ("load_cold_s", "load_s"):
+                seconds = timed(
+                    gangs, lambda: manager.load_checkpoint(1, model=model, optimizer=optimizer)
+                )
+                times.setdefault(f"{path}_{key}", []).append(seconds)
+    figures = {key: statistics.median(values) for key, values in times.items()}
+    for key in ("load_s", "load_cold_s"):
+        pairs = zip(times[f"fast_{key}"], times[f"public_{key}"], strict=True)
+        figures[f"public_over_fast_{key}"] = statistics.median(p / f for f, p in pairs)
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tool", choices=("dcp", "project"), required=True)
+    parser.add_argument("--tool", choices=("dcp", "project", "project-loads"), required=True)
     parser.add_argument("--params-millions", type=float, default=100.0)
     parser.add_argument(
         "--checkpoint-io",
@@ -198,6 +228,7 @@ def main() -> None:
         default=None,
         help="the project's way through DCP (TRAINKIT_CHECKPOINT_IO); default: by torch version",
     )
+    parser.add_argument("--rounds", type=int, default=6, help="rounds of --tool project-loads")
     args = parser.parse_args()
     if args.checkpoint_io is not None:
         os.environ["TRAINKIT_CHECKPOINT_IO"] = args.checkpoint_io
@@ -206,12 +237,15 @@ def main() -> None:
     model = apply_data_parallel(make_model(args.params_millions), gangs, kind="ddp")
     optimizer = take_one_step(model)
     scratch = Path(os.environ["BENCH_SCRATCH"])
-    bench = bench_dcp if args.tool == "dcp" else bench_project
-    figures = bench(gangs, model, optimizer, scratch)
-    size = state_bytes(model, optimizer)
-    figures["state_bytes"] = float(size)
-    for key in ("save", "load", "load_cold"):
-        figures[f"{key}_gb_per_s"] = size / figures[f"{key}_s"] / 1e9
+    if args.tool == "project-loads":
+        figures = bench_project_loads(gangs, model, optimizer, scratch, rounds=args.rounds)
+    else:
+        bench = bench_dcp if args.tool == "dcp" else bench_project
+        figures = bench(gangs, model, optimizer, scratch)
+        size = state_bytes(model, optimizer)
+        figures["state_bytes"] = float(size)
+        for key in ("save", "load", "load_cold"):
+            figures[f"{key}_gb_per_s"] = size / figures[f"{key}_s"] / 1e9
     emit(figures, with_rss=False)
     exit_now()
 

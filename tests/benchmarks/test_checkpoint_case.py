@@ -1,5 +1,6 @@
-"""The checkpoint case: a state of at least 1 GB by default, shaped like a transformer's, saved
-and loaded by plain DCP and by the project on each of its two ways through DCP."""
+"""The checkpoint cases: a state of at least 1 GB by default, shaped like a transformer's, saved
+and loaded by plain DCP and by the project on each of its two ways through DCP, and loaded on
+both ways taking turns in one process."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.__main__ import parse_args
-from benchmarks.cases import SuiteSettings, checkpoint
+from benchmarks.cases import CASE_KEYS, SuiteSettings, checkpoint, checkpoint_loads
 from tests.conftest import assert_ok, run_quick_benchmark
 
 
@@ -34,6 +35,9 @@ def test_by_default_the_checkpoint_case_saves_over_a_gigabyte_on_both_paths() ->
         ("--tool", "project", "--checkpoint-io", "fast", *size),
         ("--tool", "project", "--checkpoint-io", "public", *size),
     ]
+    assert {"checkpoint", "checkpoint-loads"} <= set(CASE_KEYS)
+    [loads, _] = checkpoint_loads.comparisons(settings)
+    assert loads.contenders[0].args == ("--tool", "project-loads", "--rounds", "6", *size)
 
 
 def test_the_model_has_the_size_the_case_names() -> None:
@@ -46,13 +50,18 @@ def test_the_model_has_the_size_the_case_names() -> None:
 
 
 @pytest.mark.slow
-def test_the_checkpoint_case_times_every_contender(tmp_path: Path) -> None:
-    assert_ok(run_quick_benchmark("checkpoint", tmp_path))
+def test_the_checkpoint_cases_time_every_contender(tmp_path: Path) -> None:
+    assert_ok(run_quick_benchmark("checkpoint,checkpoint-loads", tmp_path))
     comparisons = json.loads((tmp_path / "results.json").read_text())["comparisons"]
-    assert [c["key"] for c in comparisons] == ["checkpoint-1", "checkpoint-2"]
+    assert [c["key"] for c in comparisons] == [
+        "checkpoint-1",
+        "checkpoint-2",
+        "checkpoint-loads-1",
+        "checkpoint-loads-2",
+    ]
     for comparison in comparisons:
+        keys = [metric["key"] for metric in comparison["metrics"]]
         for contender in comparison["contenders"]:
             assert contender["status"] == "ok", contender["note"]
-            figures = contender["metrics"]
-            for key in ("save_s", "load_s", "load_cold_s", "async_blocked_later_s"):
-                assert figures[key]["median"] > 0
+            for key in keys:
+                assert contender["metrics"][key]["median"] > 0, key
