@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--checkpoint-params-millions",
         type=float,
         default=None,
-        help="model size of the checkpoint case (default 50, or 2 with --quick)",
+        help="model size of the checkpoint case (default 100: 1.2 GB with AdamW; 2 with --quick)",
     )
     parser.add_argument("--output-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             f"--cases must name cases of {', '.join(CASE_KEYS)}, but has {', '.join(unknown)}."
         )
     if args.checkpoint_params_millions is None:
-        args.checkpoint_params_millions = 2.0 if args.quick else 50.0
+        args.checkpoint_params_millions = 2.0 if args.quick else 100.0
     if args.checkpoint_params_millions <= 0:
         parser.error(
             "--checkpoint-params-millions must be greater than zero, but is "

@@ -12,6 +12,7 @@ from types import ModuleType
 
 from benchmarks.cases import (
     checkpoint,
+    checkpoint_loads,
     data_bound,
     gpu_checkpoint,
     gpu_llama,
@@ -37,6 +38,7 @@ CASES: tuple[ModuleType, ...] = (
     w3_paired,
     data_bound,
     checkpoint,
+    checkpoint_loads,
     imports,
     large_models,
     lm_recipe,

@@ -8,6 +8,7 @@ import torch
 from gangs.torch_versions import (
     PRIVATE_APIS_ENV_VAR,
     PRIVATE_APIS_SINCE,
+    TESTED_TORCH_VERSIONS,
     private_api_present,
     private_apis_refused,
     private_apis_supported,
@@ -36,6 +37,19 @@ def test_private_apis_are_used_only_on_the_tested_torch_versions(
     monkeypatch.setattr(torch, "__version__", version)
     assert torch_version_tested(version) is tested
     assert private_apis_supported() is tested
+
+
+def test_the_tested_versions_are_the_torch_range_of_pyproject() -> None:
+    # Every private path (the checkpoints' fast DCP path included) is gated by this range, so it
+    # moves with the range the project declares and tests, never on its own.
+    import tomllib
+
+    from tests.conftest import REPO_ROOT
+
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    [torch_spec] = [spec for spec in project["dependencies"] if spec.startswith("torch>")]
+    lowest, beyond = TESTED_TORCH_VERSIONS
+    assert torch_spec == f"torch>={lowest},<{beyond.removesuffix('.0.dev0')}"
 
 
 def test_the_running_torch_is_a_tested_one() -> None:
