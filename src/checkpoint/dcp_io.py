@@ -1,15 +1,14 @@
 """DCP's file system writer and reader, made to hash what they write and to unpickle safely.
 
-Saves, and the staging of asynchronous saves into CPU buffers reused from save to save
-(:class:`StagingWriter`), use DCP's public API only. Loads go one of two ways, chosen by
-:func:`fast_io_supported` alone:
+Two ways through DCP, chosen by :func:`fast_io_supported` alone:
 
 - the fast one, for the torch versions it is tested with
-  (:data:`gangs.torch_versions.TESTED_TORCH_VERSIONS`): it hashes files as a load reads them,
-  and reads whole tensors in place (:func:`read_items`). It leans on DCP internals that change
-  between torch releases, imported only where that path runs.
+  (:data:`gangs.torch_versions.TESTED_TORCH_VERSIONS`): it stages asynchronous saves into reused
+  buffers, hashes files as a load reads them, and reads whole tensors in place
+  (:func:`read_items`). It leans on DCP internals that change between
+  torch releases, imported only where that path runs.
 - the public one, on any other torch (or with ``TRAINKIT_CHECKPOINT_IO=public``): DCP's public
-  reader and planners only; a load's files are hashed after it, in a second read.
+  writer, reader and planners only; a load's files are hashed after it, in a second read.
 
 Both write the same files. Imports ``torch.distributed.checkpoint`` (slow to load), so
 :mod:`checkpoint.storage` imports this module when a checkpoint is first written or read.
@@ -36,7 +35,7 @@ import os
 import pickle
 import sys
 import warnings
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final, TypeAlias, cast, final
@@ -54,10 +53,11 @@ from torch.distributed.checkpoint.planner import (
     SavePlan,
     SavePlanner,
 )
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
+from checkpoint.directory import libc_function
 from checkpoint.errors import CheckpointError
 from checkpoint.integrity import (
     FileDigest,
@@ -139,10 +139,16 @@ def hashing_writer(
     return writer, digests
 
 
-def staging_writer() -> StagingWriter:
-    """A writer for asynchronous saves that stages into the same CPU buffers every time (see
-    :class:`StagingWriter`), on either path: it uses DCP's public API only."""
-    return StagingWriter(".")
+def staging_writer() -> FileSystemWriter:
+    """A writer for asynchronous saves that stages into the same CPU buffers every time.
+
+    Copying into buffers already faulted in is several times faster than into fresh memory
+    (0.08 s against 0.5 s for 600 MB here), and staging is what an asynchronous save blocks on.
+    The buffers stay allocated: one CPU copy of what this rank writes, for as long as the writer
+    lives. Set ``own_entries`` (see :func:`own_entries`) before each save to stage only those.
+    On the public path, DCP's own writer, which stages into fresh CPU memory every time.
+    """
+    return StagingWriter(".") if fast_io_supported() else FileSystemWriter(".")
 
 
 def own_entries(state: dict[str, Any], *, rank: int, gather: Gather) -> frozenset[str]:
@@ -162,37 +168,35 @@ def own_entries(state: dict[str, Any], *, rank: int, gather: Gather) -> frozense
 class StagingWriter(FileSystemWriter):
     """Stages into one set of CPU buffers, reused by every save; only the rank's own entries.
 
-    Copying into buffers already faulted in is several times faster than into fresh memory, and
-    staging is what an asynchronous save blocks on. DCP's public ``DefaultStager`` keeps the CPU
-    copy of each storage it staged for as long as that storage lives, and copies into it again at
-    the next save: one CPU copy of what this rank writes, pinned where CUDA is. The entries
-    another rank writes stay as they are: the save reads only their shapes, to plan.
+    DCP's own ``cache_staged_state_dict`` pins its buffers, which fails without CUDA; these are
+    pinned only where CUDA is (not run here: with CUDA, the copy is a device-to-host transfer
+    into pinned memory, as DCP does it). The entries another rank writes stay as they are: the
+    save reads only their shapes, to plan.
     """
 
     own_entries: frozenset[str] | None = None
     """The entries this rank writes (flattened names); None for all of them."""
-    _stager: DefaultStager | None = None
+    _buffers: dict[str, Any] | None = None
     _staged: frozenset[str] = frozenset()
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+        from torch.distributed.checkpoint._nested_dict import (
+            flatten_state_dict,
+            unflatten_state_dict,
+        )
+
         self.per_thread_copy_ahead = 0  # as FileSystemWriter.stage: the data is on the CPU now
-        if self._stager is None:
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=torch.cuda.is_available(),
-                    use_shared_memory=False,
-                    use_async_staging=False,
-                    use_non_blocking_copy=False,
-                )
-            )
-        # DCP's save planner flattens the state as the save will, naming each entry's path.
-        planner = DefaultSavePlanner()
-        planner.set_up_planner(state_dict)
-        own = {name: value for name, value in planner.state_dict.items() if self._owns(name)}
-        # A dict, not a Future: the stager was made without use_async_staging.
-        staged = cast(dict[str, Any], self._stager.stage(own))
+        flat, mappings = flatten_state_dict(state_dict)
+        own = {name: flat[name] for name in flat if self._owns(name)}
+        if self._buffers is None or self._buffers.keys() != own.keys():
+            pin = torch.cuda.is_available()
+            self._buffers = _create_cpu_state_dict(own, pin_memory=pin)
+            if not pin:
+                _fault_in(self._buffers.values())
+        staged: dict[str, Any] = _copy_state_dict(own, self._buffers)
         self._staged = frozenset(own)
-        return _replaced(state_dict, {planner.mappings[name]: staged[name] for name in own})
+        return unflatten_state_dict({**flat, **staged}, mappings)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         unstaged = sorted({item.index.fqn for item in plan.items} - self._staged)
@@ -208,23 +212,32 @@ class StagingWriter(FileSystemWriter):
         return self.own_entries is None or name in self.own_entries
 
 
-def _replaced(state: dict[str, Any], values: Mapping[tuple[Any, ...], Any]) -> dict[str, Any]:
-    """A copy of the nested ``state`` whose entries at the paths of ``values`` are replaced; only
-    the containers on those paths are copied, every other entry is the same object."""
-    result = dict(state)
-    copied = {id(result)}
-    for path, value in values.items():
-        *parents, last = path
-        container: Any = result
-        for key in parents:
-            child = container[key]
-            if id(child) not in copied:
-                child = dict(child) if isinstance(child, dict) else list(child)
-                copied.add(id(child))
-                container[key] = child
-            container = child
-        container[last] = value
-    return result
+_MADV_POPULATE_WRITE: Final = 23
+
+
+def _fault_in(values: Iterable[Any]) -> None:
+    """Fault in the pages of fresh CPU tensors in one call each (Linux's MADV_POPULATE_WRITE).
+
+    The first copy into fresh memory otherwise takes a page fault every 4 kB. Here that is most of
+    the first asynchronous save: 0.36 s to stage 600 MB, against 0.29 s with the pages faulted in
+    first. Where the call is missing (not Linux, Linux before 5.14) the copy faults them in.
+    """
+    import ctypes
+
+    madvise = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
+    if madvise is None:
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    for value in values:
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+            continue
+        start = value.data_ptr()
+        first = -(-start // page) * page  # whole pages only: the copy faults in the edges
+        last = (start + value.numel() * value.element_size()) // page * page
+        if last > first and madvise(first, last - first, _MADV_POPULATE_WRITE) != 0:
+            return
 
 
 @final

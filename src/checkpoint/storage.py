@@ -21,10 +21,9 @@ from gangs import Gang
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.nn import Module
     from torch.optim import Optimizer
-
-    from checkpoint.dcp_io import StagingWriter
 
 StateDict = dict[str, Any]
 
@@ -101,7 +100,7 @@ class DcpStorage:
     def __init__(self, gang: Gang) -> None:
         self._gang = gang
         self._async_groups: list[ProcessGroup] = []
-        self._staging: dict[int, tuple[StagingWriter, list[Any]]] = {}
+        self._staging: dict[int, tuple[FileSystemWriter, list[Any]]] = {}
         self._path_logged = False
 
     def _log_path(self) -> None:
@@ -157,11 +156,11 @@ class DcpStorage:
         Stage everything before the first :meth:`async_save` starts: a writer thread running
         meanwhile would take the GIL from the copy between its tensors.
         """
-        from checkpoint.dcp_io import own_entries
+        from checkpoint.dcp_io import StagingWriter, own_entries
 
         self._log_path()
         staging = self._staging_writer(writer_nr, state)
-        if self._gang.size > 1:
+        if self._gang.size > 1 and isinstance(staging, StagingWriter):
             staging.own_entries = own_entries(
                 state, rank=self._gang.rank, gather=partial(self._gather, writer_nr)
             )
@@ -206,7 +205,7 @@ class DcpStorage:
         result.add_done_callback(pass_on)
         return done
 
-    def _staging_writer(self, writer_nr: int, state: StateDict) -> StagingWriter:
+    def _staging_writer(self, writer_nr: int, state: StateDict) -> FileSystemWriter:
         """The ``writer_nr``-th writer of asynchronous saves, whose staging buffers fit ``state``.
 
         The caller must have waited for that writer's previous save: its buffers are reused.
