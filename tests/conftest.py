@@ -156,6 +156,15 @@ def run_quick_benchmark(
     )
 
 
+@pytest.fixture(scope="session")
+def checkpoint_check(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One two-rank launch of ``tests/workers/checkpoint_check.py all`` for the tests of its
+    modes (integrity and fault tests alike): ``OUT/MODE/rank_R.json`` for each mode."""
+    out = tmp_path_factory.mktemp("checkpoint_check")
+    assert_ok(torchrun(2, "tests/workers/checkpoint_check.py", "all", str(out)))
+    return out
+
+
 def rank_reports(out: Path, num_ranks: int) -> list[Any]:
     """What each rank of a worker wrote to ``out/rank_R.json``, by rank."""
     return [json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(num_ranks)]

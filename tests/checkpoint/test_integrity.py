@@ -16,7 +16,7 @@ from torch import nn
 from checkpoint import CheckpointError, CheckpointManager
 from checkpoint.integrity import HashingReader, assign_hashing, digest_file, share_of
 from gangs import Gangs
-from tests.conftest import RunTorch, assert_ok, rank_reports
+from tests.conftest import rank_reports
 
 
 def save(manager: CheckpointManager, step_nr: int) -> None:
@@ -47,12 +47,12 @@ def test_digests_taken_while_writing_match_the_files(tmp_path: Path) -> None:
 
 
 def test_two_ranks_hash_as_they_write_and_verify_each_byte_once(
-    run_torchrun: RunTorch, tmp_path: Path
+    checkpoint_check: Path,
 ) -> None:
-    assert_ok(run_torchrun(2, "tests/workers/checkpoint_check.py", "shares", str(tmp_path)))
-    reports: list[dict[str, Any]] = rank_reports(tmp_path, 2)
+    out = checkpoint_check / "shares"
+    reports: list[dict[str, Any]] = rank_reports(out, 2)
     files = reports[0]["manifest_files"]
-    step_dir = tmp_path / "checkpoints" / "step_2"
+    step_dir = out / "checkpoints" / "step_2"
     # Both ranks wrote DCP files and a trainer file; rank 0 gathered them without reading any.
     assert {"model/__0_0.distcp", "model/__1_0.distcp", "trainer/rank_1.pt"} <= set(files)
     for report in reports:
@@ -76,10 +76,10 @@ def test_two_ranks_hash_as_they_write_and_verify_each_byte_once(
 
 
 def test_two_ranks_of_replicated_state_stage_one_part_each_for_an_async_save(
-    run_torchrun: RunTorch, tmp_path: Path
+    checkpoint_check: Path,
 ) -> None:
-    assert_ok(run_torchrun(2, "tests/workers/checkpoint_check.py", "staging", str(tmp_path)))
-    reports: list[dict[str, Any]] = rank_reports(tmp_path, 2)
+    out = checkpoint_check / "staging"
+    reports: list[dict[str, Any]] = rank_reports(out, 2)
     for part in ("model", "optimizer"):
         staged = [set(report[part]["staged"]) for report in reports]
         assert staged[0] and staged[1], f"a rank stages nothing of the {part}"
