@@ -46,10 +46,12 @@ def test_digests_taken_while_writing_match_the_files(tmp_path: Path) -> None:
         assert (digest.size, digest.digest) == (entry["size"], entry["digest"]), name
 
 
+# Both ways through DCP (checkpoint.dcp_io): the fast path, and public DCP only.
+@pytest.mark.parametrize("mode", ["shares", "shares_public"], ids=["fast", "public"])
 def test_two_ranks_hash_as_they_write_and_verify_each_byte_once(
-    checkpoint_check: Path,
+    checkpoint_check: Path, mode: str
 ) -> None:
-    out = checkpoint_check / "shares"
+    out = checkpoint_check / mode
     reports: list[dict[str, Any]] = rank_reports(out, 2)
     files = reports[0]["manifest_files"]
     step_dir = out / "checkpoints" / "step_2"

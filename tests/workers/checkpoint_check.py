@@ -7,7 +7,8 @@ mark an async save in flight unhealthy, resume past it, and save its step again.
 ``dirs OUT``: every rank names a checkpoint directory of its own (no shared filesystem).
 ``machine OUT``: rank 1 runs out of memory loading its trainer state of the newest checkpoint;
 then the load is tried again.
-``all OUT``: the four above in one launch (one torchrun start-up instead of four), each in
+``shares_public OUT``: ``shares`` through public DCP only (checkpoint.dcp_io's public path).
+``all OUT``: the five above in one launch (one torchrun start-up instead of five), each in
 ``OUT/MODE``.
 ``diskfull OUT WHERE MODE``: one process; a save (``sync`` or ``async``) runs out of space (a file
 size limit, RLIMIT_FSIZE) while it writes WHERE (``model``, ``optimizer`` or ``trainer``), then
@@ -30,6 +31,7 @@ from torch import nn
 
 import checkpoint.integrity as integrity
 from checkpoint import CheckpointDirectoryError, CheckpointError, CheckpointManager
+from checkpoint.dcp_io import IO_ENV_VAR
 from checkpoint.integrity import share_of
 from checkpoint.manifest import ManifestFiles
 from gangs import Gangs, setup_gangs
@@ -110,6 +112,18 @@ def shares(output_dir: Path, gangs: Gangs) -> dict[str, Any]:
     report.update(unhealthy(manager, model, optimizer, rank))
     stop_counting()
     return report
+
+
+def shares_public(output_dir: Path, gangs: Gangs) -> dict[str, Any]:
+    previous = os.environ.get(IO_ENV_VAR)
+    os.environ[IO_ENV_VAR] = "public"
+    try:
+        return shares(output_dir, gangs)
+    finally:
+        if previous is None:
+            del os.environ[IO_ENV_VAR]
+        else:
+            os.environ[IO_ENV_VAR] = previous
 
 
 def unhealthy(
@@ -228,6 +242,7 @@ def disk_full(output_dir: Path, where: str, mode: str) -> dict[str, Any]:
 
 MODES: dict[str, Callable[[Path, Gangs], dict[str, Any]]] = {
     "shares": shares,
+    "shares_public": shares_public,
     "staging": staging,
     "dirs": dirs,
     "machine": machine,
