@@ -157,11 +157,11 @@ def run_quick_benchmark(
 
 
 @pytest.fixture(scope="session")
-def checkpoint_check(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One two-rank launch of ``tests/workers/checkpoint_check.py all`` for the tests of its
-    modes (integrity and fault tests alike): ``OUT/MODE/rank_R.json`` for each mode."""
-    out = tmp_path_factory.mktemp("checkpoint_check")
-    assert_ok(torchrun(2, "tests/workers/checkpoint_check.py", "all", str(out)))
+def two_rank_checks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One two-rank launch of ``tests/workers/two_rank_checks.py`` for the tests of its checks
+    (checkpoint integrity and faults, agreement, data readers): ``OUT/CHECK/rank_R.json``."""
+    out = tmp_path_factory.mktemp("two_rank_checks")
+    assert_ok(torchrun(2, "tests/workers/two_rank_checks.py", str(out)))
     return out
 
 

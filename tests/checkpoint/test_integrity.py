@@ -49,9 +49,9 @@ def test_digests_taken_while_writing_match_the_files(tmp_path: Path) -> None:
 # Both ways through DCP (checkpoint.dcp_io): the fast path, and public DCP only.
 @pytest.mark.parametrize("mode", ["shares", "shares_public"], ids=["fast", "public"])
 def test_two_ranks_hash_as_they_write_and_verify_each_byte_once(
-    checkpoint_check: Path, mode: str
+    two_rank_checks: Path, mode: str
 ) -> None:
-    out = checkpoint_check / mode
+    out = two_rank_checks / mode
     reports: list[dict[str, Any]] = rank_reports(out, 2)
     files = reports[0]["manifest_files"]
     step_dir = out / "checkpoints" / "step_2"
@@ -78,9 +78,9 @@ def test_two_ranks_hash_as_they_write_and_verify_each_byte_once(
 
 
 def test_two_ranks_of_replicated_state_stage_one_part_each_for_an_async_save(
-    checkpoint_check: Path,
+    two_rank_checks: Path,
 ) -> None:
-    out = checkpoint_check / "staging"
+    out = two_rank_checks / "staging"
     reports: list[dict[str, Any]] = rank_reports(out, 2)
     for part in ("model", "optimizer"):
         staged = [set(report[part]["staged"]) for report in reports]

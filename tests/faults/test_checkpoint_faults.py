@@ -65,9 +65,9 @@ def manager(tmp_path: Path) -> CheckpointManager:
 
 
 def test_ranks_that_see_different_checkpoint_directories_all_stop_with_one_clear_error(
-    checkpoint_check: Path,
+    two_rank_checks: Path,
 ) -> None:
-    out = checkpoint_check / "dirs"
+    out = two_rank_checks / "dirs"
     reports = rank_reports(out, 2)
     errors = {report["error"] for report in reports}
     assert len(errors) == 1, "the ranks disagree on the verdict"
@@ -261,9 +261,9 @@ def test_an_intact_checkpoint_that_the_machine_fails_to_load_is_not_skipped_as_d
 
 
 def test_ranks_agree_that_an_intact_checkpoint_one_rank_failed_to_load_is_not_damaged(
-    checkpoint_check: Path,
+    two_rank_checks: Path,
 ) -> None:
-    out = checkpoint_check / "machine"
+    out = two_rank_checks / "machine"
     reports = rank_reports(out, 2)
     assert [report["error"][0] for report in reports] == ["CheckpointLoadError"] * 2
     assert "no memory left for the trainer state" in reports[1]["error"][1]

@@ -8,11 +8,11 @@ mark an async save in flight unhealthy, resume past it, and save its step again.
 ``machine OUT``: rank 1 runs out of memory loading its trainer state of the newest checkpoint;
 then the load is tried again.
 ``shares_public OUT``: ``shares`` through public DCP only (checkpoint.dcp_io's public path).
-``all OUT``: the five above in one launch (one torchrun start-up instead of five), each in
-``OUT/MODE``.
 ``diskfull OUT WHERE MODE``: one process; a save (``sync`` or ``async``) runs out of space (a file
 size limit, RLIMIT_FSIZE) while it writes WHERE (``model``, ``optimizer`` or ``trainer``), then
 space is freed and the run goes on.
+
+``two_rank_checks.py`` runs the two-rank modes in one launch, with other workers' checks.
 """
 
 from __future__ import annotations
@@ -249,20 +249,6 @@ MODES: dict[str, Callable[[Path, Gangs], dict[str, Any]]] = {
 }
 
 
-def run_modes(modes: list[str], out: Path, rank_nr: int) -> None:
-    gangs = setup_gangs()
-    for mode in modes:
-        mode_dir = out / mode if len(modes) > 1 else out
-        mode_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            result = MODES[mode](mode_dir, gangs)
-        except BaseException as ex:
-            ex.add_note(f"(in checkpoint_check.py's {mode} mode)")
-            raise
-        (mode_dir / f"rank_{rank_nr}.json").write_text(json.dumps(result))
-    gangs.root.close()
-
-
 if __name__ == "__main__":
     mode, out = sys.argv[1], Path(sys.argv[2])
     rank_nr = int(os.environ.get("RANK", "0"))
@@ -270,4 +256,6 @@ if __name__ == "__main__":
         result = disk_full(out, sys.argv[3], sys.argv[4])
         (out / f"rank_{rank_nr}.json").write_text(json.dumps(result))
     else:
-        run_modes(list(MODES) if mode == "all" else [mode], out, rank_nr)
+        gangs = setup_gangs()
+        (out / f"rank_{rank_nr}.json").write_text(json.dumps(MODES[mode](out, gangs)))
+        gangs.root.close()
