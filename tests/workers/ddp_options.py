@@ -64,16 +64,21 @@ def run_case(gangs: Gangs, options: dict[str, Any]) -> object:
     }
 
 
-def main(output_dir: Path, cases: dict[str, dict[str, Any]]) -> None:
-    gangs = setup_gangs()
+def run_all(gangs: Gangs, output_dir: Path, cases: dict[str, dict[str, Any]]) -> None:
+    """Each of ``cases`` in turn, into ``output_dir/NAME/rank_R.json``."""
     for name, options in cases.items():
         try:
-            report = run_case(gangs, options)
+            report = run_case(gangs, dict(options))
         except BaseException as ex:
             ex.add_note(f"(in ddp_options.py's case {name})")
             raise
         (output_dir / name).mkdir(parents=True, exist_ok=True)
         (output_dir / name / f"rank_{gangs.root.rank}.json").write_text(json.dumps(report))
+
+
+def main(output_dir: Path, cases: dict[str, dict[str, Any]]) -> None:
+    gangs = setup_gangs()
+    run_all(gangs, output_dir, cases)
     leave(gangs.root)
 
 

@@ -153,14 +153,19 @@ def run_case(output_dir: Path, root: Gang, options: dict[str, Any]) -> None:
         torch.save(result, output_dir / f"{mode}.pt")
 
 
-def main(output_dir: Path, options: dict[str, Any]) -> None:
-    root = setup_root_gang()
-    for name, case_options in options.get("cases", {".": options}).items():
+def run_all(root: Gang, output_dir: Path, cases: dict[str, dict[str, Any]]) -> None:
+    """Each of ``cases`` in turn, into ``output_dir/NAME``."""
+    for name, case_options in cases.items():
         try:
             run_case(output_dir / name, root, case_options)
         except BaseException as ex:
             ex.add_note(f"(in large_model.py's case {name})")
             raise
+
+
+def main(output_dir: Path, options: dict[str, Any]) -> None:
+    root = setup_root_gang()
+    run_all(root, output_dir, options.get("cases", {".": options}))
     leave(root)
 
 

@@ -236,19 +236,29 @@ def train(root: Gang, output_dir: Path, options: dict[str, Any]) -> Trainer[ToyB
     return trainer
 
 
-def main(output_dir: Path, options: dict[str, Any]) -> None:
-    root = setup_root_gang()
-    if "runs" not in options:
-        leave(root, train(root, output_dir, options))
-    for name, run_options in options["runs"].items():
+def run_all(root: Gang, output_dir: Path, runs: dict[str, dict[str, Any]]) -> None:
+    """Each of ``runs`` in turn into ``output_dir/NAME``; the torch path is left as found."""
+    previous = os.environ.get(PRIVATE_APIS_ENV_VAR)
+    for name, run_options in runs.items():
         if "torch_path" in run_options:
             os.environ[PRIVATE_APIS_ENV_VAR] = run_options["torch_path"]
-        (output_dir / name).mkdir(exist_ok=True)
+        (output_dir / name).mkdir(parents=True, exist_ok=True)
         try:
             train(root, output_dir / name, run_options).close()
         except BaseException as ex:
             ex.add_note(f"(in train_toy.py's run {name})")
             raise
+    if previous is None:
+        os.environ.pop(PRIVATE_APIS_ENV_VAR, None)
+    else:
+        os.environ[PRIVATE_APIS_ENV_VAR] = previous
+
+
+def main(output_dir: Path, options: dict[str, Any]) -> None:
+    root = setup_root_gang()
+    if "runs" not in options:
+        leave(root, train(root, output_dir, options))
+    run_all(root, output_dir, options["runs"])
     leave(root)
 
 

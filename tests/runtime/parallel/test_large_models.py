@@ -39,7 +39,7 @@ INIT_LAYOUTS = {
     "hsdp2x2": (4, {"dp_shard_size": 2}),
 }
 
-# Every two-process case of this file, in one launch (one torchrun start-up): name to options.
+# Every two-process case of this file, run in the shared two-rank launch: name to options.
 TWO_PROCESS_CASES: dict[str, dict[str, Any]] = {
     **{
         f"init-{layout}": {"mode": "init", **options}
@@ -55,11 +55,10 @@ TWO_PROCESS_CASES: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """``two_processes(case)``: what rank 0 wrote for a case of :data:`TWO_PROCESS_CASES`."""
-    out = tmp_path_factory.mktemp("two_processes")
-    cases = json.dumps({"cases": TWO_PROCESS_CASES})
-    assert_ok(torchrun(2, WORKER, str(out), cases))
+def two_processes(two_rank_checks: Path) -> Any:
+    """``two_processes(case)``: what rank 0 wrote for a case of :data:`TWO_PROCESS_CASES`, run
+    in the shared two-rank launch (tests/workers/two_rank_checks.py)."""
+    out = two_rank_checks / "large_model"
 
     def get(case: str) -> Any:
         mode = TWO_PROCESS_CASES[case]["mode"]

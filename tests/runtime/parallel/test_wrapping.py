@@ -2,31 +2,32 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch import nn
 
 from gangs import Gangs
 from runtime import apply_data_parallel
-from tests.conftest import assert_ok, rank_reports, torchrun
+from tests.conftest import rank_reports
 
 WORKER = "tests/workers/ddp_options.py"
 
 
+# The cases of ddp_options.py, run in the shared two-rank launch (tests/workers/two_rank_checks.py)
+# after every other check: the case DDP refuses leaves its reducer mid-iteration.
+DDP_CASES: dict[str, dict[str, Any]] = {
+    "options": {"find_unused_parameters": True, "gradient_as_bucket_view": True},
+    "sparse_by_hand": {"sparse_by_hand": True},
+    "no_options": {},
+}
+
+
 @pytest.fixture(scope="module")
-def ddp_cases(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One two-rank launch for the cases below: ``OUT/CASE/rank_R.json``. The case DDP refuses
-    runs last, after which its reducer is left mid-iteration."""
-    out = tmp_path_factory.mktemp("ddp_options")
-    cases = {
-        "options": {"find_unused_parameters": True, "gradient_as_bucket_view": True},
-        "sparse_by_hand": {"sparse_by_hand": True},
-        "no_options": {},
-    }
-    assert_ok(torchrun(2, WORKER, str(out), json.dumps(cases)))
-    return out
+def ddp_cases(two_rank_checks: Path) -> Path:
+    """Each case's reports, ``OUT/CASE/rank_R.json``."""
+    return two_rank_checks / "ddp_options"
 
 
 @pytest.mark.distributed

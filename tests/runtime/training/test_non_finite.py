@@ -13,11 +13,9 @@ import torch
 from runtime import NonFiniteError, TrainerError
 from tests.conftest import (
     RunTorch,
-    assert_ok,
     make_toy_trainer,
     public_torch_path_in_test_all,
     read_jsonl,
-    torchrun,
 )
 from tests.workers.train_toy import PoisonedToyUnit, ToyModel
 
@@ -190,7 +188,7 @@ def test_fsdp_ranks_stop_on_nan_gradients_of_a_finite_loss(
 
 FP16_LAYOUTS = {"ddp": ("ddp", 1), "fsdp": ("fsdp", 1), "tp": ("fsdp", 2)}
 
-# The two-process runs that end well, in one launch (one torchrun start-up): name to options.
+# The two-process runs that end well, run in the shared two-rank launch: name to options.
 GOOD_RUNS: dict[str, dict[str, Any]] = {
     "skip": {
         "batch_size": 4,
@@ -224,11 +222,10 @@ GOOD_RUNS: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module")
-def good_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The output directory of each of :data:`GOOD_RUNS`, under ``OUT/NAME``."""
-    out = tmp_path_factory.mktemp("good_runs")
-    assert_ok(torchrun(2, WORKER, str(out), json.dumps({"runs": GOOD_RUNS})))
-    return out
+def good_runs(two_rank_checks: Path) -> Path:
+    """The output directory of each of :data:`GOOD_RUNS`, under ``OUT/NAME``, run in the shared
+    two-rank launch (tests/workers/two_rank_checks.py)."""
+    return two_rank_checks / "good_runs"
 
 
 @pytest.mark.distributed

@@ -32,7 +32,8 @@ def assert_same_params(actual: dict[str, Tensor], expected: dict[str, Tensor]) -
 
 CLIPPED = {"max_gradient_norm": 0.5}
 
-# The runs of each launch (one torchrun start-up each), by number of processes.
+# The runs of each launch (one torchrun start-up each), by number of processes; those of two
+# processes go in the shared two-rank launch.
 RUNS: dict[int, dict[str, dict[str, Any]]] = {
     1: {
         "reference": {"batch_size": 8, **CLIPPED},
@@ -72,11 +73,14 @@ RUNS: dict[int, dict[str, dict[str, Any]]] = {
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """``trained(nproc, run)``: the parameters of a run of :data:`RUNS`, each launch made once."""
+def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``trained(nproc, run)``: the parameters of a run of :data:`RUNS`, each launch made once;
+    the two-process runs are made in the shared two-rank launch (tests/workers/two_rank_checks)."""
     outs: dict[int, Path] = {}
 
     def get(nproc: int, run: str) -> dict[str, Tensor]:
+        if nproc == 2 and nproc not in outs:
+            outs[nproc] = request.getfixturevalue("two_rank_checks") / "equivalence"
         if nproc not in outs:
             out = tmp_path_factory.mktemp(f"runs_{nproc}")
             result = torchrun(nproc, WORKER, str(out), json.dumps({"runs": RUNS[nproc]}))
