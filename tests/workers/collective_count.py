@@ -171,13 +171,17 @@ def count(gangs: Gangs, output_dir: Path, kind: str) -> Trainer[Any]:
     return trainer
 
 
+def count_kinds(gangs: Gangs, output_dir: Path, kinds: list[str]) -> None:
+    """Count a run of each of ``kinds`` in turn, into ``output_dir/KIND``."""
+    for kind in kinds:
+        (output_dir / kind).mkdir(parents=True, exist_ok=True)
+        count(gangs, output_dir / kind, kind).close()
+
+
 def main(output_dir: Path, kinds: list[str]) -> None:
     gangs = setup_gangs()
-    for kind in kinds[:-1]:
-        (output_dir / kind).mkdir(exist_ok=True)
-        count(gangs, output_dir / kind, kind).close()
-    (output_dir / kinds[-1]).mkdir(exist_ok=True)
-    leave(gangs.root, count(gangs, output_dir / kinds[-1], kinds[-1]))
+    count_kinds(gangs, output_dir, kinds)
+    leave(gangs.root)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from checkpoint import CheckpointManager
-from gangs import Gangs, setup_parallel_gangs, setup_root_gang
+from gangs import Gang, Gangs, setup_parallel_gangs, setup_root_gang
 from gangs.torch_versions import PRIVATE_APIS_ENV_VAR
 from runtime import (
     MapDataReader,
@@ -82,8 +82,10 @@ def watch_layout(gangs: Gangs, kind: str, output_dir: Path) -> None:
     (output_dir / f"rank_{gangs.root.rank}.json").write_text(json.dumps(found, indent=1))
 
 
-def main(output_dir: Path, layouts: dict[str, tuple[str, int, str | None]]) -> None:
-    root = setup_root_gang()
+def run_all(root: Gang, output_dir: Path, layouts: dict[str, tuple[str, int, str | None]]) -> None:
+    """Watch each of ``layouts`` in turn, into ``output_dir/NAME``; the torch path is left as
+    found."""
+    previous = os.environ.get(PRIVATE_APIS_ENV_VAR)
     for name, (kind, tp_size, torch_path) in layouts.items():
         if torch_path is not None:
             os.environ[PRIVATE_APIS_ENV_VAR] = torch_path
@@ -93,6 +95,15 @@ def main(output_dir: Path, layouts: dict[str, tuple[str, int, str | None]]) -> N
         except BaseException as ex:
             ex.add_note(f"(in host_sync.py's layout {name})")
             raise
+    if previous is None:
+        os.environ.pop(PRIVATE_APIS_ENV_VAR, None)
+    else:
+        os.environ[PRIVATE_APIS_ENV_VAR] = previous
+
+
+def main(output_dir: Path, layouts: dict[str, tuple[str, int, str | None]]) -> None:
+    root = setup_root_gang()
+    run_all(root, output_dir, layouts)
     leave(root)
 
 

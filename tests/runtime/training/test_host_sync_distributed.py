@@ -30,9 +30,10 @@ def _slow(name: str, path: str) -> bool:
     return LAYOUTS[name][0] > 2 or path == "public"
 
 
-# make test's layouts, watched in one launch of two processes.
+# make test's layouts, watched in the shared two-rank launch (tests/workers/two_rank_checks.py).
 FAST = ("ddp", "fsdp2", "tp")
 FAST_PATHS = {(name, "private") for name in FAST}
+FAST_LAYOUTS = {f"{name}-private": (*LAYOUTS[name][1:], "private") for name in FAST}
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +77,13 @@ def syncs_by_rank(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> list[dict[str, Any]]:
     """Each rank's syncs in the steady steps of each feature, under the layout of the param and
-    on its torch path. make test's layouts share one launch; make test-all's others launch alone."""
+    on its torch path. make test's layouts come from the shared two-rank launch; make
+    test-all's others launch alone."""
     name, path = request.param
-    fast = (name, path) in FAST_PATHS
-    layouts = tuple((other, "private") for other in FAST) if fast else ((name, path),)
-    out = watch(launches, tmp_path_factory, layouts)
+    if (name, path) in FAST_PATHS:
+        out = request.getfixturevalue("two_rank_checks") / "host_sync"
+    else:
+        out = watch(launches, tmp_path_factory, ((name, path),))
     reports: list[dict[str, Any]] = rank_reports(out / f"{name}-{path}", LAYOUTS[name][0])
     return reports
 

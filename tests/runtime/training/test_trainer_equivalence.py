@@ -208,9 +208,10 @@ def _count_collectives(out: Path, *kinds: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def collectives(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The counts of a DDP run and of an FSDP2 run, in one launch: ``OUT/KIND/rank_R.json``."""
-    return _count_collectives(tmp_path_factory.mktemp("collectives"), "ddp", "fsdp")
+def collectives(two_rank_checks: Path) -> Path:
+    """The counts of a DDP run and of an FSDP2 run, made in the shared two-rank launch
+    (tests/workers/two_rank_checks.py): ``OUT/KIND/rank_R.json``."""
+    return two_rank_checks / "collectives"
 
 
 def test_a_ddp_step_makes_one_collective_beside_ddps_own_and_does_not_wait_for_it(
