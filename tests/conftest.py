@@ -156,6 +156,15 @@ def run_quick_benchmark(
     )
 
 
+@pytest.fixture(scope="session")
+def two_rank_checks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One two-rank launch of ``tests/workers/two_rank_checks.py`` for the tests of its checks
+    (checkpoint integrity and faults, agreement, data readers): ``OUT/CHECK/rank_R.json``."""
+    out = tmp_path_factory.mktemp("two_rank_checks")
+    assert_ok(torchrun(2, "tests/workers/two_rank_checks.py", str(out)))
+    return out
+
+
 def rank_reports(out: Path, num_ranks: int) -> list[Any]:
     """What each rank of a worker wrote to ``out/rank_R.json``, by rank."""
     return [json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(num_ranks)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,22 +28,27 @@ def test_tutorial_recipe_trains_resumes_and_takes_overrides(
     script = tmp_path / "my_recipe.py"
     script.write_text(tutorial_code())
 
-    out = tmp_path / "runs" / "mine"
-    single = run_python(str(script), str(out), "--config", "max_num_steps=20", cwd=tmp_path)
-    assert_ok(single)
-    records = [json.loads(line) for line in (out / "metrics" / "train.jsonl").open()]
-    assert [r["step_nr"] for r in records] == [10, 20]
-    assert "mse" in records[0]
-
-    # The same command again finds the finished run and does not train further.
-    again = run_python(str(script), str(out), "--config", "max_num_steps=20", cwd=tmp_path)
-    assert_ok(again)
-    assert len((out / "metrics" / "train.jsonl").read_text().splitlines()) == 2
-
+    # The two-process run is independent of the one-process runs: it goes on beside them, on the
+    # core a single process leaves idle.
     dp_out = tmp_path / "runs" / "dp"
-    result = run_torchrun(
-        2, str(script), str(dp_out), "--config", "max_num_steps=20", cwd=REPO_ROOT
-    )
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        two_processes = pool.submit(
+            run_torchrun, 2, str(script), str(dp_out), "--config", "max_num_steps=20", cwd=REPO_ROOT
+        )
+
+        out = tmp_path / "runs" / "mine"
+        single = run_python(str(script), str(out), "--config", "max_num_steps=20", cwd=tmp_path)
+        assert_ok(single)
+        records = [json.loads(line) for line in (out / "metrics" / "train.jsonl").open()]
+        assert [r["step_nr"] for r in records] == [10, 20]
+        assert "mse" in records[0]
+
+        # The same command again finds the finished run and does not train further.
+        again = run_python(str(script), str(out), "--config", "max_num_steps=20", cwd=tmp_path)
+        assert_ok(again)
+        assert len((out / "metrics" / "train.jsonl").read_text().splitlines()) == 2
+
+        result = two_processes.result()
     assert_ok(result)
     assert (dp_out / "checkpoints" / "step_20" / "manifest.json").is_file()
     assert sorted(p.name for p in (dp_out / "logs").iterdir()) == ["rank_0.log", "rank_1.log"]

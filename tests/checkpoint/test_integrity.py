@@ -16,7 +16,7 @@ from torch import nn
 from checkpoint import CheckpointError, CheckpointManager
 from checkpoint.integrity import HashingReader, assign_hashing, digest_file, share_of
 from gangs import Gangs
-from tests.conftest import RunTorch, assert_ok, rank_reports
+from tests.conftest import rank_reports
 
 
 def save(manager: CheckpointManager, step_nr: int) -> None:
@@ -46,13 +46,15 @@ def test_digests_taken_while_writing_match_the_files(tmp_path: Path) -> None:
         assert (digest.size, digest.digest) == (entry["size"], entry["digest"]), name
 
 
+# Both ways through DCP (checkpoint.dcp_io): the fast path, and public DCP only.
+@pytest.mark.parametrize("mode", ["shares", "shares_public"], ids=["fast", "public"])
 def test_two_ranks_hash_as_they_write_and_verify_each_byte_once(
-    run_torchrun: RunTorch, tmp_path: Path
+    two_rank_checks: Path, mode: str
 ) -> None:
-    assert_ok(run_torchrun(2, "tests/workers/checkpoint_check.py", "shares", str(tmp_path)))
-    reports: list[dict[str, Any]] = rank_reports(tmp_path, 2)
+    out = two_rank_checks / mode
+    reports: list[dict[str, Any]] = rank_reports(out, 2)
     files = reports[0]["manifest_files"]
-    step_dir = tmp_path / "checkpoints" / "step_2"
+    step_dir = out / "checkpoints" / "step_2"
     # Both ranks wrote DCP files and a trainer file; rank 0 gathered them without reading any.
     assert {"model/__0_0.distcp", "model/__1_0.distcp", "trainer/rank_1.pt"} <= set(files)
     for report in reports:
@@ -76,10 +78,10 @@ def test_two_ranks_hash_as_they_write_and_verify_each_byte_once(
 
 
 def test_two_ranks_of_replicated_state_stage_one_part_each_for_an_async_save(
-    run_torchrun: RunTorch, tmp_path: Path
+    two_rank_checks: Path,
 ) -> None:
-    assert_ok(run_torchrun(2, "tests/workers/checkpoint_check.py", "staging", str(tmp_path)))
-    reports: list[dict[str, Any]] = rank_reports(tmp_path, 2)
+    out = two_rank_checks / "staging"
+    reports: list[dict[str, Any]] = rank_reports(out, 2)
     for part in ("model", "optimizer"):
         staged = [set(report[part]["staged"]) for report in reports]
         assert staged[0] and staged[1], f"a rank stages nothing of the {part}"

@@ -517,6 +517,10 @@ def test_async_checkpoint_of_replicated_shards_resumes_exactly(
     assert assert_committed_checkpoints_verify(tmp_path) == [2, 4, 6, 8, 10]
 
 
+# `make test-all` only: in `make test`, test_integrity saves (sync and async), verifies and loads
+# on two ranks through public DCP, test_async saves and loads asynchronously through it, and the
+# test above kills an asynchronous save of two ranks and resumes exactly.
+@pytest.mark.slow
 def test_public_dcp_path_on_two_ranks_resumes_exactly(resumed_run: Any, tmp_path: Path) -> None:
     # The path a torch outside the fast path's tested versions takes: public DCP only, the
     # staging of asynchronous saves included. Killed mid step 5, resumed from step 2.

@@ -23,7 +23,7 @@ from torch import nn
 from checkpoint import CheckpointError, CheckpointLoadError, CheckpointManager
 from checkpoint.integrity import digest_file
 from gangs import Gangs
-from tests.conftest import REPO_ROOT, RunTorch, assert_ok, child_env, rank_reports
+from tests.conftest import REPO_ROOT, assert_ok, child_env, rank_reports
 
 pytestmark = [pytest.mark.faults]
 
@@ -65,15 +65,15 @@ def manager(tmp_path: Path) -> CheckpointManager:
 
 
 def test_ranks_that_see_different_checkpoint_directories_all_stop_with_one_clear_error(
-    run_torchrun: RunTorch, tmp_path: Path
+    two_rank_checks: Path,
 ) -> None:
-    assert_ok(run_torchrun(2, "tests/workers/checkpoint_check.py", "dirs", str(tmp_path)))
-    reports = rank_reports(tmp_path, 2)
+    out = two_rank_checks / "dirs"
+    reports = rank_reports(out, 2)
     errors = {report["error"] for report in reports}
     assert len(errors) == 1, "the ranks disagree on the verdict"
     error = errors.pop()
-    assert f"rank 0 ({tmp_path / 'rank_0' / 'checkpoints'})" in error
-    assert f"rank 1 uses {tmp_path / 'rank_1' / 'checkpoints'}" in error
+    assert f"rank 0 ({out / 'rank_0' / 'checkpoints'})" in error
+    assert f"rank 1 uses {out / 'rank_1' / 'checkpoints'}" in error
     assert "Checkpoints need a filesystem shared by all ranks" in error
     assert [report["probe_left"] for report in reports] == [[], []]
 
@@ -261,10 +261,10 @@ def test_an_intact_checkpoint_that_the_machine_fails_to_load_is_not_skipped_as_d
 
 
 def test_ranks_agree_that_an_intact_checkpoint_one_rank_failed_to_load_is_not_damaged(
-    run_torchrun: RunTorch, tmp_path: Path
+    two_rank_checks: Path,
 ) -> None:
-    assert_ok(run_torchrun(2, "tests/workers/checkpoint_check.py", "machine", str(tmp_path)))
-    reports = rank_reports(tmp_path, 2)
+    out = two_rank_checks / "machine"
+    reports = rank_reports(out, 2)
     assert [report["error"][0] for report in reports] == ["CheckpointLoadError"] * 2
     assert "no memory left for the trainer state" in reports[1]["error"][1]
     for report in reports:

@@ -59,6 +59,9 @@ def rerun_and_judge(
     )
 
 
+# `make test-all` only: in `make test`, test_resume kills a rank with SIGKILL mid-step (sync and
+# async saves, fast and public DCP) and inside a save, and checks each rerun is bit-identical.
+@pytest.mark.slow
 @pytest.mark.parametrize("trials", trial_counts(1, 10))
 def test_kill_9_of_the_whole_job_at_random_steps(
     trials: int, reference: dict[str, Tensor], tmp_path: Path, tally: Tally

@@ -77,6 +77,9 @@ def judge(out: Path) -> tuple[bool, str]:
     return not trained and not steps, f"never stopped at a step; trained {trained}, {steps}"
 
 
+# `make test-all` only: in `make test`, test_resume's SIGTERM to torchrun and to one process stop
+# every rank at one step boundary, exit 75 and resume bit-identical.
+@pytest.mark.slow
 @pytest.mark.parametrize("trials", trial_counts(1, 10))
 def test_sigterm_storms_stop_at_a_step_boundary_or_before_training(
     trials: int, reference: dict[str, Tensor], tmp_path: Path, tally: Tally

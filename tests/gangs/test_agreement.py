@@ -16,7 +16,7 @@ from gangs import (
     find_disagreements,
     run_on_all_ranks,
 )
-from tests.conftest import RunTorch, TwinRanksGang, assert_ok
+from tests.conftest import TwinRanksGang
 
 
 def test_one_process_agrees_with_itself() -> None:
@@ -32,11 +32,9 @@ def test_one_process_agrees_with_itself() -> None:
 
 
 @pytest.mark.distributed
-def test_two_ranks_agree_on_failures_votes_and_decisions(
-    run_torchrun: RunTorch, tmp_path: Path
-) -> None:
-    assert_ok(run_torchrun(2, "tests/workers/agreement_check.py", str(tmp_path)))
-    reports = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)]
+def test_two_ranks_agree_on_failures_votes_and_decisions(two_rank_checks: Path) -> None:
+    out = two_rank_checks / "agreement"
+    reports = [json.loads((out / f"rank_{r}.json").read_text()) for r in range(2)]
     for rank, report in enumerate(reports):
         assert report["agree_min"] == [False, 1]
         assert report["agree_max"] == [True, 2]

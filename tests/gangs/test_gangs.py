@@ -19,7 +19,7 @@ from gangs import (
     setup_gangs,
     setup_parallel_gangs,
 )
-from tests.conftest import RunTorch, assert_ok
+from tests.conftest import RunTorch, assert_ok, torchrun
 
 WORKER = "tests/workers/gang_check.py"
 
@@ -88,12 +88,30 @@ def test_four_processes_dp_x_tp_layout(run_torchrun: RunTorch, tmp_path: Path) -
         assert report["mesh"] == [["dp", "tp"], [[0, 1], [2, 3]]]
 
 
+@pytest.fixture(scope="module")
+def four_process_layouts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One launch of four processes for the HSDP and HSDP x TP layouts, each on both torch
+    paths (gangs.torch_versions): ``OUT/LAYOUT-PATH/rank_R.json``."""
+    out = tmp_path_factory.mktemp("four_processes")
+    cases = {
+        f"{layout}-{path}": (tp_size, 2, path)
+        for layout, tp_size in (("hsdp", 1), ("hsdp_tp", 2))
+        for path in ("private", "public")
+    }
+    assert_ok(torchrun(4, WORKER, str(out), "--cases", json.dumps(cases)))
+    return out
+
+
+def four_process_reports(out: Path, case: str) -> list[dict[str, Any]]:
+    return [json.loads((out / case / f"rank_{r}.json").read_text()) for r in range(4)]
+
+
 @pytest.mark.distributed
-@pytest.mark.usefixtures("torch_private_apis")
+@pytest.mark.parametrize("torch_path", ["private", "public"])
 def test_four_processes_hsdp_layout_keeps_the_whole_dp_gang(
-    run_torchrun: RunTorch, tmp_path: Path
+    four_process_layouts: Path, torch_path: str
 ) -> None:
-    reports = run_gang_check(run_torchrun, tmp_path, 4, 1, "2")
+    reports = four_process_reports(four_process_layouts, f"hsdp-{torch_path}")
     for rank, report in enumerate(reports):
         # Data sharding, metrics and normalization still see all 4 DP ranks.
         assert report["dp"] == [rank, 4]
@@ -107,17 +125,18 @@ def test_four_processes_hsdp_layout_keeps_the_whole_dp_gang(
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("torch_path", ["private", "public"])
 def test_four_processes_hsdp_x_tp_layout_on_each_torch_path(
-    run_torchrun: RunTorch, tmp_path: Path, torch_private_apis: str
+    four_process_layouts: Path, torch_path: str
 ) -> None:
-    reports = run_gang_check(run_torchrun, tmp_path, 4, 2, "2")
+    reports = four_process_reports(four_process_layouts, f"hsdp_tp-{torch_path}")
     for rank, report in enumerate(reports):
         dp_rank, tp_rank = divmod(rank, 2)
         assert report["dp"] == [dp_rank, 2]
         assert report["dp_members"] == [float(tp_rank), float(2 + tp_rank)]
         assert report["tp_members"] == [float(dp_rank * 2), float(dp_rank * 2 + 1)]
         assert report["hsdp_mesh"] == [[tp_rank, 2 + tp_rank]]
-        if torch_private_apis == "private":
+        if torch_path == "private":
             assert report["dp_mesh"] == [tp_rank, 2 + tp_rank]
         else:
             # No public mesh of the whole DP gang shares a root with the TP mesh (FSDP2 needs it).

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -337,24 +338,8 @@ def test_sft_trains_on_responses_only(tmp_path: Path) -> None:
     assert values[-1] < 0.3 * values[0], values
 
 
-def test_a_mixture_with_workers_resumes_exactly_after_kill_9(tmp_path: Path) -> None:
-    tokenizer_dir = make_tokenizer_dir(tmp_path / "tok", sentences(200, seed=0))
-    web = write_jsonl(tmp_path / "web.jsonl", [{"text": s} for s in sentences(300, seed=5)])
-    code = write_jsonl(tmp_path / "code.jsonl", [{"text": s} for s in sentences(300, seed=6)])
-    config = (
-        "model.name=llama_debug",
-        f"tokenizer.path={tokenizer_dir}",
-        f"data.mixture=[{{path: {web}, weight: 3}}, {{path: {code}, weight: 1}}]",
-        "trainer.max_num_steps=12",
-        "trainer.checkpoint_every_n_steps=4",
-        "trainer.keep_last_n_checkpoints=null",
-        *TINY_TRAINING,
-        "data.num_workers=2",
-    )
-    reference = tmp_path / "reference"
-    assert_ok(run_python(*recipe_args(reference, *config), timeout=300))
-
-    out = tmp_path / "killed"
+def kill_9_and_resume(out: Path, config: tuple[str, ...]) -> None:
+    """Run the recipe, kill -9 it and its data workers after its first checkpoint, rerun it."""
     process = subprocess.Popen(
         [sys.executable, *recipe_args(out, *config)],
         env=child_env(),
@@ -373,6 +358,28 @@ def test_a_mixture_with_workers_resumes_exactly_after_kill_9(tmp_path: Path) -> 
     process.wait(timeout=60)
     assert_ok(run_python(*recipe_args(out, *config), timeout=300))
 
+
+def test_a_mixture_with_workers_resumes_exactly_after_kill_9(tmp_path: Path) -> None:
+    tokenizer_dir = make_tokenizer_dir(tmp_path / "tok", sentences(200, seed=0))
+    web = write_jsonl(tmp_path / "web.jsonl", [{"text": s} for s in sentences(300, seed=5)])
+    code = write_jsonl(tmp_path / "code.jsonl", [{"text": s} for s in sentences(300, seed=6)])
+    config = (
+        "model.name=llama_debug",
+        f"tokenizer.path={tokenizer_dir}",
+        f"data.mixture=[{{path: {web}, weight: 3}}, {{path: {code}, weight: 1}}]",
+        "trainer.max_num_steps=12",
+        "trainer.checkpoint_every_n_steps=4",
+        "trainer.keep_last_n_checkpoints=null",
+        *TINY_TRAINING,
+        "data.num_workers=2",
+    )
+    # The uninterrupted reference goes on beside the killed run and its resume: each is one
+    # process, and this machine has a core for each.
+    reference, out = tmp_path / "reference", tmp_path / "killed"
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        uninterrupted = pool.submit(run_python, *recipe_args(reference, *config), timeout=300)
+        kill_9_and_resume(out, config)
+        assert_ok(uninterrupted.result())
     expected, actual = last_model(reference), last_model(out)
     assert expected.keys() == actual.keys()
     for key in expected:
@@ -387,11 +394,15 @@ def test_skipped_bad_lines_are_counted_and_published(tmp_path: Path) -> None:
     train.write_text("\n".join(lines) + "\n")
     base = ("model.name=llama_debug", f"data.train={train}", "trainer.max_num_steps=3")
     out = tmp_path / "run"
-    assert_ok(run_python(*recipe_args(out, *TINY_TRAINING, *base, "data.skip_bad_lines=true")))
+    # Two independent one-process runs, side by side.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        strict = pool.submit(run_python, *recipe_args(tmp_path / "strict", *TINY_TRAINING, *base))
+        skipping = run_python(*recipe_args(out, *TINY_TRAINING, *base, "data.skip_bad_lines=true"))
+        refused = strict.result()
+    assert_ok(skipping)
     records = read_jsonl(out / "metrics" / "train.jsonl")
     assert records[-1]["num_bad_lines"] == 2
 
-    refused = run_python(*recipe_args(tmp_path / "strict", *TINY_TRAINING, *base))
     assert refused.returncode != 0
     assert "train.jsonl: line 4: the line is not JSON" in refused.stderr
 

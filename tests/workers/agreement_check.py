@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from gangs import (
+    Gang,
     ReduceOperation,
     agree,
     decide_on_rank_zero,
@@ -23,8 +24,8 @@ def fail_on(rank: int, failing_rank: int) -> str:
     return "done"
 
 
-def main(output_dir: Path) -> None:
-    gang = setup_gangs().root
+def check(gang: Gang) -> dict[str, object]:
+    """What this rank of ``gang`` saw of each agreement helper."""
     rank = gang.rank
     report: dict[str, object] = {
         "agree_min": agree(gang, failed=False, vote=rank + 1, vote_op=ReduceOperation.MIN),
@@ -47,7 +48,12 @@ def main(output_dir: Path) -> None:
         decide_on_rank_zero(gang, decide, on_failure=lambda cause: ValueError(f"stopper: {cause}"))
     except (KeyError, ValueError) as ex:
         report["decision_failure"] = f"{type(ex).__name__}: {ex}"
-    (output_dir / f"rank_{rank}.json").write_text(json.dumps(report))
+    return report
+
+
+def main(output_dir: Path) -> None:
+    gang = setup_gangs().root
+    (output_dir / f"rank_{gang.rank}.json").write_text(json.dumps(check(gang)))
     leave(gang)
 
 

@@ -7,9 +7,12 @@ mark an async save in flight unhealthy, resume past it, and save its step again.
 ``dirs OUT``: every rank names a checkpoint directory of its own (no shared filesystem).
 ``machine OUT``: rank 1 runs out of memory loading its trainer state of the newest checkpoint;
 then the load is tried again.
+``shares_public OUT``: ``shares`` through public DCP only (checkpoint.dcp_io's public path).
 ``diskfull OUT WHERE MODE``: one process; a save (``sync`` or ``async``) runs out of space (a file
 size limit, RLIMIT_FSIZE) while it writes WHERE (``model``, ``optimizer`` or ``trainer``), then
 space is freed and the run goes on.
+
+``two_rank_checks.py`` runs the two-rank modes in one launch, with other workers' checks.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import resource
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +31,10 @@ from torch import nn
 
 import checkpoint.integrity as integrity
 from checkpoint import CheckpointDirectoryError, CheckpointError, CheckpointManager
+from checkpoint.dcp_io import IO_ENV_VAR
 from checkpoint.integrity import share_of
 from checkpoint.manifest import ManifestFiles
-from gangs import setup_gangs
+from gangs import Gangs, setup_gangs
 
 
 def make_model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -41,8 +46,9 @@ def make_model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def count_reads(reads: dict[str, int]) -> None:
-    """Record the bytes of every file read to check its digest, or hashed as it loaded (by path)."""
+def count_reads(reads: dict[str, int]) -> Callable[[], None]:
+    """Record the bytes of every file read to check its digest, or hashed as it loaded (by path);
+    returns what stops the counting."""
     digest_file = integrity.digest_file
     check = ManifestFiles.check
 
@@ -56,17 +62,21 @@ def count_reads(reads: dict[str, int]) -> None:
         reads[file] = reads.get(file, 0) + actual.size
         check(files, name, actual)
 
+    def stop() -> None:
+        integrity.digest_file = digest_file
+        ManifestFiles.check = check  # type: ignore[method-assign]
+
     integrity.digest_file = counting  # type: ignore[assignment]
     ManifestFiles.check = counting_check  # type: ignore[method-assign]
+    return stop
 
 
-def shares(output_dir: Path) -> dict[str, Any]:
-    gangs = setup_gangs()
+def shares(output_dir: Path, gangs: Gangs) -> dict[str, Any]:
     rank = gangs.root.rank
     manager = CheckpointManager(output_dir / "checkpoints", gangs)
     manager.check_shared_directory()
     reads: dict[str, int] = {}
-    count_reads(reads)
+    stop_counting = count_reads(reads)
     model, optimizer = make_model(1)
     manager.save_checkpoint(1, model=model, optimizer=optimizer, trainer_state={"rank": rank})
     manager.save_checkpoint(
@@ -100,8 +110,20 @@ def shares(output_dir: Path) -> dict[str, Any]:
     report["after_damage_loaded_step"] = None if loaded is None else loaded.step_nr
     report["damaged_dirs"] = [path.name for path in manager.damaged_dirs()]
     report.update(unhealthy(manager, model, optimizer, rank))
-    gangs.root.close()
+    stop_counting()
     return report
+
+
+def shares_public(output_dir: Path, gangs: Gangs) -> dict[str, Any]:
+    previous = os.environ.get(IO_ENV_VAR)
+    os.environ[IO_ENV_VAR] = "public"
+    try:
+        return shares(output_dir, gangs)
+    finally:
+        if previous is None:
+            del os.environ[IO_ENV_VAR]
+        else:
+            os.environ[IO_ENV_VAR] = previous
 
 
 def unhealthy(
@@ -123,24 +145,21 @@ def unhealthy(
     return report
 
 
-def staging(output_dir: Path) -> dict[str, Any]:
+def staging(output_dir: Path, gangs: Gangs) -> dict[str, Any]:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from checkpoint.dcp_io import own_entries
 
-    gangs = setup_gangs()
     model, optimizer = make_model(1)  # the same on both ranks, as DDP's
     report: dict[str, Any] = {}
     for part, state in zip(("model", "optimizer"), get_state_dict(model, optimizer), strict=True):
         staged = own_entries(state, rank=gangs.root.rank, gather=gangs.root.all_gather_objects)
         report[part] = {"staged": sorted(staged), "entries": sorted(flatten_state_dict(state)[0])}
-    gangs.root.close()
     return report
 
 
-def dirs(output_dir: Path) -> dict[str, Any]:
-    gangs = setup_gangs()
+def dirs(output_dir: Path, gangs: Gangs) -> dict[str, Any]:
     rank = gangs.root.rank
     manager = CheckpointManager(output_dir / f"rank_{rank}" / "checkpoints", gangs)
     report: dict[str, Any] = {}
@@ -149,12 +168,10 @@ def dirs(output_dir: Path) -> dict[str, Any]:
     except CheckpointDirectoryError as ex:
         report["error"] = str(ex)
     report["probe_left"] = [p.name for p in manager.checkpoint_dir.glob(".*")]
-    gangs.root.close()
     return report
 
 
-def machine(output_dir: Path) -> dict[str, Any]:
-    gangs = setup_gangs()
+def machine(output_dir: Path, gangs: Gangs) -> dict[str, Any]:
     manager = CheckpointManager(output_dir / "checkpoints", gangs)
     for step_nr in (10, 20):
         model, optimizer = make_model(step_nr)
@@ -180,7 +197,6 @@ def machine(output_dir: Path) -> dict[str, Any]:
     loaded = manager.load_last_checkpoint(model=fresh, optimizer=fresh_optimizer)
     report["resumed_from"] = None if loaded is None else loaded.step_nr
     report["weights_equal"] = torch.equal(fresh[0].weight, model[0].weight)
-    gangs.root.close()
     return report
 
 
@@ -224,11 +240,22 @@ def disk_full(output_dir: Path, where: str, mode: str) -> dict[str, Any]:
     return report
 
 
+MODES: dict[str, Callable[[Path, Gangs], dict[str, Any]]] = {
+    "shares": shares,
+    "shares_public": shares_public,
+    "staging": staging,
+    "dirs": dirs,
+    "machine": machine,
+}
+
+
 if __name__ == "__main__":
     mode, out = sys.argv[1], Path(sys.argv[2])
+    rank_nr = int(os.environ.get("RANK", "0"))
     if mode == "diskfull":
         result = disk_full(out, sys.argv[3], sys.argv[4])
+        (out / f"rank_{rank_nr}.json").write_text(json.dumps(result))
     else:
-        result = {"shares": shares, "staging": staging, "dirs": dirs, "machine": machine}[mode](out)
-    rank_nr = int(os.environ.get("RANK", "0"))
-    (out / f"rank_{rank_nr}.json").write_text(json.dumps(result))
+        gangs = setup_gangs()
+        (out / f"rank_{rank_nr}.json").write_text(json.dumps(MODES[mode](out, gangs)))
+        gangs.root.close()

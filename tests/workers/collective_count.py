@@ -1,6 +1,7 @@
 """Count the collectives a training run makes on the root gang; each rank writes JSON.
 
-Usage: ``collective_count.py OUTPUT_DIR KIND``. Six steps of two accumulated micro-batches under
+Usage: ``collective_count.py OUTPUT_DIR KIND[,KIND...]``: each KIND in turn, in one launch (one
+torchrun start-up), each rank writing ``OUTPUT_DIR/KIND/rank_R.json``. Six steps of two accumulated micro-batches under
 ``KIND`` data parallelism, publishing every third step, no validation and no checkpoint but the
 final one, which is skipped by counting only until the last step ends. ``KIND`` is ``ddp``,
 ``fsdp``, or ``ddp-hooked``: DDP with a communication hook of the user's, which counts DDP's
@@ -141,8 +142,7 @@ def count_bucket_all_reduces(root: CountingGang, bucket: dist.GradBucket) -> Fut
     return allreduce_hook(root.as_process_group(), bucket)
 
 
-def main(output_dir: Path, kind: str) -> None:
-    gangs = setup_gangs()
+def count(gangs: Gangs, output_dir: Path, kind: str) -> Trainer[Any]:
     root = CountingGang(gangs.root)
     counted = Gangs(root=root, dp=gangs.dp, tp=gangs.tp, device_mesh=gangs.device_mesh)
     torch.manual_seed(0)
@@ -168,8 +168,21 @@ def main(output_dir: Path, kind: str) -> None:
         progress=False,
     )
     trainer.run()
-    leave(gangs.root, trainer)
+    return trainer
+
+
+def count_kinds(gangs: Gangs, output_dir: Path, kinds: list[str]) -> None:
+    """Count a run of each of ``kinds`` in turn, into ``output_dir/KIND``."""
+    for kind in kinds:
+        (output_dir / kind).mkdir(parents=True, exist_ok=True)
+        count(gangs, output_dir / kind, kind).close()
+
+
+def main(output_dir: Path, kinds: list[str]) -> None:
+    gangs = setup_gangs()
+    count_kinds(gangs, output_dir, kinds)
+    leave(gangs.root)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]), sys.argv[2].split(","))

@@ -1,15 +1,32 @@
-"""Exercise every gang collective under ``torchrun``; each rank writes what it saw as JSON."""
+"""Exercise every gang collective under ``torchrun``; each rank writes what it saw as JSON.
+
+Usage: ``gang_check.py OUT TP_SIZE [DP_SHARD_SIZE]`` writes ``OUT/rank_R.json``;
+``gang_check.py OUT --cases JSON`` checks several layouts of one launch (one torchrun start-up),
+JSON mapping each case's name to ``[tp_size, dp_shard_size, torch path]``, into
+``OUT/NAME/rank_R.json``. The torch path is ``private`` or ``public`` (gangs.torch_versions).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 
-from gangs import FakeGang, Gang, GangError, ProcessGroupGang, ReduceOperation, setup_gangs
+from gangs import (
+    FakeGang,
+    Gang,
+    GangError,
+    Gangs,
+    ProcessGroupGang,
+    ReduceOperation,
+    setup_parallel_gangs,
+    setup_root_gang,
+)
+from gangs.torch_versions import PRIVATE_APIS_ENV_VAR
 from tests.workers.leave import leave
 
 GANG_TIMEOUT = timedelta(minutes=14)
@@ -29,8 +46,8 @@ def _timeouts(*gangs_and_mesh: object) -> list[float]:
     return [o._timeout.total_seconds() for o in options]
 
 
-def main(output_dir: Path, tp_size: int, dp_shard_size: int | None) -> None:
-    gangs = setup_gangs(tp_size=tp_size, dp_shard_size=dp_shard_size, timeout=GANG_TIMEOUT)
+def check(gangs: Gangs) -> dict[str, object]:
+    """What this rank sees of ``gangs``: its ranks, every collective's result, its meshes."""
     root, dp, tp = gangs.root, gangs.dp, gangs.tp
     report: dict[str, object] = {
         "root": [root.rank, root.size],
@@ -80,9 +97,29 @@ def main(output_dir: Path, tp_size: int, dp_shard_size: int | None) -> None:
     everyone = root.make_gang(list(range(root.size)))
     report["timeouts"] = _timeouts(root, gangs.dp, gangs.tp, everyone, mesh)
     root.barrier()
-    (output_dir / f"rank_{root.rank}.json").write_text(json.dumps(report))
+    return report
+
+
+def main(output_dir: Path, cases: dict[str, tuple[int, int | None, str | None]]) -> None:
+    root = setup_root_gang(timeout=GANG_TIMEOUT)
+    for name, (tp_size, dp_shard_size, torch_path) in cases.items():
+        if torch_path is not None:
+            os.environ[PRIVATE_APIS_ENV_VAR] = torch_path
+        case_dir = output_dir / name
+        case_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            gangs = setup_parallel_gangs(root, tp_size=tp_size, dp_shard_size=dp_shard_size)
+            report = check(gangs)
+        except BaseException as ex:
+            ex.add_note(f"(in gang_check.py's case {name})")
+            raise
+        (case_dir / f"rank_{root.rank}.json").write_text(json.dumps(report))
     leave(root)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None)
+    if sys.argv[2] == "--cases":
+        main(Path(sys.argv[1]), json.loads(sys.argv[3]))
+    else:
+        shard_size = int(sys.argv[3]) if len(sys.argv) > 3 else None
+        main(Path(sys.argv[1]), {".": (int(sys.argv[2]), shard_size, None)})

@@ -5,7 +5,8 @@ Usage: ``hf_validation.py OUTPUT_DIR JSON_OPTIONS``. Options: ``data_parallel`` 
 ``hsdp``), ``dp_shard_size`` (HSDP), and ``first``: ``validate`` (``validate_at_start=True``)
 or ``evaluate`` (an :class:`Evaluator` run, then the training, in this process). Rank 0 writes
 ``result.json``: ``{"steps": the steps trained, "evaluated": [run, step] of each evaluation,
-"grad_norms": one per step}``.
+"grad_norms": one per step}``. With ``{"runs": {NAME: OPTIONS, ...}}`` (one DP layout) it makes
+each run in turn in one launch (one torchrun start-up), into ``OUTPUT_DIR/NAME``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from checkpoint import CheckpointManager
-from gangs import setup_gangs
+from gangs import Gangs, setup_gangs
 from runtime import Evaluator, MapDataReader, Trainer, apply_data_parallel, materialize_model
 from tests.conftest import ListRecorder
 from tests.workers.leave import leave
@@ -93,8 +94,7 @@ class LlamaEvalUnit(EvalUnit[list[Tensor]]):
         self.metric_bag.nll_loss.update(loss / num_targets, weight=num_targets)
 
 
-def main(output_dir: Path, options: dict[str, Any]) -> None:
-    gangs = setup_gangs(dp_shard_size=options.get("dp_shard_size"))
+def run(gangs: Gangs, output_dir: Path, options: dict[str, Any]) -> Trainer[list[Tensor]]:
     model = build_llama(options, gangs)
     tokens = torch.randint(0, VOCAB, (16, SEQ_LEN + 1), generator=torch.Generator().manual_seed(0))
     dataset = TensorDataset(tokens)
@@ -136,7 +136,21 @@ def main(output_dir: Path, options: dict[str, Any]) -> None:
             "grad_norms": [float(values["grad_norm"]) for _, values in train],
         }
         (output_dir / "result.json").write_text(json.dumps(result))
-    leave(gangs.root, trainer)
+    return trainer
+
+
+def main(output_dir: Path, options: dict[str, Any]) -> None:
+    runs = options.get("runs", {".": options})
+    # The runs of one launch share its gangs, so the first one's dp_shard_size.
+    gangs = setup_gangs(dp_shard_size=next(iter(runs.values())).get("dp_shard_size"))
+    for name, run_options in runs.items():
+        (output_dir / name).mkdir(exist_ok=True)
+        try:
+            run(gangs, output_dir / name, run_options).close()
+        except BaseException as ex:
+            ex.add_note(f"(in hf_validation.py's run {name})")
+            raise
+    leave(gangs.root)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,17 @@ of :data:`tests.sync_detector.FEATURES`, one after another over the same gangs (
 start-up is paid once), with ``KIND`` data parallelism (``ddp`` or ``fsdp``) over the DP gang and
 the toy model's layers sharded over a TP gang of ``TP_SIZE``. Each rank writes
 ``OUTPUT_DIR/rank_R.json``: ``{feature: [sync, ...]}``, each sync the operation and its line.
+
+``host_sync.py OUTPUT_DIR --layouts JSON`` watches several layouts of one world size in one
+launch, JSON mapping each layout's name to ``[KIND, TP_SIZE, TORCH_PATH]`` (TORCH_PATH
+``private`` or ``public``: its side of gangs.torch_versions); each rank writes
+``OUTPUT_DIR/NAME/rank_R.json``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +25,8 @@ import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from checkpoint import CheckpointManager
-from gangs import Gangs, setup_gangs
+from gangs import Gang, Gangs, setup_parallel_gangs, setup_root_gang
+from gangs.torch_versions import PRIVATE_APIS_ENV_VAR
 from runtime import (
     MapDataReader,
     TorchProfiler,
@@ -67,15 +74,41 @@ def watch(gangs: Gangs, kind: str, output_dir: Path, options: dict[str, Any]) ->
     return window.detector.syncs
 
 
-def main(output_dir: Path, kind: str, tp_size: int) -> None:
-    gangs = setup_gangs(tp_size=tp_size)
+def watch_layout(gangs: Gangs, kind: str, output_dir: Path) -> None:
     found = {
         feature: watch(gangs, kind, output_dir / feature, options)
         for feature, options in FEATURES.items()
     }
     (output_dir / f"rank_{gangs.root.rank}.json").write_text(json.dumps(found, indent=1))
-    leave(gangs.root)
+
+
+def run_all(root: Gang, output_dir: Path, layouts: dict[str, tuple[str, int, str | None]]) -> None:
+    """Watch each of ``layouts`` in turn, into ``output_dir/NAME``; the torch path is left as
+    found."""
+    previous = os.environ.get(PRIVATE_APIS_ENV_VAR)
+    for name, (kind, tp_size, torch_path) in layouts.items():
+        if torch_path is not None:
+            os.environ[PRIVATE_APIS_ENV_VAR] = torch_path
+        (output_dir / name).mkdir(parents=True, exist_ok=True)
+        try:
+            watch_layout(setup_parallel_gangs(root, tp_size=tp_size), kind, output_dir / name)
+        except BaseException as ex:
+            ex.add_note(f"(in host_sync.py's layout {name})")
+            raise
+    if previous is None:
+        os.environ.pop(PRIVATE_APIS_ENV_VAR, None)
+    else:
+        os.environ[PRIVATE_APIS_ENV_VAR] = previous
+
+
+def main(output_dir: Path, layouts: dict[str, tuple[str, int, str | None]]) -> None:
+    root = setup_root_gang()
+    run_all(root, output_dir, layouts)
+    leave(root)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]))
+    if sys.argv[2] == "--layouts":
+        main(Path(sys.argv[1]), json.loads(sys.argv[3]))
+    else:
+        main(Path(sys.argv[1]), {".": (sys.argv[2], int(sys.argv[3]), None)})

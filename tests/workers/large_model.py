@@ -2,6 +2,8 @@
 
 Usage: ``large_model.py OUTPUT_DIR JSON_OPTIONS``. Options: ``mode`` (below), ``tp_size``,
 ``dp_shard_size``, ``data_parallel`` (``auto``, ``ddp``, ``fsdp``, ``hsdp``), ``meta_init``.
+With ``{"cases": {NAME: OPTIONS, ...}}`` it runs each case in turn in one launch (one torchrun
+start-up), writing into ``OUTPUT_DIR/NAME``.
 
 - ``init``: build and materialize the model; rank 0 writes ``init.pt``: ``{"weights": the full
   state dict, "loss": the loss of one forward on the same tokens on every rank}`` (the forward
@@ -28,7 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from gangs import Gangs, setup_gangs
+from gangs import Gang, Gangs, setup_parallel_gangs, setup_root_gang
 from recipes.char_lm import Block, CharLMConfig, build_model, summed_nll_loss
 from runtime import apply_activation_checkpointing, compile_loss
 from tests.workers.leave import leave
@@ -124,9 +126,11 @@ def train(config: CharLMConfig, gangs: Gangs, num_steps: int) -> dict[str, Tenso
     return full_state(model)
 
 
-def main(output_dir: Path, options: dict[str, Any]) -> None:
+def run_case(output_dir: Path, root: Gang, options: dict[str, Any]) -> None:
     config = make_config(options)
-    gangs = setup_gangs(tp_size=config.gang.tp_size, dp_shard_size=config.gang.dp_shard_size)
+    gangs = setup_parallel_gangs(
+        root, tp_size=config.gang.tp_size, dp_shard_size=config.gang.dp_shard_size
+    )
     mode = options["mode"]
     result: Any
     if mode == "init":
@@ -145,8 +149,24 @@ def main(output_dir: Path, options: dict[str, Any]) -> None:
         config.compile = True
         result = {"eager": eager, "compiled": train(config, gangs, num_steps)}
     if gangs.root.rank == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
         torch.save(result, output_dir / f"{mode}.pt")
-    leave(gangs.root)
+
+
+def run_all(root: Gang, output_dir: Path, cases: dict[str, dict[str, Any]]) -> None:
+    """Each of ``cases`` in turn, into ``output_dir/NAME``."""
+    for name, case_options in cases.items():
+        try:
+            run_case(output_dir / name, root, case_options)
+        except BaseException as ex:
+            ex.add_note(f"(in large_model.py's case {name})")
+            raise
+
+
+def main(output_dir: Path, options: dict[str, Any]) -> None:
+    root = setup_root_gang()
+    run_all(root, output_dir, options.get("cases", {".": options}))
+    leave(root)
 
 
 if __name__ == "__main__":

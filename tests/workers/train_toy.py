@@ -2,11 +2,15 @@
 
 Usage: ``train_toy.py OUTPUT_DIR JSON_OPTIONS``. Trains a two-layer model whose examples carry a
 varying number of targets, then rank 0 saves the full parameters to ``OUTPUT_DIR/params.pt``.
+With ``{"runs": {NAME: OPTIONS, ...}}`` it makes each run in turn in one launch (one torchrun
+start-up), into ``OUTPUT_DIR/NAME``; a run's ``torch_path`` (``private`` or ``public``) picks its
+side of gangs.torch_versions.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +23,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torcheval.metrics import Mean
 
 from checkpoint import CheckpointManager
-from gangs import setup_gangs
+from gangs import Gang, setup_parallel_gangs, setup_root_gang
+from gangs.torch_versions import PRIVATE_APIS_ENV_VAR
 from runtime import (
     MapDataReader,
     Trainer,
@@ -177,9 +182,10 @@ def make_unit(model: nn.Module, options: dict[str, Any], rank: int) -> ToyUnit:
     )
 
 
-def main(output_dir: Path, options: dict[str, Any]) -> None:
-    gangs = setup_gangs(
-        tp_size=options.get("tp_size", 1), dp_shard_size=options.get("dp_shard_size")
+def train(root: Gang, output_dir: Path, options: dict[str, Any]) -> Trainer[ToyBatch]:
+    """One run on ``root``'s processes, in the layout of ``options``; returns its Trainer."""
+    gangs = setup_parallel_gangs(
+        root, tp_size=options.get("tp_size", 1), dp_shard_size=options.get("dp_shard_size")
     )
     torch.manual_seed(0)
     model: nn.Module = ToyModel()
@@ -227,7 +233,33 @@ def main(output_dir: Path, options: dict[str, Any]) -> None:
         torch.save(
             {k.removeprefix("module."): v for k, v in state.items()}, output_dir / "params.pt"
         )
-    leave(gangs.root, trainer)
+    return trainer
+
+
+def run_all(root: Gang, output_dir: Path, runs: dict[str, dict[str, Any]]) -> None:
+    """Each of ``runs`` in turn into ``output_dir/NAME``; the torch path is left as found."""
+    previous = os.environ.get(PRIVATE_APIS_ENV_VAR)
+    for name, run_options in runs.items():
+        if "torch_path" in run_options:
+            os.environ[PRIVATE_APIS_ENV_VAR] = run_options["torch_path"]
+        (output_dir / name).mkdir(parents=True, exist_ok=True)
+        try:
+            train(root, output_dir / name, run_options).close()
+        except BaseException as ex:
+            ex.add_note(f"(in train_toy.py's run {name})")
+            raise
+    if previous is None:
+        os.environ.pop(PRIVATE_APIS_ENV_VAR, None)
+    else:
+        os.environ[PRIVATE_APIS_ENV_VAR] = previous
+
+
+def main(output_dir: Path, options: dict[str, Any]) -> None:
+    root = setup_root_gang()
+    if "runs" not in options:
+        leave(root, train(root, output_dir, options))
+    run_all(root, output_dir, options["runs"])
+    leave(root)
 
 
 if __name__ == "__main__":

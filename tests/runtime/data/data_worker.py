@@ -39,8 +39,8 @@ def uneven_examples(gang: Gang, *, fail_at: int | None = None) -> Any:
     return make_iterator
 
 
-def main(output_dir: Path) -> None:
-    dp = setup_gangs().dp
+def check(dp: Gang) -> dict[str, Any]:
+    """What this rank of the DP gang ``dp`` read with each reader."""
     report: dict[str, Any] = {"rank": dp.rank, "size": dp.size}
 
     # 11 examples over 2 ranks in batches of 2: rank 0 has 3 micro-batches, rank 1 has 2.
@@ -85,8 +85,12 @@ def main(output_dir: Path) -> None:
             report["iterable_failure_steps"] += 1
     except DataReaderError as ex:
         report["iterable_failure_error"] = str(ex)
+    return report
 
-    (output_dir / f"rank_{dp.rank}.json").write_text(json.dumps(report))
+
+def main(output_dir: Path) -> None:
+    dp = setup_gangs().dp
+    (output_dir / f"rank_{dp.rank}.json").write_text(json.dumps(check(dp)))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from runtime.data import (
     MapDataReader,
     SyncMode,
 )
-from tests.conftest import assert_ok, round_trip, torchrun
+from tests.conftest import round_trip
 
 Steps = list[list[list[int]]]
 
@@ -722,10 +722,10 @@ WORKER = "tests/runtime/data/data_worker.py"
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("data")
-    # A reader that does not agree on the epoch end hangs; the timeout turns that into a failure.
-    assert_ok(torchrun(2, WORKER, str(out), timeout=120))
+def reports(two_rank_checks: Path) -> list[dict[str, Any]]:
+    """What each rank read (WORKER's check, run in the shared two-rank launch). A reader that
+    does not agree on the epoch end hangs; the launch's timeout turns that into a failure."""
+    out = two_rank_checks / "readers"
     return [json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(2)]
 
 

@@ -30,6 +30,43 @@ def run_worker(run_torchrun: RunTorch, out: Path, nproc: int, **options: Any) ->
     return torch.load(out / f"{options['mode']}.pt", weights_only=True)
 
 
+INIT_LAYOUTS = {
+    "ddp2": (2, {"data_parallel": "ddp"}),
+    "fsdp2": (2, {"data_parallel": "fsdp"}),
+    "fsdp2_built_whole": (2, {"data_parallel": "fsdp", "meta_init": False}),
+    "tp2": (2, {"tp_size": 2}),
+    "dp2_x_tp2": (4, {"tp_size": 2}),
+    "hsdp2x2": (4, {"dp_shard_size": 2}),
+}
+
+# Every two-process case of this file, run in the shared two-rank launch: name to options.
+TWO_PROCESS_CASES: dict[str, dict[str, Any]] = {
+    **{
+        f"init-{layout}": {"mode": "init", **options}
+        for layout, (nproc, options) in INIT_LAYOUTS.items()
+        if nproc == 2
+    },
+    **{
+        f"ac_grads-{kind}": {"mode": "ac_grads", "data_parallel": kind, "dropout": 0.1}
+        for kind in ("ddp", "fsdp")
+    },
+    "mixed_precision": {"mode": "mixed_precision", "data_parallel": "fsdp"},
+}
+
+
+@pytest.fixture(scope="module")
+def two_processes(two_rank_checks: Path) -> Any:
+    """``two_processes(case)``: what rank 0 wrote for a case of :data:`TWO_PROCESS_CASES`, run
+    in the shared two-rank launch (tests/workers/two_rank_checks.py)."""
+    out = two_rank_checks / "large_model"
+
+    def get(case: str) -> Any:
+        mode = TWO_PROCESS_CASES[case]["mode"]
+        return torch.load(out / case / f"{mode}.pt", weights_only=True)
+
+    return get
+
+
 def assert_close_dicts(actual: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
     assert actual.keys() == expected.keys()
     for name in expected:
@@ -47,33 +84,28 @@ def single_process_init(tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
     return result
 
 
-INIT_LAYOUTS = {
-    "ddp2": (2, {"data_parallel": "ddp"}),
-    "fsdp2": (2, {"data_parallel": "fsdp"}),
-    "fsdp2_built_whole": (2, {"data_parallel": "fsdp", "meta_init": False}),
-    "tp2": (2, {"tp_size": 2}),
-    "dp2_x_tp2": (4, {"tp_size": 2}),
-    "hsdp2x2": (4, {"dp_shard_size": 2}),
-}
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "layout",
     [
-        # `make test`: one layout of each kind of sharding; `make test-all`: every layout.
-        layout if layout in ("fsdp2", "tp2") else pytest.param(layout, marks=pytest.mark.slow)
-        for layout in INIT_LAYOUTS
+        # `make test`: the two-process layouts, which share one launch; `make test-all`: also
+        # those of four processes.
+        layout if nproc == 2 else pytest.param(layout, marks=pytest.mark.slow)
+        for layout, (nproc, _) in INIT_LAYOUTS.items()
     ],
 )
 def test_initial_weights_depend_on_the_seed_alone(
     run_torchrun: RunTorch,
     tmp_path: Path,
+    two_processes: Any,
     single_process_init: dict[str, Any],
     layout: str,
 ) -> None:
     nproc, options = INIT_LAYOUTS[layout]
-    result = run_worker(run_torchrun, tmp_path, nproc, mode="init", **options)
+    if nproc == 2:
+        result = two_processes(f"init-{layout}")
+    else:
+        result = run_worker(run_torchrun, tmp_path, nproc, mode="init", **options)
     weights, expected = result["weights"], single_process_init["weights"]
     assert weights.keys() == expected.keys()
     different = [k for k in weights if not torch.equal(weights[k], expected[k])]
@@ -151,13 +183,11 @@ def test_activation_checkpointing_keeps_names_and_gradients() -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("data_parallel", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
+@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
 def test_activation_checkpointing_gives_the_same_gradients(
-    run_torchrun: RunTorch, tmp_path: Path, data_parallel: str
+    two_processes: Any, data_parallel: str
 ) -> None:
-    result = run_worker(
-        run_torchrun, tmp_path, 2, mode="ac_grads", data_parallel=data_parallel, dropout=0.1
-    )
+    result = two_processes(f"ac_grads-{data_parallel}")
     assert result["num_checkpointed"] == 2
     assert_close_dicts(result["checkpointed"], result["plain"])
     assert any(grad.abs().sum() > 0 for grad in result["plain"].values())
@@ -168,9 +198,9 @@ def test_activation_checkpointing_gives_the_same_gradients(
 
 @pytest.mark.distributed
 def test_fsdp2_mixed_precision_computes_in_bf16_and_keeps_fp32_weights(
-    run_torchrun: RunTorch, tmp_path: Path
+    two_processes: Any,
 ) -> None:
-    seen = run_worker(run_torchrun, tmp_path, 2, mode="mixed_precision", data_parallel="fsdp")
+    seen = two_processes("mixed_precision")
     assert seen == {
         "forward_weight": "torch.bfloat16",
         "forward_output": "torch.bfloat16",

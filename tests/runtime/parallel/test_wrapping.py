@@ -2,26 +2,37 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch import nn
 
 from gangs import Gangs
 from runtime import apply_data_parallel
-from tests.conftest import RunTorch, assert_ok, rank_reports
+from tests.conftest import rank_reports
 
 WORKER = "tests/workers/ddp_options.py"
 
 
+# The cases of ddp_options.py, run in the shared two-rank launch (tests/workers/two_rank_checks.py)
+# after every other check: the case DDP refuses leaves its reducer mid-iteration.
+DDP_CASES: dict[str, dict[str, Any]] = {
+    "options": {"find_unused_parameters": True, "gradient_as_bucket_view": True},
+    "sparse_by_hand": {"sparse_by_hand": True},
+    "no_options": {},
+}
+
+
+@pytest.fixture(scope="module")
+def ddp_cases(two_rank_checks: Path) -> Path:
+    """Each case's reports, ``OUT/CASE/rank_R.json``."""
+    return two_rank_checks / "ddp_options"
+
+
 @pytest.mark.distributed
-def test_ddp_options_reach_ddp_and_ranks_draw_their_own_numbers(
-    run_torchrun: RunTorch, tmp_path: Path
-) -> None:
-    options = {"find_unused_parameters": True, "gradient_as_bucket_view": True}
-    assert_ok(run_torchrun(2, WORKER, str(tmp_path), json.dumps(options)))
-    first, second = rank_reports(tmp_path, 2)
+def test_ddp_options_reach_ddp_and_ranks_draw_their_own_numbers(ddp_cases: Path) -> None:
+    first, second = rank_reports(ddp_cases / "options", 2)
     for report in (first, second):
         assert report["find_unused_parameters"] is True
         assert report["gradient_as_bucket_view"] is True
@@ -32,20 +43,15 @@ def test_ddp_options_reach_ddp_and_ranks_draw_their_own_numbers(
 
 
 @pytest.mark.distributed
-def test_without_find_unused_parameters_ddp_refuses_an_unused_layer(
-    run_torchrun: RunTorch, tmp_path: Path
-) -> None:
-    result = run_torchrun(2, WORKER, str(tmp_path), json.dumps({}))
-    assert result.returncode != 0
-    assert "find_unused_parameters" in result.stderr
+def test_without_find_unused_parameters_ddp_refuses_an_unused_layer(ddp_cases: Path) -> None:
+    for report in rank_reports(ddp_cases / "no_options", 2):
+        assert "find_unused_parameters" in report.get("error", ""), report
 
 
 @pytest.mark.distributed
-def test_a_sparse_embedding_reduced_by_a_hand_made_ddp_is_refused(
-    run_torchrun: RunTorch, tmp_path: Path
-) -> None:
-    assert_ok(run_torchrun(2, WORKER, str(tmp_path), json.dumps({"sparse_by_hand": True})))
-    for message in rank_reports(tmp_path, 2):
+def test_a_sparse_embedding_reduced_by_a_hand_made_ddp_is_refused(ddp_cases: Path) -> None:
+    for message in rank_reports(ddp_cases / "sparse_by_hand", 2):
+        assert message is not None, "the sparse gradients DDP reduces were not refused"
         assert "reduces the sparse gradients of weight" in message
         assert "runtime.apply_data_parallel" in message
 

@@ -13,7 +13,6 @@ import torch
 from runtime import NonFiniteError, TrainerError
 from tests.conftest import (
     RunTorch,
-    assert_ok,
     make_toy_trainer,
     public_torch_path_in_test_all,
     read_jsonl,
@@ -187,64 +186,70 @@ def test_fsdp_ranks_stop_on_nan_gradients_of_a_finite_loss(
     assert checkpoint_steps(tmp_path) == [2]
 
 
+FP16_LAYOUTS = {"ddp": ("ddp", 1), "fsdp": ("fsdp", 1), "tp": ("fsdp", 2)}
+
+# The two-process runs that end well, run in the shared two-rank launch: name to options.
+GOOD_RUNS: dict[str, dict[str, Any]] = {
+    "skip": {
+        "batch_size": 4,
+        "max_num_steps": 6,
+        "publish_every": 6,
+        "poison": math.nan,
+        "poison_steps": [3],
+        "poison_rank": 1,
+        "nan_policy": "skip",
+        "snapshots": True,
+    },
+    **{
+        f"fp16-{layout}-{path}": {
+            "batch_size": 4 if tp_size == 1 else 8,
+            "max_num_steps": 5,
+            "publish_every": 1,
+            "kind": kind,
+            "tp_size": tp_size,
+            "dtype": "float16",
+            "fp16_loss_scale": [128.0, 1.0, 2],
+            "poison": math.inf,
+            "poison_steps": [2],
+            "poison_rank": 1,
+            "snapshots": True,
+            "torch_path": path,
+        }
+        for layout, (kind, tp_size) in FP16_LAYOUTS.items()
+        for path in ("private", "public")
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def good_runs(two_rank_checks: Path) -> Path:
+    """The output directory of each of :data:`GOOD_RUNS`, under ``OUT/NAME``, run in the shared
+    two-rank launch (tests/workers/two_rank_checks.py)."""
+    return two_rank_checks / "good_runs"
+
+
 @pytest.mark.distributed
-def test_two_ranks_skip_the_same_steps(run_torchrun: RunTorch, tmp_path: Path) -> None:
-    result = train(
-        run_torchrun,
-        tmp_path,
-        2,
-        batch_size=4,
-        max_num_steps=6,
-        publish_every=6,
-        poison=math.nan,
-        poison_steps=[3],
-        poison_rank=1,
-        nan_policy="skip",
-        snapshots=True,
-    )
-    assert_ok(result)
-    snapshots = torch.load(tmp_path / "snapshots.pt", weights_only=True)
+def test_two_ranks_skip_the_same_steps(good_runs: Path) -> None:
+    out = good_runs / "skip"
+    snapshots = torch.load(out / "snapshots.pt", weights_only=True)
     for name in snapshots[2]:
         assert torch.equal(snapshots[2][name], snapshots[3][name]), name
     assert any(not torch.equal(snapshots[3][n], snapshots[4][n]) for n in snapshots[3])
-    (record,) = read_jsonl(tmp_path / "metrics" / "train.jsonl")
+    (record,) = read_jsonl(out / "metrics" / "train.jsonl")
     assert record["num_skipped_steps"] == 1
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(
-    ("kind", "tp_size", "nproc"),
-    [
-        pytest.param("ddp", 1, 2, id="ddp", marks=pytest.mark.slow),
-        pytest.param("fsdp", 1, 2, id="fsdp"),
-        pytest.param("fsdp", 2, 2, id="tp", marks=pytest.mark.slow),
-    ],
-)
-@public_torch_path_in_test_all
+@pytest.mark.parametrize("layout", list(FP16_LAYOUTS))
+@pytest.mark.parametrize("torch_path", ["private", "public"])
 def test_fp16_overflow_on_one_rank_backs_off_on_every_rank_and_grows_again(
-    run_torchrun: RunTorch, tmp_path: Path, kind: str, tp_size: int, nproc: int
+    good_runs: Path, layout: str, torch_path: str
 ) -> None:
-    result = train(
-        run_torchrun,
-        tmp_path,
-        nproc,
-        batch_size=4 if tp_size == 1 else 8,
-        max_num_steps=5,
-        publish_every=1,
-        kind=kind,
-        tp_size=tp_size,
-        dtype="float16",
-        fp16_loss_scale=[128.0, 1.0, 2],
-        poison=math.inf,
-        poison_steps=[2],
-        poison_rank=1,
-        snapshots=True,
-    )
-    assert_ok(result)
-    records = read_jsonl(tmp_path / "metrics" / "train.jsonl")
+    out = good_runs / f"fp16-{layout}-{torch_path}"
+    records = read_jsonl(out / "metrics" / "train.jsonl")
     # Halved at the overflow of step 2; doubled after two good steps (growth interval 2).
     assert [r["loss_scale"] for r in records] == [128.0, 64.0, 64.0, 128.0, 128.0]
-    snapshots = torch.load(tmp_path / "snapshots.pt", weights_only=True)
+    snapshots = torch.load(out / "snapshots.pt", weights_only=True)
     for name in snapshots[1]:
         assert torch.equal(snapshots[1][name], snapshots[2][name]), name
     assert any(not torch.equal(snapshots[2][n], snapshots[3][n]) for n in snapshots[2])

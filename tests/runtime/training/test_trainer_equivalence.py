@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch import Tensor
 
-from gangs.torch_versions import PRIVATE_APIS_ENV_VAR
 from tests.conftest import RunTorch, assert_ok, rank_reports, torchrun
 
 pytestmark = pytest.mark.distributed
@@ -31,11 +30,73 @@ def assert_same_params(actual: dict[str, Tensor], expected: dict[str, Tensor]) -
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+CLIPPED = {"max_gradient_norm": 0.5}
+
+# The runs of each launch (one torchrun start-up each), by number of processes; those of two
+# processes go in the shared two-rank launch.
+RUNS: dict[int, dict[str, dict[str, Any]]] = {
+    1: {
+        "reference": {"batch_size": 8, **CLIPPED},
+        "accumulation": {"batch_size": 4, "num_accumulate": 2, **CLIPPED},
+    },
+    2: {
+        "dp2": {"batch_size": 4, **CLIPPED},
+        "dp2_accumulation": {"batch_size": 2, "num_accumulate": 2, **CLIPPED},
+        "fsdp2": {"batch_size": 4, "kind": "fsdp", **CLIPPED},
+        "tp2": {"batch_size": 8, "tp_size": 2, **CLIPPED},
+    },
+    4: {
+        **{
+            f"dp2_tp2-{path}": {
+                "batch_size": 4,
+                "tp_size": 2,
+                "kind": "fsdp",
+                "torch_path": path,
+                **CLIPPED,
+            }
+            for path in ("private", "public")
+        },
+        "hsdp2x2": {"batch_size": 2, "kind": "hsdp", "dp_shard_size": 2, **CLIPPED},
+        "ddp4": {"batch_size": 2, **CLIPPED},
+        **{
+            f"fsdp_over_hsdp-{path}": {
+                "batch_size": 2,
+                "kind": "fsdp",
+                "dp_shard_size": 2,
+                "torch_path": path,
+                **CLIPPED,
+            }
+            for path in ("private", "public")
+        },
+    },
+}
+
+
 @pytest.fixture(scope="module")
-def single_process_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tensor]:
+def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``trained(nproc, run)``: the parameters of a run of :data:`RUNS`, each launch made once;
+    the two-process runs are made in the shared two-rank launch (tests/workers/two_rank_checks)."""
+    outs: dict[int, Path] = {}
+
+    def get(nproc: int, run: str) -> dict[str, Tensor]:
+        if nproc == 2 and nproc not in outs:
+            outs[nproc] = request.getfixturevalue("two_rank_checks") / "equivalence"
+        if nproc not in outs:
+            out = tmp_path_factory.mktemp(f"runs_{nproc}")
+            result = torchrun(nproc, WORKER, str(out), json.dumps({"runs": RUNS[nproc]}))
+            assert_ok(result)
+            outs[nproc] = out
+        params: dict[str, Tensor] = torch.load(outs[nproc] / run / "params.pt", weights_only=True)
+        return params
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def single_process_reference(trained: Any) -> dict[str, Tensor]:
     """DP=1, batch 8, clipped: the run every layout below must reproduce."""
-    out = tmp_path_factory.mktemp("reference")
-    return train(torchrun, out, 1, batch_size=8, max_gradient_norm=0.5)
+    params: dict[str, Tensor] = trained(1, "reference")
+    return params
 
 
 def test_reference_run_moved_the_weights(
@@ -50,126 +111,62 @@ def test_reference_run_moved_the_weights(
 
 
 def test_dp2_matches_dp1_with_doubled_batch(
-    run_torchrun: RunTorch, tmp_path: Path, single_process_reference: dict[str, Tensor]
+    trained: Any, single_process_reference: dict[str, Tensor]
 ) -> None:
-    params = train(run_torchrun, tmp_path, 2, batch_size=4, max_gradient_norm=0.5)
-    assert_same_params(params, single_process_reference)
+    assert_same_params(trained(2, "dp2"), single_process_reference)
 
 
 def test_accumulation_matches_one_batch_of_twice_the_size(
-    run_torchrun: RunTorch, tmp_path: Path, single_process_reference: dict[str, Tensor]
+    trained: Any, single_process_reference: dict[str, Tensor]
 ) -> None:
-    params = train(run_torchrun, tmp_path, 1, batch_size=4, num_accumulate=2, max_gradient_norm=0.5)
-    assert_same_params(params, single_process_reference)
+    assert_same_params(trained(1, "accumulation"), single_process_reference)
 
 
 def test_dp2_with_accumulation_matches_dp1(
-    run_torchrun: RunTorch, tmp_path: Path, single_process_reference: dict[str, Tensor]
+    trained: Any, single_process_reference: dict[str, Tensor]
 ) -> None:
-    params = train(run_torchrun, tmp_path, 2, batch_size=2, num_accumulate=2, max_gradient_norm=0.5)
     # The DP shards interleave, so the same 8 examples form each step in another grouping.
-    assert_same_params(params, single_process_reference)
+    assert_same_params(trained(2, "dp2_accumulation"), single_process_reference)
 
 
-def test_fsdp2_matches_ddp(
-    run_torchrun: RunTorch, tmp_path: Path, single_process_reference: dict[str, Tensor]
-) -> None:
-    params = train(run_torchrun, tmp_path, 2, batch_size=4, max_gradient_norm=0.5, kind="fsdp")
-    assert_same_params(params, single_process_reference)
+def test_fsdp2_matches_ddp(trained: Any, single_process_reference: dict[str, Tensor]) -> None:
+    assert_same_params(trained(2, "fsdp2"), single_process_reference)
 
 
-def test_tp2_matches_tp1(
-    run_torchrun: RunTorch, tmp_path: Path, single_process_reference: dict[str, Tensor]
-) -> None:
-    params = train(run_torchrun, tmp_path, 2, batch_size=8, max_gradient_norm=0.5, tp_size=2)
-    assert_same_params(params, single_process_reference)
+def test_tp2_matches_tp1(trained: Any, single_process_reference: dict[str, Tensor]) -> None:
+    assert_same_params(trained(2, "tp2"), single_process_reference)
 
 
-@pytest.mark.parametrize(
-    "paths",
-    # make test: torch's private kernels; make test-all: also the public path, bit for bit.
-    [
-        pytest.param(("private",), id="private"),
-        pytest.param(("private", "public"), marks=pytest.mark.slow, id="both"),
-    ],
-)
+# The four-process runs share one launch, so each test's other torch path or other layout
+# costs a few toy steps, not a launch: `make test` runs them all.
+@pytest.mark.parametrize("paths", [("private",), ("private", "public")], ids=["private", "both"])
 def test_dp2_x_tp2_matches_dp1_with_the_same_bits_on_both_torch_paths(
-    run_torchrun: RunTorch,
-    tmp_path: Path,
-    single_process_reference: dict[str, Tensor],
-    monkeypatch: pytest.MonkeyPatch,
-    paths: tuple[str, ...],
+    trained: Any, single_process_reference: dict[str, Tensor], paths: tuple[str, ...]
 ) -> None:
     # The public path normalizes and clips the DTensor gradients' local shards one by one.
-    trained = {}
-    for path in paths:
-        monkeypatch.setenv(PRIVATE_APIS_ENV_VAR, path)
-        (tmp_path / path).mkdir()
-        trained[path] = train(
-            run_torchrun,
-            tmp_path / path,
-            4,
-            batch_size=4,
-            max_gradient_norm=0.5,
-            tp_size=2,
-            kind="fsdp",
-        )
-        assert_same_params(trained[path], single_process_reference)
-    for name, private in trained["private"].items():
+    params = {path: trained(4, f"dp2_tp2-{path}") for path in paths}
+    assert_same_params(params["private"], single_process_reference)
+    for name, private in params["private"].items():
         for path in paths[1:]:
-            assert torch.equal(private, trained[path][name]), name
+            assert torch.equal(private, params[path][name]), name
 
 
-@pytest.mark.parametrize(
-    "with_ddp",
-    # make test: HSDP against one process; make test-all: also DDP on the same 4 ranks.
-    [False, pytest.param(True, marks=pytest.mark.slow)],
-)
+@pytest.mark.parametrize("with_ddp", [False, True])
 def test_hsdp_2x2_matches_ddp_on_4_and_dp1(
-    run_torchrun: RunTorch,
-    tmp_path: Path,
-    single_process_reference: dict[str, Tensor],
-    with_ddp: bool,
+    trained: Any, single_process_reference: dict[str, Tensor], with_ddp: bool
 ) -> None:
-    (tmp_path / "hsdp").mkdir()
-    (tmp_path / "ddp").mkdir()
-    hsdp = train(
-        run_torchrun,
-        tmp_path / "hsdp",
-        4,
-        batch_size=2,
-        max_gradient_norm=0.5,
-        kind="hsdp",
-        dp_shard_size=2,
-    )
-    assert_same_params(hsdp, single_process_reference)
+    assert_same_params(trained(4, "hsdp2x2"), single_process_reference)
     if with_ddp:
-        ddp = train(run_torchrun, tmp_path / "ddp", 4, batch_size=2, max_gradient_norm=0.5)
-        assert_same_params(ddp, single_process_reference)
+        assert_same_params(trained(4, "ddp4"), single_process_reference)
 
 
-@pytest.mark.parametrize(
-    "torch_private_apis",
-    # make test: the public mesh (DeviceMesh.from_group), which no other test trains over; the
-    # private one (DeviceMesh._flatten) also makes the DP gang of every HSDP test.
-    ["public", pytest.param("private", marks=pytest.mark.slow)],
-    indirect=True,
-)
-@pytest.mark.usefixtures("torch_private_apis")
+@pytest.mark.parametrize("torch_path", ["public", "private"])
 def test_fsdp_over_the_whole_dp_gang_of_an_hsdp_layout_matches_dp1(
-    run_torchrun: RunTorch, tmp_path: Path, single_process_reference: dict[str, Tensor]
+    trained: Any, single_process_reference: dict[str, Tensor], torch_path: str
 ) -> None:
     # kind="fsdp" shards over Gangs.dp_mesh: HSDP's dims flattened on the private path, a mesh
     # of the DP gang's public process group on the public one.
-    params = train(
-        run_torchrun,
-        tmp_path,
-        4,
-        batch_size=2,
-        max_gradient_norm=0.5,
-        kind="fsdp",
-        dp_shard_size=2,
-    )
+    params = trained(4, f"fsdp_over_hsdp-{torch_path}")
     assert_same_params(params, single_process_reference)
 
 
@@ -193,23 +190,34 @@ def test_hsdp_2x2_x_tp2_on_8_processes_matches_dp1(
 
 
 def _collectives_per_step(
-    run_torchrun: RunTorch, tmp_path: Path, kind: str
+    out: Path,
 ) -> list[tuple[list[dict[str, int]], list[dict[str, int]]]]:
     """Each rank's collectives on the root gang: of the steps that do not publish (1, 2, 4, 5),
     and of those that do (3, 6), with their publish."""
-    assert_ok(run_torchrun(2, "tests/workers/collective_count.py", str(tmp_path), kind))
     per_rank = []
-    for per_step in rank_reports(tmp_path, 2):
+    for per_step in rank_reports(out, 2):
         assert len(per_step) == 6
         publishing = [per_step[2], per_step[5]]
         per_rank.append(([c for i, c in enumerate(per_step) if i not in (2, 5)], publishing))
     return per_rank
 
 
+def _count_collectives(out: Path, *kinds: str) -> Path:
+    assert_ok(torchrun(2, "tests/workers/collective_count.py", str(out), ",".join(kinds)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def collectives(two_rank_checks: Path) -> Path:
+    """The counts of a DDP run and of an FSDP2 run, made in the shared two-rank launch
+    (tests/workers/two_rank_checks.py): ``OUT/KIND/rank_R.json``."""
+    return two_rank_checks / "collectives"
+
+
 def test_a_ddp_step_makes_one_collective_beside_ddps_own_and_does_not_wait_for_it(
-    run_torchrun: RunTorch, tmp_path: Path
+    collectives: Path,
 ) -> None:
-    for steps, publishes in _collectives_per_step(run_torchrun, tmp_path, "ddp"):
+    for steps, publishes in _collectives_per_step(collectives / "ddp"):
         # DDP reduces the gradients on its own process group; the step's counts take one
         # all-reduce of their own, started before the last backward; no blocking one.
         assert steps == [{"all_reduce_async": 1}] * 4
@@ -219,18 +227,19 @@ def test_a_ddp_step_makes_one_collective_beside_ddps_own_and_does_not_wait_for_i
 
 @pytest.mark.slow
 def test_accumulated_micro_batches_leave_ddps_gradients_unreduced_until_the_last(
-    run_torchrun: RunTorch, tmp_path: Path
+    tmp_path: Path,
 ) -> None:
-    for steps, _ in _collectives_per_step(run_torchrun, tmp_path, "ddp-hooked"):
+    out = _count_collectives(tmp_path, "ddp-hooked") / "ddp-hooked"
+    for steps, _ in _collectives_per_step(out):
         # The toy model's gradients fit one bucket: one all-reduce of it a step, not one per
         # micro-batch.
         assert steps == [{"ddp_bucket": 1, "all_reduce_async": 1}] * 4
 
 
 def test_an_fsdp_step_makes_one_collective_of_its_own_and_does_not_wait_for_it(
-    run_torchrun: RunTorch, tmp_path: Path
+    collectives: Path,
 ) -> None:
-    for steps, publishes in _collectives_per_step(run_torchrun, tmp_path, "fsdp"):
+    for steps, publishes in _collectives_per_step(collectives / "fsdp"):
         # One all-reduce of the counts starts before the last backward; no blocking one.
         assert steps == [{"all_reduce_async": 1}] * 4
         assert publishes == [{"all_reduce_async": 1, "all_reduce": 2}] * 2

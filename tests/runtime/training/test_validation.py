@@ -722,9 +722,23 @@ def test_the_score_is_the_mean_over_the_whole_valid_set_at_any_dp_size(
 HF_WORKER = "tests/workers/hf_validation.py"
 
 
-def run_hf_worker(run_torchrun: RunTorch, out: Path, nproc: int, **options: Any) -> Any:
-    assert_ok(run_torchrun(nproc, HF_WORKER, str(out), json.dumps(options)))
-    return json.loads((out / "result.json").read_text())
+def run_hf_worker(out: Path, nproc: int, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each of ``runs`` in one launch: its name to rank 0's ``result.json``."""
+    assert_ok(torchrun(nproc, HF_WORKER, str(out), json.dumps({"runs": runs})))
+    return {name: json.loads((out / name / "result.json").read_text()) for name in runs}
+
+
+@pytest.fixture(scope="module")
+def fsdp2_llama_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The FSDP2 runs of the tests below, in one launch of two processes."""
+    return run_hf_worker(
+        tmp_path_factory.mktemp("hf_validation"),
+        2,
+        {
+            "validate": {"first": "validate", "data_parallel": "fsdp"},
+            "evaluate": {"first": "evaluate", "data_parallel": "fsdp"},
+        },
+    )
 
 
 @pytest.mark.distributed
@@ -738,11 +752,15 @@ def run_hf_worker(run_torchrun: RunTorch, out: Path, nproc: int, **options: Any)
     ],
 )
 def test_a_sharded_llama_trains_after_validate_at_start(
-    tmp_path: Path, run_torchrun: RunTorch, nproc: int, options: dict[str, Any]
+    request: pytest.FixtureRequest, tmp_path: Path, nproc: int, options: dict[str, Any]
 ) -> None:
     # A transformers Llama built on meta, sharded over its decoder layers: the validation
     # before the first step must leave the sharded parameters' buffers trainable.
-    result = run_hf_worker(run_torchrun, tmp_path, nproc, first="validate", **options)
+    if nproc == 2:
+        result = request.getfixturevalue("fsdp2_llama_runs")["validate"]
+    else:
+        result = run_hf_worker(tmp_path, nproc, {"validate": {"first": "validate", **options}})
+        result = result["validate"]
     assert result["steps"] == [1, 2]
     assert result["evaluated"] == [["valid", 0], ["valid", 2]]
     assert all(math.isfinite(norm) and norm > 0 for norm in result["grad_norms"])
@@ -750,9 +768,9 @@ def test_a_sharded_llama_trains_after_validate_at_start(
 
 @pytest.mark.distributed
 def test_a_sharded_llama_trains_after_an_evaluation_in_the_same_process(
-    tmp_path: Path, run_torchrun: RunTorch
+    fsdp2_llama_runs: dict[str, Any],
 ) -> None:
-    result = run_hf_worker(run_torchrun, tmp_path, 2, first="evaluate", data_parallel="fsdp")
+    result = fsdp2_llama_runs["evaluate"]
     assert result["evaluated"] == [["eval", 0]]
     assert result["steps"] == [1, 2]
     assert all(math.isfinite(norm) and norm > 0 for norm in result["grad_norms"])
