@@ -50,6 +50,7 @@ from runtime.cli.config import (
     load_config,
 )
 from runtime.cli.run_lock import LauncherWatchdog, RunLock, RunLockError
+from runtime.parallel.process_group import process_group_exists
 from runtime.training.initial_weights import InitialWeightsError
 from runtime.training.loss_spike import LossSpikeError
 from runtime.training.signals import PREEMPTED_EXIT_CODE, StartupInterrupted, StartupSignals
@@ -410,7 +411,7 @@ def _destroy_process_groups() -> None:
     gone and abort the process ("terminate called without an active exception"). Modules that
     still hold a group (DDP, FSDP2) are collected first, so none outlives its group.
     """
-    if dist.is_available() and dist.is_initialized():
+    if process_group_exists():
         gc.collect()
         dist.destroy_process_group()
 
