@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
+
+from gangs import Gang, run_on_all_ranks
+
+T = TypeVar("T")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, or a stored one is damaged or does not fit this run."""
+
+
+def on_all_ranks(root: Gang, what: str, action: Callable[[], T]) -> T:
+    """``action`` on every rank of ``root``; a failure on any is a CheckpointError on every
+    rank, naming ``what`` was being done."""
+    return run_on_all_ranks(root, action, what=what, error_type=CheckpointError)
 
 
 class CheckpointNotFoundError(CheckpointError):

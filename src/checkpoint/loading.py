@@ -24,6 +24,7 @@ from checkpoint.errors import (
     CheckpointLayoutError,
     CheckpointLoadError,
     caused_by_the_machine,
+    on_all_ranks,
 )
 from checkpoint.exclusion import pop_entries
 from checkpoint.layout import WorldLayout, needs_reshard
@@ -35,7 +36,7 @@ from checkpoint.storage import (
     set_model_state,
     set_state_dicts,
 )
-from gangs import Gang, Gangs, agree, run_on_all_ranks
+from gangs import Gang, Gangs, agree
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +127,11 @@ class CheckpointLoader:
         try:
             for subdir, state in (("model", model_state), ("optimizer", optim_state)):
                 load = partial(self._storage.load, state, path / subdir, check.reads(subdir))
-                self.on_all_ranks(f"load the {subdir}", load)
-            trainer_state = self.on_all_ranks(
-                "load the trainer state", lambda: torch.load(trainer_file, weights_only=True)
+                on_all_ranks(self._root, f"load the {subdir}", load)
+            trainer_state = on_all_ranks(
+                self._root,
+                "load the trainer state",
+                lambda: torch.load(trainer_file, weights_only=True),
             )
         except CheckpointError as ex:
             self.verify(step_nr)  # a damaged file that failed to load, named by its digest
@@ -148,7 +151,9 @@ class CheckpointLoader:
         manifest = self.verify(step_nr)
         state = get_model_state(model)
         kept = pop_entries(state, manifest.get("excluded", []))
-        self.on_all_ranks("load the model", lambda: self._storage.load(state, path / "model"))
+        on_all_ranks(
+            self._root, "load the model", lambda: self._storage.load(state, path / "model")
+        )
         set_model_state(model, {**state, **kept})
 
     def verify(self, step_nr: int) -> dict[str, Any]:
@@ -159,16 +164,12 @@ class CheckpointLoader:
             lambda: verify_share(path, step_nr, rank=self._root.rank, world_size=self._root.size),
         )
 
-    def on_all_ranks(self, what: str, action: Callable[[], T]) -> T:
-        """``action`` on every rank; a failure on any is a CheckpointError on every rank."""
-        return run_on_all_ranks(self._root, action, what=what, error_type=CheckpointError)
-
     def verdict(self, what: str, action: Callable[[], T]) -> T:
-        """:meth:`on_all_ranks`, but one process raises the error as it is, without a rank
-        prefix."""
+        """:func:`~checkpoint.errors.on_all_ranks`, but one process raises the error as it is,
+        without a rank prefix."""
         if self._root.size == 1:
             return action()
-        return self.on_all_ranks(what, action)
+        return on_all_ranks(self._root, what, action)
 
 
 def _move_aside(root: Gang, checkpoint_dir: Path, step_nrs: list[int]) -> None:

@@ -33,10 +33,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar, final
+from typing import Any, final
 
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -45,7 +45,7 @@ from typing_extensions import override
 from checkpoint import directory, health
 from checkpoint.base import AbstractCheckpointManager, LoadedCheckpoint
 from checkpoint.directory import check_shared_directory
-from checkpoint.errors import CheckpointError
+from checkpoint.errors import CheckpointError, on_all_ranks
 from checkpoint.exclusion import excluded_names, pop_entries
 from checkpoint.integrity import FileDigest
 from checkpoint.layout import WorldLayout
@@ -61,12 +61,10 @@ from checkpoint.manifest import (
 from checkpoint.pending import PendingSave, removing_on_failure
 from checkpoint.retention import CheckpointInfo, RetentionPolicy, plan_retention
 from checkpoint.storage import DcpStorage, get_state_dicts
-from gangs import Gangs, run_on_all_ranks
+from gangs import Gangs
 from trainkit_utils.files import fsync_dir
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @final
@@ -132,7 +130,8 @@ class CheckpointManager(AbstractCheckpointManager):
             pending.excluded = excluded_names(model_state, exclude)
             pop_entries(model_state, pending.excluded)
             if async_checkpoint:
-                self._on_all_ranks(
+                on_all_ranks(
+                    self._root,
                     "stage the checkpoint",
                     lambda: pending.stage(
                         self._storage, model_state, optim_state, trainer_state, rank=self._root.rank
@@ -141,17 +140,20 @@ class CheckpointManager(AbstractCheckpointManager):
                 self._pending = pending
                 log.info("Checkpoint of step %d staged; writing it in the background.", step_nr)
                 return
-            self._on_all_ranks(
+            on_all_ranks(
+                self._root,
                 "save the model",
                 lambda: pending.add("model", self._storage.save(model_state, tmp_dir / "model")),
             )
-            self._on_all_ranks(
+            on_all_ranks(
+                self._root,
                 "save the optimizer",
                 lambda: pending.add(
                     "optimizer", self._storage.save(optim_state, tmp_dir / "optimizer")
                 ),
             )
-            self._on_all_ranks(
+            on_all_ranks(
+                self._root,
                 "save the trainer state",
                 lambda: pending.save_trainer(trainer_state, rank=self._root.rank),
             )
@@ -169,7 +171,8 @@ class CheckpointManager(AbstractCheckpointManager):
         if pending is None:
             return None
         with removing_on_failure(self._root, pending):
-            self._on_all_ranks(
+            on_all_ranks(
+                self._root,
                 f"write the checkpoint of step {pending.step_nr}",
                 pending.collect_uploads,
             )
@@ -196,7 +199,7 @@ class CheckpointManager(AbstractCheckpointManager):
             os.replace(pending.tmp_dir, pending.final_dir)
             fsync_dir(self._dir)
 
-        self._on_all_ranks("commit the checkpoint", commit)
+        on_all_ranks(self._root, "commit the checkpoint", commit)
         log.info("Checkpoint of step %d committed to %s.", pending.step_nr, pending.final_dir)
 
     # ----------------------------------------------------------------- listing
@@ -344,8 +347,3 @@ class CheckpointManager(AbstractCheckpointManager):
         if self._root.rank == 0:
             directory.remove_incomplete(self._dir)
         self._root.barrier()
-
-    # ----------------------------------------------------------------- helpers
-
-    def _on_all_ranks(self, what: str, action: Callable[[], T]) -> T:
-        return run_on_all_ranks(self._root, action, what=what, error_type=CheckpointError)
