@@ -123,7 +123,7 @@ class LossSpikeRollback:
         num_steps = max(num_steps, 0)
         for skipped in range(num_steps):
             try:
-                self._data_reader.__next__()
+                next(self._data_reader)
             except StopIteration:
                 log.warning(
                     "The data epoch ended after skipping the data of %d steps of %d.",
