@@ -1,7 +1,8 @@
 """Train a small byte-level decoder-only transformer on a directory of text files.
 
 By default the text is the running Python's standard library sources, so the recipe needs no
-download. Run it with ``torchrun --standalone --nproc-per-node 2 -m recipes.char_lm OUTPUT_DIR``.
+download; ``data.train`` (and ``data.valid``) take prepared datasets instead
+(``python -m runtime prepare DIR --tokenizer bytes FILES...``). Run it with ``torchrun --standalone --nproc-per-node 2 -m recipes.char_lm OUTPUT_DIR``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from runtime import (
     main,
     parallelize_model,
 )
+from runtime.data.text import PreparedDataReader, TextBatch
 from trainkit_utils.arguments import check_not_negative, check_positive
 from units import EvalUnit, TrainUnit
 
@@ -66,6 +68,10 @@ class DataSection:
     """Micro-batches whose gradients add up to one optimizer step."""
     valid_every_nth_file: int = 20
     """Every file whose path hashes to 0 modulo this is a validation file."""
+    train: str | None = None
+    """A prepared dataset's directory to train on instead of data_dir's files."""
+    valid: str | None = None
+    """With train: a prepared dataset's directory to validate on (null: no validation)."""
 
 
 @dataclass
@@ -277,10 +283,9 @@ class Block(nn.Module):
 
 
 class ByteTransformer(nn.Module):
-    vocab_size = 256
-
-    def __init__(self, config: ModelSection, max_seq_len: int) -> None:
+    def __init__(self, config: ModelSection, max_seq_len: int, vocab_size: int = 256) -> None:
         super().__init__()
+        self.vocab_size = vocab_size
         self.embed = nn.Embedding(self.vocab_size, config.dim)
         self.pos = nn.Embedding(max_seq_len, config.dim)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
@@ -310,7 +315,14 @@ def tensor_parallel_plan(model: ByteTransformer) -> dict[str, ParallelStyle]:
 # ----------------------------------------------------------------------------- units
 
 
-class CharLMTrainUnit(TrainUnit[LMBatch]):
+def inputs_and_targets(batch: LMBatch | TextBatch) -> tuple[Tensor, Tensor]:
+    """The windows of the stdlib corpus come as LMBatch, those of prepared data as TextBatch."""
+    if isinstance(batch, TextBatch):
+        return batch.input_ids, batch.target_ids
+    return batch.inputs, batch.targets
+
+
+class CharLMTrainUnit(TrainUnit[LMBatch | TextBatch]):
     def __init__(
         self, model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor] = summed_nll_loss
     ) -> None:
@@ -318,36 +330,38 @@ class CharLMTrainUnit(TrainUnit[LMBatch]):
         self._loss_fn = loss_fn
         self.metric_bag.register_metric("nll_loss", Mean(), persistent=False)
 
-    def __call__(self, batch: LMBatch) -> tuple[Tensor, int | None]:
-        loss = self._loss_fn(self.model(batch.inputs), batch.targets)
+    def __call__(self, batch: LMBatch | TextBatch) -> tuple[Tensor, int | None]:
+        inputs, targets = inputs_and_targets(batch)
+        loss = self._loss_fn(self.model(inputs), targets)
         self.metric_bag.nll_loss.update(loss.detach() / batch.num_targets, weight=batch.num_targets)
         return loss, batch.num_targets
 
 
-class CharLMEvalUnit(EvalUnit[LMBatch]):
+class CharLMEvalUnit(EvalUnit[LMBatch | TextBatch]):
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.metric_bag.register_metric("nll_loss", Mean())
         self.metric_bag.register_metric("perplexity", Perplexity())
 
-    def __call__(self, batch: LMBatch) -> None:
-        logits = self.model(batch.inputs).float()
-        loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten())
+    def __call__(self, batch: LMBatch | TextBatch) -> None:
+        inputs, targets = inputs_and_targets(batch)
+        logits = self.model(inputs).float()
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         self.metric_bag.nll_loss.update(loss, weight=batch.num_targets)
-        self.metric_bag.perplexity.update(logits, batch.targets)
+        self.metric_bag.perplexity.update(logits, targets)
 
 
 # ---------------------------------------------------------------------------- recipe
 
 
-def build_model(config: CharLMConfig, gangs: Gangs) -> nn.Module:
+def build_model(config: CharLMConfig, gangs: Gangs, vocab_size: int = 256) -> nn.Module:
     """Build on meta, then shard, wrap and initialize (``parallelize_model``).
 
     The initial weights depend on ``trainer.seed`` alone, not on the layout: every module is
     initialized from a generator seeded by the seed and its name (see ``materialize_model``).
     """
     with torch.device("meta" if config.model.meta_init else gangs.root.device):
-        model = ByteTransformer(config.model, config.data.seq_len)
+        model = ByteTransformer(config.model, config.data.seq_len, vocab_size)
     return parallelize_model(
         model,
         gangs,
@@ -357,33 +371,61 @@ def build_model(config: CharLMConfig, gangs: Gangs) -> nn.Module:
     )
 
 
-def recipe(config: CharLMConfig, output_dir: Path) -> Trainer[LMBatch]:
-    gangs = setup_recipe_gangs(config)
-    train_bytes, valid_bytes = load_corpus(config.data)
+CharBatch = LMBatch | TextBatch
+
+
+def build_readers(
+    config: DataSection, gangs: Gangs, *, seed: int
+) -> tuple[DataReader[CharBatch], DataReader[CharBatch] | None, int]:
+    """The train and valid readers, and the vocabulary size their tokens need."""
+    if config.train is not None:
+        train = PreparedDataReader(
+            sources=config.train,
+            seq_len=config.seq_len,
+            batch_size=config.batch_size,
+            gang=gangs.dp,
+            num_accumulate=config.num_accumulate,
+            seed=seed,
+        )
+        valid = None
+        if config.valid is not None:
+            valid = PreparedDataReader(
+                sources=config.valid,
+                seq_len=config.seq_len,
+                batch_size=config.batch_size,
+                gang=gangs.dp,
+            ).for_evaluation()
+        return train, valid, train.vocab_size
+    train_bytes, valid_bytes = load_corpus(config)
     log.info("Corpus: %d train bytes, %d valid bytes.", train_bytes.numel(), valid_bytes.numel())
-
-    model = build_model(config, gangs)
-    optimizer, lr_scheduler = adamw_with_schedule(
-        model, config.optimizer, max_num_steps=config.trainer.max_num_steps
-    )
-
-    data = config.data
-    train_reader: DataReader[LMBatch] = MapDataReader(
-        dataset=ByteWindows(train_bytes, data.seq_len),
-        batch_size=data.batch_size,
+    train_windows: DataReader[CharBatch] = MapDataReader(
+        dataset=ByteWindows(train_bytes, config.seq_len),
+        batch_size=config.batch_size,
         collate=collate_windows,
         gang=gangs.dp,
-        num_accumulate=data.num_accumulate,
-        seed=config.trainer.seed,
+        num_accumulate=config.num_accumulate,
+        seed=seed,
     )
-    valid_reader: DataReader[LMBatch] = MapDataReader(
-        dataset=ByteWindows(valid_bytes, data.seq_len),
-        batch_size=data.batch_size,
+    valid_windows: DataReader[CharBatch] = MapDataReader(
+        dataset=ByteWindows(valid_bytes, config.seq_len),
+        batch_size=config.batch_size,
         collate=collate_windows,
         gang=gangs.dp,
         shuffle=False,
         drop_remainder=False,
         sync_mode=SyncMode.UNTIL_LAST,
+    )
+    return train_windows, valid_windows, 256
+
+
+def recipe(config: CharLMConfig, output_dir: Path) -> Trainer[CharBatch]:
+    gangs = setup_recipe_gangs(config)
+    train_reader, valid_reader, vocab_size = build_readers(
+        config.data, gangs, seed=config.trainer.seed
+    )
+    model = build_model(config, gangs, vocab_size)
+    optimizer, lr_scheduler = adamw_with_schedule(
+        model, config.optimizer, max_num_steps=config.trainer.max_num_steps
     )
     return Trainer(
         unit=CharLMTrainUnit(
@@ -392,14 +434,15 @@ def recipe(config: CharLMConfig, output_dir: Path) -> Trainer[LMBatch]:
         data_reader=train_reader,
         optimizer=optimizer,
         lr_scheduler=lr_scheduler,
-        valid_units=[CharLMEvalUnit(model)],
-        valid_data_readers=[valid_reader],
+        valid_units=[CharLMEvalUnit(model)] if valid_reader is not None else [],
+        valid_data_readers=[valid_reader] if valid_reader is not None else [],
         **trainer_options(
             config.trainer,
             output_dir=output_dir,
             gangs=gangs,
             wandb_project=config.wandb_project,
             init_from=config.init_from,
+            validates=valid_reader is not None,
             flops_per_target=lambda: flops_per_target(model, config),
         ),
     )

@@ -65,10 +65,13 @@ from runtime.cli.hf_export import HF_FILES_DIR
 from runtime.data.text import (
     InstructionDataset,
     InstructionFields,
+    PreparedDataReader,
     TextBatch,
     TextDataReader,
+    TextSource,
     Tokenizer,
     collate_instructions,
+    is_prepared_dataset,
     load_tokenizer,
     parse_mixture,
 )
@@ -107,11 +110,13 @@ class TokenizerSection:
 @dataclass
 class DataSection:
     train: str | None = field(default=None, metadata=exactly_one_of("train"))
-    """Training files: a path, directory or glob of .jsonl, .txt or .parquet files."""
+    """Training files: a path, directory or glob of .jsonl, .txt or .parquet files, or a
+    prepared dataset's directory (python -m runtime prepare)."""
     valid: str | None = None
     """Validation files, given as data.train is (null: no validation)."""
     mixture: list[dict[str, Any]] | None = field(default=None, metadata=exactly_one_of("train"))
-    """Instead of train: [{path: ..., weight: ...}, ...], sampled by weight."""
+    """Instead of train: [{path: ..., weight: ...}, ...], sampled by weight (all files, or
+    all prepared directories)."""
     text_field: str = "text"
     """The field of a .jsonl or .parquet record that holds the text."""
     seq_len: int = 512
@@ -167,6 +172,16 @@ class LMConfig:
             )
         if self.task == "sft" and self.data.mixture is not None:
             raise ValueError("task=sft reads one dataset: give data.train, not data.mixture.")
+        prepared = [
+            path
+            for path in (self.data.train, self.data.valid)
+            if path and is_prepared_dataset(path)
+        ]
+        if self.task == "sft" and prepared:
+            raise ValueError(
+                f"task=sft reads prompt/response records, but {prepared[0]} is a prepared "
+                "dataset of packed text (for task=pretrain). Give the .jsonl or .parquet files."
+            )
         for name, value in (
             ("data.seq_len", self.data.seq_len),
             ("data.batch_size", self.data.batch_size),
@@ -224,33 +239,67 @@ def build_readers(
         return _sft_reader(config, tokenizer, gangs, data.train, train=True), (
             _sft_reader(config, tokenizer, gangs, data.valid, train=False) if data.valid else None
         )
-    sources = parse_mixture(data.mixture) if data.mixture is not None else data.train
-    assert sources is not None
-    train = TextDataReader(
-        sources=sources,
-        tokenizer=tokenizer,
-        seq_len=data.seq_len,
-        batch_size=data.batch_size,
-        gang=gangs.dp,
-        num_accumulate=data.num_accumulate,
-        seed=seed,
-        num_workers=data.num_workers,
-        text_field=data.text_field,
-        skip_bad_lines=data.skip_bad_lines,
-        document_ids=data.document_mask,
+    sources = (
+        parse_mixture(data.mixture) if data.mixture is not None else [TextSource(str(data.train))]
     )
-    valid = None
-    if data.valid is not None:
-        valid = MapDataReader(
-            dataset=packed_valid_set(config, tokenizer),
+    if _all_prepared(sources):
+        train: DataReader[Any] = PreparedDataReader(
+            sources=sources,
+            tokenizer=tokenizer,
+            seq_len=data.seq_len,
             batch_size=data.batch_size,
-            collate=collate_text_batches,
             gang=gangs.dp,
-            shuffle=False,
-            drop_remainder=False,
-            sync_mode=SyncMode.UNTIL_LAST,
+            num_accumulate=data.num_accumulate,
+            seed=seed,
+            document_ids=data.document_mask,
         )
+    else:
+        train = TextDataReader(
+            sources=sources,
+            tokenizer=tokenizer,
+            seq_len=data.seq_len,
+            batch_size=data.batch_size,
+            gang=gangs.dp,
+            num_accumulate=data.num_accumulate,
+            seed=seed,
+            num_workers=data.num_workers,
+            text_field=data.text_field,
+            skip_bad_lines=data.skip_bad_lines,
+            document_ids=data.document_mask,
+        )
+    if data.valid is None:
+        return train, None
+    if is_prepared_dataset(data.valid):
+        valid = PreparedDataReader(
+            sources=data.valid,
+            tokenizer=tokenizer,
+            seq_len=data.seq_len,
+            batch_size=data.batch_size,
+            gang=gangs.dp,
+            document_ids=data.document_mask,
+        ).for_evaluation()
+        return train, valid
+    valid = MapDataReader(
+        dataset=packed_valid_set(config, tokenizer),
+        batch_size=data.batch_size,
+        collate=collate_text_batches,
+        gang=gangs.dp,
+        shuffle=False,
+        drop_remainder=False,
+        sync_mode=SyncMode.UNTIL_LAST,
+    )
     return train, valid
+
+
+def _all_prepared(sources: list[TextSource]) -> bool:
+    """Whether the datasets are prepared directories; refuses a mixture of both kinds."""
+    prepared = [is_prepared_dataset(path) for source in sources for path in source.paths]
+    if any(prepared) and not all(prepared):
+        raise ValueError(
+            "data.mixture mixes prepared directories and text files. Prepare every dataset "
+            "(python -m runtime prepare), or give text files only."
+        )
+    return all(prepared)
 
 
 def packed_valid_set(config: LMConfig, tokenizer: Tokenizer) -> list[TextBatch]:

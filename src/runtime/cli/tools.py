@@ -1,4 +1,4 @@
-"""``python -m runtime``: inspect and export the checkpoints of a run."""
+"""``python -m runtime``: inspect and export the checkpoints of a run; prepare text data."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from checkpoint.health import unhealthy_reason
 from gangs import Gangs
 from runtime.cli.hf_export import write_hf_directory
 from runtime.cli.peft_export import is_lora_run, merged_state, write_peft_directory
+from runtime.cli.prepare_command import add_prepare_command, run_prepare, run_verify
 
 
 def list_checkpoints(output_dir: Path) -> str:
@@ -157,10 +158,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--higher-better", action="store_true", help="with --best: a higher score is better"
     )
 
+    add_prepare_command(commands)
+
     args = parser.parse_args(argv)
     try:
         if args.command == "checkpoints":
             print(list_checkpoints(args.output_dir))
+        elif args.command == "prepare":
+            run_prepare(args)
+        elif args.command == "verify-data":
+            run_verify(args)
         else:
             step_nr, written = export_model(
                 args.output_dir,
@@ -175,6 +182,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CheckpointError, ValueError) as ex:
         print(f"error: {ex}", file=sys.stderr)
         return 2
+    except OSError as ex:
+        # A full disk, say: nothing finished is lost, and the same command goes on from it.
+        print(
+            f"error: {ex}. Free the space or fix the path, then run the same command again.",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

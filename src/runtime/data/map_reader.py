@@ -47,6 +47,9 @@ class MapDataReader(DataReader[BatchT]):
     with ``__getitems__`` (torch's batched protocol, which ``DataLoader`` uses too) gets one call
     per micro-batch; any other dataset is indexed example by example.
 
+    A dataset with a ``set_epoch(epoch)`` method (as ``DistributedSampler`` has) is told each
+    data epoch before any of its examples are read in it.
+
     A background thread prepares (indexes and collates) up to ``num_prefetch`` steps ahead, so that
     preparing step N+1 overlaps step N; ``num_prefetch=0`` prepares each step in ``__next__``.
     The dataset and ``collate`` must not use collectives: they run on that thread.
@@ -332,6 +335,10 @@ class MapDataReader(DataReader[BatchT]):
         return prepared.batches
 
     def _make_step_maker(self) -> _StepMaker[BatchT]:
+        # No prefetch thread is running here: the epoch's first step is being made.
+        set_epoch = getattr(self._dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(self._epoch)
         size = self._layout.dataset_size
         if self._shuffle:
             generator = torch.Generator().manual_seed(self._seed + self._epoch)

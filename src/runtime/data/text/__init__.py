@@ -12,6 +12,13 @@ from runtime.data.text.instructions import (
 )
 from runtime.data.text.mixture import MixtureSampler, TextSource, parse_mixture
 from runtime.data.text.packing import TextBatch
+from runtime.data.text.prepared import (
+    PreparedDataError,
+    PreparedDataReader,
+    PreparedDataset,
+    is_prepared_dataset,
+    prepare_dataset,
+)
 from runtime.data.text.text_reader import TextDataReader
 from runtime.data.text.tokenizer import (
     ByteTokenizer,
@@ -30,12 +37,17 @@ __all__ = [
     "ByteTokenizer",
     "HuggingFaceTokenizer",
     "MixtureSampler",
+    "PreparedDataError",
+    "PreparedDataReader",
+    "PreparedDataset",
     "TextBatch",
     "TextDataError",
     "TextDataReader",
     "TextSource",
     "Tokenizer",
     "find_files",
+    "is_prepared_dataset",
     "load_tokenizer",
     "parse_mixture",
+    "prepare_dataset",
 ]

@@ -37,20 +37,38 @@ class TextBatch:
 def make_batch(rows: Sequence[Sequence[Tensor]], *, with_documents: bool) -> TextBatch:
     """The batch of ``rows``, each the pieces (one per document) of ``seq_len + 1`` tokens."""
     tokens = torch.stack([torch.cat(list(pieces)) for pieces in rows]).long()
+    if not with_documents:
+        return batch_of(tokens, document_starts=None)
+    row_nrs: list[int] = []
+    starts: list[int] = []
+    for row_nr, pieces in enumerate(rows):
+        start = 0
+        for piece in pieces[:-1]:
+            start += len(piece)
+            row_nrs.append(row_nr)
+            starts.append(start)
+    return batch_of(tokens, document_starts=(row_nrs, starts))
+
+
+def batch_of(
+    tokens: Tensor, *, document_starts: tuple[Sequence[int], Sequence[int]] | None
+) -> TextBatch:
+    """The batch of ``tokens`` (``[batch_size, seq_len + 1]``, int64); ``document_starts``, the
+    row and column of each document that starts after a row's first token, or None for a
+    batch without document ids."""
     batch = TextBatch(
         input_ids=tokens[:, :-1].contiguous(),
         target_ids=tokens[:, 1:].contiguous(),
         num_targets=tokens.shape[0] * (tokens.shape[1] - 1),
     )
-    if with_documents:
-        documents = [_documents_of(pieces) for pieces in rows]
-        batch.document_ids = torch.stack([ids for ids, _ in documents])[:, :-1].contiguous()
-        batch.positions = torch.stack([pos for _, pos in documents])[:, :-1].contiguous()
+    if document_starts is not None:
+        # One mark where each later document starts: counting the marks numbers the
+        # documents, and the last mark at or before a token is where its document started.
+        marks = torch.zeros(tokens.shape, dtype=torch.bool)
+        row_nrs, columns_of_starts = (torch.as_tensor(v, dtype=torch.long) for v in document_starts)
+        marks[row_nrs, columns_of_starts] = True
+        columns = torch.arange(tokens.shape[1]).expand(tokens.shape)
+        document_starts_of = torch.where(marks, columns, 0).cummax(1).values
+        batch.document_ids = marks.long().cumsum(1)[:, :-1].contiguous()
+        batch.positions = (columns - document_starts_of)[:, :-1].contiguous()
     return batch
-
-
-def _documents_of(pieces: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-    lengths = torch.tensor([len(piece) for piece in pieces])
-    ids = torch.repeat_interleave(torch.arange(len(pieces)), lengths)
-    starts = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
-    return ids, torch.arange(int(lengths.sum())) - starts

@@ -44,6 +44,28 @@ class Tokenizer(ABC):
     def vocab_size(self) -> int:
         """The number of ids, special tokens included: the model's embedding size at least."""
 
+    @property
+    def fingerprint(self) -> str:
+        """A digest that differs between tokenizers that give other ids: prepared datasets
+        record it, and refuse a run whose tokenizer has another.
+
+        The default digests the class, the sizes and special ids, and the ids of a probe text
+        of many scripts; a subclass with a vocabulary file should digest that instead.
+        """
+        import xxhash
+
+        ids = self.encode(_PROBE_TEXT)
+        described = (type(self).__qualname__, self.vocab_size, self.eos_id, self.bos_id, ids)
+        return xxhash.xxh3_128_hexdigest(json.dumps(described).encode())
+
+
+# Words, digits, punctuation, whitespace and several scripts: two tokenizers that split it
+# alike and share their special ids are, for practical purposes, the same.
+_PROBE_TEXT = (
+    "The quick brown fox jumps over the lazy dog. 0123456789 +-*/=<>()[]{}\t\n"
+    "  def main():\n    return 42  # Grüße, naïve café; Ελληνικά; Русский; 中文; 日本語; 한국어; 🙂"
+)
+
 
 @final
 class ByteTokenizer(Tokenizer):
@@ -71,6 +93,11 @@ class ByteTokenizer(Tokenizer):
     @override
     def vocab_size(self) -> int:
         return 258
+
+    @property
+    @override
+    def fingerprint(self) -> str:
+        return "bytes-258"
 
 
 # Where Hugging Face model directories name their special tokens, first found wins.
@@ -161,6 +188,17 @@ class HuggingFaceTokenizer(Tokenizer):
     @override
     def vocab_size(self) -> int:
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
+    @property
+    @override
+    def fingerprint(self) -> str:
+        # The whole serialized tokenizer (vocabulary, merges, normalizer, added tokens) and
+        # the special ids this project adds around documents.
+        import xxhash
+
+        digest = xxhash.xxh3_128(self._tokenizer.to_str().encode())
+        digest.update(json.dumps([self._eos_id, self._bos_id]).encode())
+        return digest.hexdigest()
 
     def __getstate__(self) -> dict[str, Any]:
         return {
