@@ -25,6 +25,9 @@ class TextBatch:
     num_targets: int
     document_ids: Tensor | None = None  # [batch_size, seq_len], int64
     positions: Tensor | None = None  # [batch_size, seq_len], int64
+    sequence_ids: Tensor | None = None  # [batch_size], int64
+    """Each row's number among the sequences of its data (prepared data only), to see which
+    sequences a step read."""
     num_bad_lines: int = 0
     """Lines the reader had skipped (``skip_bad_lines``) when it made this batch, so a unit can
     publish the count."""

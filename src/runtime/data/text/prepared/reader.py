@@ -32,8 +32,10 @@ from trainkit_utils.arguments import check_positive
 
 @final
 class PackedRow(NamedTuple):
-    """A sequence's ``seq_len + 1`` tokens, and where (after its first token) documents start."""
+    """A sequence: its number, its ``seq_len + 1`` tokens, and where (after its first token)
+    documents start."""
 
+    index: int
     tokens: np.ndarray[Any, Any]
     document_starts: np.ndarray[Any, Any]
 
@@ -41,11 +43,14 @@ class PackedRow(NamedTuple):
 def collate_rows(rows: Sequence[PackedRow], *, with_documents: bool) -> TextBatch:
     """The batch of ``rows``: one stack of their tokens, and their documents when asked for."""
     tokens = torch.from_numpy(np.stack([row.tokens for row in rows]).astype(np.int64))
-    if not with_documents:
-        return batch_of(tokens, document_starts=None)
-    row_nrs = np.repeat(np.arange(len(rows)), [len(row.document_starts) for row in rows])
-    starts = np.concatenate([row.document_starts for row in rows])
-    return batch_of(tokens, document_starts=(row_nrs.tolist(), starts.tolist()))
+    document_starts = None
+    if with_documents:
+        row_nrs = np.repeat(np.arange(len(rows)), [len(row.document_starts) for row in rows])
+        starts = np.concatenate([row.document_starts for row in rows])
+        document_starts = (row_nrs.tolist(), starts.tolist())
+    batch = batch_of(tokens, document_starts=document_starts)
+    batch.sequence_ids = torch.tensor([row.index for row in rows], dtype=torch.int64)
+    return batch
 
 
 @final
@@ -70,12 +75,12 @@ class PackedSequences:
         start = index * self._window
         tokens = self._tokens[start : start + self._window]
         if not self._document_ids:
-            return PackedRow(tokens, _NO_STARTS)
+            return PackedRow(index, tokens, _NO_STARTS)
         # The documents that end inside the sequence, before its last token, start one.
         ends = self._document_ends
         first = int(ends.searchsorted(start, side="right"))
         last = int(ends.searchsorted(start + self._window - 1, side="right"))
-        return PackedRow(tokens, ends[first:last] - start)
+        return PackedRow(index, tokens, ends[first:last] - start)
 
     def __getitems__(self, indices: Sequence[int]) -> list[PackedRow]:
         return [self[index] for index in indices]
@@ -122,7 +127,8 @@ class MixedSequences:
     def __getitem__(self, index: int) -> PackedRow:
         part_nr = bisect.bisect_right(self._starts, index) - 1
         part, count = self.parts[part_nr], self.counts[part_nr]
-        return part[(self._epoch * count + index - self._starts[part_nr]) % len(part)]
+        row = part[(self._epoch * count + index - self._starts[part_nr]) % len(part)]
+        return row._replace(index=index)
 
     def __getitems__(self, indices: Sequence[int]) -> list[PackedRow]:
         return [self[index] for index in indices]
@@ -301,7 +307,7 @@ class _Concatenated:
 
     def __getitem__(self, index: int) -> PackedRow:
         part_nr = bisect.bisect_right(self._starts, index) - 1
-        return self._parts[part_nr][index - self._starts[part_nr]]
+        return self._parts[part_nr][index - self._starts[part_nr]]._replace(index=index)
 
 
 def _single_path(source: TextSource) -> Path:
