@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.stand_in_gang import RankGang
 from gangs import FakeGang, Gang
 from runtime.data.text import (
     ByteTokenizer,
@@ -19,7 +20,7 @@ from runtime.data.text import (
     prepare_dataset,
 )
 from runtime.data.text.prepared.reader import PackedSequences
-from tests.conftest import RankGang, make_tokenizer_dir
+from tests.conftest import make_tokenizer_dir
 
 EOS = ByteTokenizer().eos_id
 Row = tuple[int, ...]

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
+from benchmarks.stand_in_gang import RankGang
 from gangs import FakeGang, Gang
 from runtime.data import (
     DataReader,
@@ -21,7 +22,7 @@ from runtime.data import (
     MapDataReader,
     SyncMode,
 )
-from tests.conftest import RankGang, round_trip
+from tests.conftest import round_trip
 
 Steps = list[list[list[int]]]
 
