@@ -9,14 +9,19 @@ import pytest
 import torch
 import yaml
 
+from checkpoint import CheckpointManager
+from gangs import Gangs
 from recipes.char_lm import (
     ByteWindows,
     CharLMConfig,
     DataSection,
     collate_windows,
     load_corpus,
+    recipe,
 )
 from recipes.common import warmup_cosine
+from runtime.cli.config import load_config
+from runtime.data.text import ByteTokenizer, prepare_dataset
 from tests.conftest import RunTorch, assert_ok, read_jsonl, run_python
 
 pytestmark = pytest.mark.distributed
@@ -189,3 +194,23 @@ def test_large_model_options_are_checked() -> None:
     config.fsdp.param_dtype = "bfloat16"
     with pytest.raises(ValueError, match="need data_parallel 'fsdp' or 'hsdp', but it is 'ddp'"):
         config.validate()
+
+
+def test_a_prepared_byte_dataset_trains_and_validates_in_process(tmp_path: Path) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text("".join(f"def function_{i}(x):\n    return x * {i}\n" for i in range(400)))
+    prepare_dataset(tmp_path / "prepared", [text], tokenizer=ByteTokenizer(), num_workers=0)
+    overrides = [
+        *TINY,
+        f"data.train={tmp_path / 'prepared'}",
+        f"data.valid={tmp_path / 'prepared'}",
+        "trainer.max_num_steps=20",
+    ]
+    recipe(load_config(CharLMConfig, overrides=overrides), tmp_path / "run").run()
+    # BOS and EOS (256, 257) are ids of the model's vocabulary.
+    manager = CheckpointManager(tmp_path / "run" / "checkpoints", Gangs.single())
+    assert manager.read_model_state(20)["embed.weight"].shape == (258, 32)
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "run" / "metrics" / "train.jsonl")]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    [valid] = read_jsonl(tmp_path / "run" / "metrics" / "valid.jsonl")
+    assert valid["step_nr"] == 20

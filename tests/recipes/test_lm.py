@@ -19,14 +19,19 @@ from torch import nn
 from checkpoint import CheckpointManager
 from gangs import Gangs
 from recipes.llama import Llama, hf_config, llama_args
-from recipes.lm import flops_per_token
+from recipes.lm import LMConfig, build_readers, flops_per_token
+from runtime.cli.config import load_config
 from runtime.data.text import (
     IGNORE_INDEX,
+    ByteTokenizer,
+    HuggingFaceTokenizer,
     InstructionDataset,
     InstructionFields,
     collate_instructions,
     load_tokenizer,
+    prepare_dataset,
 )
+from runtime.data.text.prepared import PreparedDataError
 from tests.conftest import (
     REPO_ROOT,
     assert_ok,
@@ -509,3 +514,46 @@ def test_flops_per_token_count_what_multiplies_and_attention() -> None:
     assert flops_per_token(model, hf, 16) == 6.0 * (20 + 40) + attention
     model["head"].weight = model["embed"].weight  # tied: one table, and it multiplies
     assert flops_per_token(model, hf, 16) == 6.0 * (20 + 40) + attention
+
+
+def test_prepared_data_trains_validates_and_is_refused_with_another_tokenizer(
+    tmp_path: Path,
+) -> None:
+    tokenizer_dir = make_tokenizer_dir(tmp_path / "tokenizer", WORDS)
+    tokenizer = HuggingFaceTokenizer(tokenizer_dir)
+    for split, seed in (("train", 0), ("valid", 1)):
+        text = tmp_path / f"{split}.txt"
+        text.write_text("".join(line + "\n" for line in repeated(150, seed=seed)))
+        prepare_dataset(tmp_path / split, [text], tokenizer=tokenizer, num_workers=0)
+    base = (
+        "model.name=llama_debug",
+        f"data.train={tmp_path / 'train'}",
+        f"data.valid={tmp_path / 'valid'}",
+        "trainer.max_num_steps=4",
+    )
+    out = tmp_path / "run"
+    run = run_python(
+        *recipe_args(
+            out,
+            *TINY_TRAINING,
+            *base,
+            f"tokenizer.path={tokenizer_dir}",
+            "trainer.validate_every_n_steps=2",
+        )
+    )
+    assert_ok(run)
+    assert len(losses(out)) == 4
+    valid = read_jsonl(out / "metrics" / "valid.jsonl")
+    assert [record["step_nr"] for record in valid] == [2, 4]
+
+    with pytest.raises(ValueError, match="task=sft reads prompt/response records"):
+        load_config(LMConfig, overrides=[*base, "task=sft"])
+    config = load_config(LMConfig, overrides=base)
+    with pytest.raises(PreparedDataError, match="tokenized by another tokenizer"):
+        build_readers(config, ByteTokenizer(), Gangs.single())
+    mixed = [
+        *base[:1],
+        f"data.mixture=[{{path: {tmp_path / 'train'}}}, {{path: {tmp_path}/train.txt}}]",
+    ]
+    with pytest.raises(ValueError, match="mixes prepared directories and text files"):
+        build_readers(load_config(LMConfig, overrides=mixed), tokenizer, Gangs.single())

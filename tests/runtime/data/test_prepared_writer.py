@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -270,3 +271,15 @@ def test_a_dataset_that_does_not_match_its_manifest_is_refused_in_one_line(
     (out / "tokens.bin").write_bytes(bytes([tokens[0] ^ 1]) + tokens[1:])
     with pytest.raises(PreparedDataError, match=r"tokens.bin does not match .* damaged"):
         PreparedDataset(out).verify()
+
+
+def test_progress_reports_documents_tokens_a_second_and_the_time_left() -> None:
+    lines: list[str] = []
+    progress = writer._Progress(
+        total_bytes=4e9, done_bytes=1e9, report=lines.append, every_seconds=0.0
+    )
+    time.sleep(0.01)
+    progress.update(1e9, num_documents=1234, num_tokens=5_000_000)
+    [line] = lines
+    assert line.startswith("1,234 documents, 5,000,000 tokens (")
+    assert "tokens/s), 50% of 4.00 GB, 0:00:" in line and line.endswith(" left")

@@ -754,3 +754,25 @@ def test_a_text_reader_is_refused_as_a_valid_reader(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="read it with MapDataReader"):
         reader.for_evaluation()
+
+
+def test_a_dataset_with_set_epoch_is_told_each_epoch_before_it_is_read() -> None:
+    class EpochDataset:
+        def __init__(self) -> None:
+            self.epoch = -1
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, index: int) -> int:
+            return 10 * self.epoch + index
+
+    reader = MapDataReader(
+        dataset=EpochDataset(), batch_size=2, gang=FakeGang(), collate=as_list, shuffle=False
+    )
+    assert [batch for [batch] in reader] == [[0, 1], [2, 3]]
+    reader.reset()
+    assert [batch for [batch] in reader] == [[10, 11], [12, 13]]
