@@ -94,3 +94,16 @@ def test_the_lm_recipe_case_times_its_data_path_and_its_step(tmp_path: Path) -> 
         for contender in comparison["contenders"]:
             assert contender["status"] == "ok", contender["note"]
             assert contender["metrics"]["step_time_s"]["median"] > 0
+
+
+@pytest.mark.slow
+def test_the_text_data_case_reports_each_reader_by_dp_size(tmp_path: Path) -> None:
+    assert_ok(run_quick_benchmark("text-data", tmp_path))
+    results = json.loads((tmp_path / "results.json").read_text())
+    by_key = {c["key"]: c for c in results["comparisons"]}
+    assert list(by_key) == ["text-data-deliver", "text-data-prepare", "text-data-open"]
+    deliver = {c["name"]: c for c in by_key["text-data-deliver"]["contenders"]}
+    assert list(deliver) == ["prepared, DP=1", "prepared, DP=8", "text, DP=1", "text, DP=8"]
+    for contender in [*deliver.values(), *by_key["text-data-prepare"]["contenders"]]:
+        assert contender["status"] == "ok", contender["note"]
+        assert contender["metrics"]["tokens_per_s"]["median"] > 0

@@ -35,7 +35,7 @@ class PackedRow(NamedTuple):
     """A sequence: its number, its ``seq_len + 1`` tokens, and where (after its first token)
     documents start."""
 
-    index: int
+    sequence_id: int
     tokens: np.ndarray[Any, Any]
     document_starts: np.ndarray[Any, Any]
 
@@ -49,7 +49,7 @@ def collate_rows(rows: Sequence[PackedRow], *, with_documents: bool) -> TextBatc
         starts = np.concatenate([row.document_starts for row in rows])
         document_starts = (row_nrs.tolist(), starts.tolist())
     batch = batch_of(tokens, document_starts=document_starts)
-    batch.sequence_ids = torch.tensor([row.index for row in rows], dtype=torch.int64)
+    batch.sequence_ids = torch.tensor([row.sequence_id for row in rows], dtype=torch.int64)
     return batch
 
 
@@ -128,7 +128,7 @@ class MixedSequences:
         part_nr = bisect.bisect_right(self._starts, index) - 1
         part, count = self.parts[part_nr], self.counts[part_nr]
         row = part[(self._epoch * count + index - self._starts[part_nr]) % len(part)]
-        return row._replace(index=index)
+        return row._replace(sequence_id=index)
 
     def __getitems__(self, indices: Sequence[int]) -> list[PackedRow]:
         return [self[index] for index in indices]
@@ -307,7 +307,7 @@ class _Concatenated:
 
     def __getitem__(self, index: int) -> PackedRow:
         part_nr = bisect.bisect_right(self._starts, index) - 1
-        return self._parts[part_nr][index - self._starts[part_nr]]._replace(index=index)
+        return self._parts[part_nr][index - self._starts[part_nr]]._replace(sequence_id=index)
 
 
 def _single_path(source: TextSource) -> Path:
