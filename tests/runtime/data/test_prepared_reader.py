@@ -19,7 +19,7 @@ from runtime.data.text import (
     TextSource,
     prepare_dataset,
 )
-from runtime.data.text.prepared.reader import PackedSequences
+from runtime.data.text.prepared import MixedSequences, PackedSequences, PreparedDataset
 from tests.conftest import make_tokenizer_dir
 
 EOS = ByteTokenizer().eos_id
@@ -59,7 +59,7 @@ def rows_of(batches: Sequence[TextBatch]) -> list[Row]:
 
 
 def all_sequences(path: Path) -> set[Row]:
-    sequences = PackedSequences(reader(path)._parts[0].dataset, seq_len=32, document_ids=False)
+    sequences = PackedSequences(PreparedDataset(path), seq_len=32, document_ids=False)
     return {tuple(sequences[i].tokens.tolist()) for i in range(len(sequences))}
 
 
@@ -214,3 +214,27 @@ def test_evaluation_reads_every_sequence_once_over_uneven_ranks(data: Path) -> N
     assert len(set(steps)) == 1  # every rank takes part in every step, some with []
     assert set(seen) == all_sequences(data)
     assert set(seen.values()) == {1} and sum(seen.values()) == reader(data).num_sequences
+
+
+def test_a_dataset_read_more_than_once_an_epoch_goes_on_where_the_last_epoch_left_off(
+    tmp_path: Path,
+) -> None:
+    small, large = (
+        PackedSequences(
+            PreparedDataset(prepare_text(tmp_path / name, [name * size])),
+            seq_len=32,
+            document_ids=False,
+        )
+        for name, size in (("a", 90), ("b", 300))
+    )
+    mixed = MixedSequences([small, large], [1, 1])
+    assert (len(small), len(large), mixed.counts) == (2, 9, [9, 9])
+
+    def small_rows() -> list[int]:
+        return [int(mixed[i].tokens[0] == small[1].tokens[0]) for i in range(9)]
+
+    mixed.set_epoch(0)
+    assert small_rows() == [0, 1, 0, 1, 0, 1, 0, 1, 0]
+    mixed.set_epoch(1)
+    assert small_rows() == [1, 0, 1, 0, 1, 0, 1, 0, 1]  # 9 more: it starts on the second
+    assert [mixed[i].sequence_id for i in (0, 9, 17)] == [0, 9, 17]
