@@ -242,43 +242,33 @@ def build_readers(
     sources = (
         parse_mixture(data.mixture) if data.mixture is not None else [TextSource(str(data.train))]
     )
+    # What both readers take; the on-the-fly one also reads and tokenizes the files.
+    packing: dict[str, Any] = {
+        "tokenizer": tokenizer,
+        "seq_len": data.seq_len,
+        "batch_size": data.batch_size,
+        "gang": gangs.dp,
+        "document_ids": data.document_mask,
+    }
+    train: DataReader[Any]
     if _all_prepared(sources):
-        train: DataReader[Any] = PreparedDataReader(
-            sources=sources,
-            tokenizer=tokenizer,
-            seq_len=data.seq_len,
-            batch_size=data.batch_size,
-            gang=gangs.dp,
-            num_accumulate=data.num_accumulate,
-            seed=seed,
-            document_ids=data.document_mask,
+        train = PreparedDataReader(
+            sources=sources, num_accumulate=data.num_accumulate, seed=seed, **packing
         )
     else:
         train = TextDataReader(
             sources=sources,
-            tokenizer=tokenizer,
-            seq_len=data.seq_len,
-            batch_size=data.batch_size,
-            gang=gangs.dp,
             num_accumulate=data.num_accumulate,
             seed=seed,
             num_workers=data.num_workers,
             text_field=data.text_field,
             skip_bad_lines=data.skip_bad_lines,
-            document_ids=data.document_mask,
+            **packing,
         )
     if data.valid is None:
         return train, None
     if is_prepared_dataset(data.valid):
-        valid = PreparedDataReader(
-            sources=data.valid,
-            tokenizer=tokenizer,
-            seq_len=data.seq_len,
-            batch_size=data.batch_size,
-            gang=gangs.dp,
-            document_ids=data.document_mask,
-        ).for_evaluation()
-        return train, valid
+        return train, PreparedDataReader(sources=data.valid, **packing).for_evaluation()
     valid = MapDataReader(
         dataset=packed_valid_set(config, tokenizer),
         batch_size=data.batch_size,
