@@ -47,6 +47,11 @@ class MapDataReader(DataReader[BatchT]):
     with ``__getitems__`` (torch's batched protocol, which ``DataLoader`` uses too) gets one call
     per micro-batch; any other dataset is indexed example by example.
 
+    ``order`` (with ``shuffle=False``) maps the positions of epoch ``e`` to examples instead:
+    ``order(e, positions)``, called with this rank's positions only, so that a rank's work per
+    epoch does not grow with the dataset's size but with its shard's (see
+    :class:`~runtime.data.permutation.ShuffledOrder`).
+
     A dataset with a ``set_epoch(epoch)`` method (as ``DistributedSampler`` has) is told each
     data epoch before any of its examples are read in it.
 
@@ -69,6 +74,7 @@ class MapDataReader(DataReader[BatchT]):
         drop_remainder: bool = ...,
         sync_mode: SyncMode = ...,
         num_prefetch: int = ...,
+        order: Callable[[int, Tensor], Tensor] | None = ...,
     ) -> None: ...
 
     @overload
@@ -85,6 +91,7 @@ class MapDataReader(DataReader[BatchT]):
         drop_remainder: bool = ...,
         sync_mode: SyncMode = ...,
         num_prefetch: int = ...,
+        order: Callable[[int, Tensor], Tensor] | None = ...,
     ) -> None: ...
 
     def __init__(
@@ -100,6 +107,7 @@ class MapDataReader(DataReader[BatchT]):
         drop_remainder: bool = True,
         sync_mode: SyncMode = SyncMode.UNTIL_FIRST,
         num_prefetch: int = 2,
+        order: Callable[[int, Tensor], Tensor] | None = None,
     ) -> None:
         check_positive("batch_size", batch_size)
         check_positive("num_accumulate", num_accumulate)
@@ -115,7 +123,13 @@ class MapDataReader(DataReader[BatchT]):
             num_accumulate=num_accumulate,
             drop_remainder=drop_remainder,
         )
+        if order is not None and shuffle:
+            raise ValueError(
+                "order and shuffle both decide the order of the examples. Give shuffle=False "
+                "with an order."
+            )
         self._shuffle = shuffle
+        self._order = order
         self._seed = seed
         self._sync_mode = sync_mode
         self._num_prefetch = num_prefetch
@@ -156,8 +170,8 @@ class MapDataReader(DataReader[BatchT]):
         built like a training reader may still serve as a valid reader, and
         :meth:`for_evaluation` reads the same dataset in steps that may well fit it.
         """
-        steps_per_rank = self._layout.steps_per_rank(0)
-        if self._epoch_length(steps_per_rank) == 0:
+        if self._layout.epoch_length(0, self._sync_mode) == 0:
+            steps_per_rank = self._layout.steps_per_rank(0)
             raise ValueError(self._layout.too_small_message(steps_per_rank, self._sync_mode))
 
     @override
@@ -179,6 +193,7 @@ class MapDataReader(DataReader[BatchT]):
             drop_remainder=False,
             sync_mode=SyncMode.UNTIL_LAST,
             num_prefetch=self._num_prefetch,
+            order=self._order,
         )
 
     @override
@@ -268,15 +283,8 @@ class MapDataReader(DataReader[BatchT]):
 
     def _count_steps(self) -> None:
         """Set the epoch's step counts from the examples after the offset."""
-        steps_per_rank = self._layout.steps_per_rank(self._offset)
-        self._num_local_steps = steps_per_rank[self._gang.rank]
-        self._num_steps = self._epoch_length(steps_per_rank)
-
-    def _epoch_length(self, steps_per_rank: list[int]) -> int:
-        """An epoch ends when the first rank runs out (UNTIL_FIRST) or the last one does."""
-        if self._sync_mode is SyncMode.UNTIL_FIRST:
-            return min(steps_per_rank)
-        return max(steps_per_rank)
+        self._num_local_steps = self._layout.steps_of(self._gang.rank, self._offset)
+        self._num_steps = self._layout.epoch_length(self._offset, self._sync_mode)
 
     def _verify_ranks_agree(self) -> None:
         # A rank set up differently would compute another epoch length and hang the others later.
@@ -340,12 +348,14 @@ class MapDataReader(DataReader[BatchT]):
         if callable(set_epoch):
             set_epoch(self._epoch)
         size = self._layout.dataset_size
+        first, step = self._offset + self._gang.rank, self._gang.size
         if self._shuffle:
             generator = torch.Generator().manual_seed(self._seed + self._epoch)
-            order = torch.randperm(size, generator=generator)
+            shard = torch.randperm(size, generator=generator)[first::step]
         else:
-            order = torch.arange(size)
-        shard = order[self._offset + self._gang.rank :: self._gang.size]
+            shard = torch.arange(first, size, step)  # this rank's positions alone
+            if self._order is not None:
+                shard = self._order(self._epoch, shard)
         return _StepMaker(
             dataset=self._dataset,
             collate=self._collate,

@@ -29,16 +29,26 @@ class ShardLayout:
     def num_micro_batches(self, num_examples: int) -> int:
         return divide(num_examples, self.batch_size, self.drop_remainder)
 
+    def steps_of(self, rank: int, offset: int) -> int:
+        """The number of steps of ``rank`` in an epoch that starts ``offset`` examples in."""
+        return divide(
+            self.num_micro_batches(self.num_examples_of(rank, offset)),
+            self.num_accumulate,
+            self.drop_remainder,
+        )
+
     def steps_per_rank(self, offset: int) -> list[int]:
         """Each rank's number of steps in an epoch that starts ``offset`` examples in."""
-        return [
-            divide(
-                self.num_micro_batches(self.num_examples_of(rank, offset)),
-                self.num_accumulate,
-                self.drop_remainder,
-            )
-            for rank in range(self.gang_size)
-        ]
+        return [self.steps_of(rank, offset) for rank in range(self.gang_size)]
+
+    def epoch_length(self, offset: int, sync_mode: SyncMode) -> int:
+        """The steps of an epoch: until the first rank runs out (UNTIL_FIRST) or the last.
+
+        The ranks take the examples in turn, so no rank has more steps than one before it: the
+        first and the last rank give the bounds, whatever the number of ranks.
+        """
+        rank = self.gang_size - 1 if sync_mode is SyncMode.UNTIL_FIRST else 0
+        return self.steps_of(rank, offset)
 
     def examples_before(self, step_nr: int) -> int:
         """Examples of the permutation the whole gang took in its first ``step_nr`` full steps."""

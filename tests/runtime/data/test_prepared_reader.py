@@ -102,20 +102,25 @@ def test_the_order_is_drawn_from_the_seed_the_epoch_and_the_data(
     other = prepare_text(
         tmp_path / "other", [f"document {i:03d} " + "y" * (i % 17) for i in range(250)]
     )
-    assert reader(other).state_dict()["seed"] != reader(data).state_dict()["seed"]
+
+    def sequence_ids(path: Path) -> list[int]:
+        return [i for batch in next(reader(path)) for i in batch.sequence_ids.tolist()]
+
+    assert reader(other).num_sequences == reader(data).num_sequences
+    assert sequence_ids(other) != sequence_ids(data)
 
 
 def test_each_rank_reads_only_its_own_sequences_and_together_the_gangs_steps(
     data: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     read_indices: list[int] = []
-    getitems = PackedSequences.__getitems__
+    getitem = PackedSequences.__getitem__
 
-    def counting(self: PackedSequences, indices: Sequence[int]) -> object:
-        read_indices.extend(indices)
-        return getitems(self, indices)
+    def counting(self: PackedSequences, index: int) -> object:
+        read_indices.append(index)
+        return getitem(self, index)
 
-    monkeypatch.setattr(PackedSequences, "__getitems__", counting)
+    monkeypatch.setattr(PackedSequences, "__getitem__", counting)
     whole = reader(data, batch_size=6)
     whole_steps = [set(rows_of(next(whole))) for _ in range(5)]
 

@@ -18,11 +18,13 @@ from typing import Any, NamedTuple, final
 
 import numpy as np
 import torch
+import xxhash
 from typing_extensions import override
 
 from gangs import Gang
 from runtime.data.data_reader import DataReader, SyncMode
 from runtime.data.map_reader import MapDataReader
+from runtime.data.permutation import ShuffledOrder
 from runtime.data.text.mixture import TextSource
 from runtime.data.text.packing import TextBatch, batch_of
 from runtime.data.text.prepared.format import PreparedDataError, PreparedDataset
@@ -189,8 +191,6 @@ class PreparedDataReader(DataReader[TextBatch]):
             if len(self._parts) == 1
             else MixedSequences(self._parts, [source.weight for source in sources])
         )
-        import xxhash
-
         fingerprints = [
             (part.dataset.fingerprint, source.weight)
             for part, source in zip(self._parts, sources, strict=True)
@@ -201,13 +201,16 @@ class PreparedDataReader(DataReader[TextBatch]):
         self._batch_size = batch_size
         self._collate = functools.partial(collate_rows, with_documents=document_ids)
         self._num_prefetch = num_prefetch
+        # Not MapDataReader's shuffle: it would permute every sequence on every rank.
+        order_seed = xxhash.xxh3_64_intdigest(f"{seed}/{self._fingerprint}".encode())
         self._reader: MapDataReader[TextBatch] = MapDataReader(
             dataset=self._sequences,
             batch_size=batch_size,
             gang=gang,
             collate=self._collate,
             num_accumulate=num_accumulate,
-            seed=(xxhash.xxh3_64_intdigest(f"{seed}/{self._fingerprint}".encode()) >> 2),
+            shuffle=False,
+            order=ShuffledOrder(len(self._sequences), seed=order_seed),
             num_prefetch=num_prefetch,
         )
 
@@ -237,6 +240,12 @@ class PreparedDataReader(DataReader[TextBatch]):
                 f"The data position was saved for data of another tokenizer (fingerprint "
                 f"{str(saved_tokenizer)[:12]}, now {tokenizer[:12]}). Resume with the tokenizer "
                 "and the prepared data of the run that saved it."
+            )
+        if state.get("user_seed") != self._seed:
+            raise PreparedDataError(
+                f"The data position was saved with the seed {state.get('user_seed')}, but this "
+                f"reader has the seed {self._seed}: its sequences come in another order. Resume "
+                "with the seed of the run that saved it."
             )
         if state.get("data_fingerprint") != self._fingerprint:
             raise PreparedDataError(
