@@ -44,6 +44,7 @@ from recipes.common import (
     OptimizerSection,
     TrainerSection,
     adamw_with_schedule,
+    logits_of,
     parallel_options,
     setup_recipe_gangs,
     summed_nll_loss,
@@ -51,12 +52,22 @@ from recipes.common import (
 )
 from recipes.llama import Llama, hf_config, llama_args, tensor_parallel_plan
 from recipes.lora import LoraAdapters, LoraSection, apply_lora
+from recipes.preference import (
+    PREFERENCE_TASKS,
+    AdapterBaseReference,
+    FrozenReference,
+    PreferenceEvalUnit,
+    PreferenceSection,
+    Reference,
+    preference_unit,
+)
 from runtime import (
     DataReader,
     InitFn,
     MapDataReader,
     SyncMode,
     Trainer,
+    load_initial_weights,
     main,
     parallelize_model,
 )
@@ -65,10 +76,12 @@ from runtime.cli.hf_export import HF_FILES_DIR
 from runtime.data.text import (
     InstructionDataset,
     InstructionFields,
+    PreferenceDataset,
     TextBatch,
     TextDataReader,
     Tokenizer,
     collate_instructions,
+    collate_preference_pairs,
     load_tokenizer,
     parse_mixture,
 )
@@ -138,8 +151,9 @@ class DataSection:
 
 @dataclass
 class LMConfig:
-    task: Literal["pretrain", "sft"] = "pretrain"
-    """pretrain: packed text, every token a target; sft: prompt/response pairs, responses only."""
+    task: Literal["pretrain", "sft", "dpo", "simpo", "orpo"] = "pretrain"
+    """pretrain: packed text, every token a target; sft: prompt/response pairs, responses only;
+    dpo, simpo, orpo: prompt/chosen/rejected pairs (see docs/preference.md)."""
     gang: GangSection = field(default_factory=GangSection)
     model: ModelSection = field(default_factory=ModelSection)
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
@@ -148,6 +162,7 @@ class LMConfig:
     trainer: TrainerSection = field(default_factory=TrainerSection)
     fsdp: FsdpSection = field(default_factory=FsdpSection)
     lora: LoraSection = field(default_factory=LoraSection)
+    preference: PreferenceSection = field(default_factory=PreferenceSection)
     data_parallel: Literal["auto", "ddp", "fsdp", "hsdp"] = "auto"
     """auto: HSDP with gang.dp_shard_size, else FSDP2 with TP, else DDP."""
     compile: bool = False
@@ -165,8 +180,12 @@ class LMConfig:
                 f"model.hf_path must be a Hugging Face model directory with a config.json, but "
                 f"{model.hf_path} has none."
             )
-        if self.task == "sft" and self.data.mixture is not None:
-            raise ValueError("task=sft reads one dataset: give data.train, not data.mixture.")
+        if self.task != "pretrain" and self.data.mixture is not None:
+            raise ValueError(
+                f"task={self.task} reads one dataset: give data.train, not data.mixture."
+            )
+        if self.task in PREFERENCE_TASKS:
+            self.preference.validate(self.task)
         for name, value in (
             ("data.seq_len", self.data.seq_len),
             ("data.batch_size", self.data.batch_size),
@@ -175,7 +194,7 @@ class LMConfig:
             check_positive(name, value)
         if self.lora.rank is not None:
             self._validate_lora()
-        if self.data.document_mask and (model.hf_path is not None or self.task == "sft"):
+        if self.data.document_mask and (model.hf_path is not None or self.task != "pretrain"):
             raise ValueError(
                 "data.document_mask needs the project's model (model.name) and task=pretrain: a "
                 "Hugging Face model gets no per-document mask here. Leave document_mask false."
@@ -220,9 +239,10 @@ def build_readers(
     config: LMConfig, tokenizer: Tokenizer, gangs: Gangs
 ) -> tuple[DataReader[Any], DataReader[Any] | None]:
     data, seed = config.data, config.trainer.seed
-    if config.task == "sft":
-        return _sft_reader(config, tokenizer, gangs, data.train, train=True), (
-            _sft_reader(config, tokenizer, gangs, data.valid, train=False) if data.valid else None
+    if config.task != "pretrain":
+        make = _sft_reader if config.task == "sft" else _preference_reader
+        return make(config, tokenizer, gangs, data.train, train=True), (
+            make(config, tokenizer, gangs, data.valid, train=False) if data.valid else None
         )
     sources = parse_mixture(data.mixture) if data.mixture is not None else data.train
     assert sources is not None
@@ -327,6 +347,40 @@ def _sft_reader(
     )
 
 
+def _preference_reader(
+    config: LMConfig, tokenizer: Tokenizer, gangs: Gangs, path: str | None, *, train: bool
+) -> DataReader[Any]:
+    data = config.data
+    assert path is not None
+    dataset = PreferenceDataset(
+        path,
+        tokenizer=tokenizer,
+        max_len=data.seq_len,
+        fields=config.preference.fields,
+        seed=config.trainer.seed,
+        bucket_size=data.bucket_size,
+        skip_bad_lines=data.skip_bad_lines,
+    )
+    collate = partial(
+        collate_preference_pairs,
+        pad_id=tokenizer.eos_id,
+        num_bad_lines=dataset.num_bad_lines,
+        num_dropped=dataset.num_dropped,
+    )
+    # As _sft_reader: the dataset's order groups similar lengths; the valid set is read whole,
+    # every pair once, whatever the number of ranks.
+    return MapDataReader(
+        dataset=dataset,
+        batch_size=data.batch_size,
+        collate=collate,
+        gang=gangs.dp,
+        num_accumulate=data.num_accumulate if train else 1,
+        shuffle=False,
+        drop_remainder=train,
+        sync_mode=SyncMode.UNTIL_FIRST if train else SyncMode.UNTIL_LAST,
+    )
+
+
 # ----------------------------------------------------------------------------- units
 
 
@@ -334,17 +388,6 @@ class TokenBatch(Protocol):
     input_ids: Tensor
     target_ids: Tensor
     num_targets: int
-
-
-def logits_of(model: nn.Module, batch: Any) -> Tensor:
-    """The logits of a batch, from the project's model or from a Hugging Face model's output."""
-    document_ids = getattr(batch, "document_ids", None)
-    if document_ids is not None:
-        output = model(batch.input_ids, document_ids=document_ids, positions=batch.positions)
-    else:
-        output = model(input_ids=batch.input_ids)
-    logits: Tensor = output if isinstance(output, Tensor) else output.logits
-    return logits
 
 
 class LMTrainUnit(TrainUnit[TokenBatch]):
@@ -387,9 +430,12 @@ class BuiltModel:
     lora: LoraAdapters | None = None
 
 
-def build_model(config: LMConfig, gangs: Gangs, tokenizer: Tokenizer) -> BuiltModel:
+def build_model(
+    config: LMConfig, gangs: Gangs, tokenizer: Tokenizer, *, frozen: bool = False
+) -> BuiltModel:
     """Build on meta, then shard, wrap and initialize (``parallelize_model``); tied input and
-    output embeddings stay one weight in every layout."""
+    output embeddings stay one weight in every layout. ``frozen``: no parameter requires a
+    gradient (a reference model), no LoRA and no DDP wrapper."""
     if config.model.hf_path is not None:
         model, init_fn, plan, hf = _hf_model(config.model.hf_path, tp=gangs.tp.size > 1)
     else:
@@ -409,7 +455,9 @@ def build_model(config: LMConfig, gangs: Gangs, tokenizer: Tokenizer) -> BuiltMo
             "DDP, FSDP2 and HSDP train it."
         )
     lora = None
-    if config.lora.rank is not None:
+    if frozen:
+        model.requires_grad_(False)
+    elif config.lora.rank is not None:
         lora, init_fn = apply_lora(model, config.lora, init_fn)
     flops = flops_per_token(model, hf, config.data.seq_len)
     model = parallelize_model(
@@ -565,6 +613,34 @@ def write_hf_files(config: LMConfig, hf: dict[str, Any], tokenizer: Tokenizer, o
     partial_dir.replace(target)
 
 
+def build_units(
+    config: LMConfig, gangs: Gangs, tokenizer: Tokenizer, built: BuiltModel, init_from: Path | None
+) -> tuple[TrainUnit[Any], EvalUnit[Any]]:
+    """The task's train unit and the eval unit of its valid set."""
+    if config.task not in PREFERENCE_TASKS:
+        return LMTrainUnit(built.model), LMEvalUnit(built.model)
+    reference = None
+    if config.task == "dpo":
+        reference = build_reference(config, gangs, tokenizer, built, init_from)
+    unit = preference_unit(config.task, built.model, config.preference, reference)
+    return unit, PreferenceEvalUnit(unit)
+
+
+def build_reference(
+    config: LMConfig, gangs: Gangs, tokenizer: Tokenizer, built: BuiltModel, init_from: Path | None
+) -> Reference:
+    """DPO's reference. Under LoRA, the policy with its adapters disabled. Otherwise a frozen
+    model built, sharded and placed as the policy is (same layout, device, FSDP2 dtypes), with
+    the policy's initial weights: loaded from ``init_from`` (or model.hf_path), else
+    initialized from the same seed. Checkpoints do not hold it; a resumed run builds it again."""
+    if built.lora is not None:
+        return AdapterBaseReference(built.model)
+    reference = build_model(config, gangs, tokenizer, frozen=True).model
+    if init_from is not None:
+        load_initial_weights(reference, init_from, gangs=gangs)
+    return FrozenReference(reference)
+
+
 # ---------------------------------------------------------------------------- recipe
 
 
@@ -602,12 +678,15 @@ def build_trainer(config: LMConfig, output_dir: Path, gangs: Gangs) -> Trainer[A
         options |= built.lora.trainer_options(init_from)
         if gangs.root.rank == 0:
             built.lora.write_adapter_config(init_from, output_dir)
+    train_unit, valid_unit = build_units(config, gangs, tokenizer, built, init_from)
+    if config.task in PREFERENCE_TASKS and valid_reader is not None:
+        options["score_metric_name"] = "loss"
     return Trainer(
-        unit=LMTrainUnit(built.model),
+        unit=train_unit,
         data_reader=train_reader,
         optimizer=optimizer,
         lr_scheduler=lr_scheduler,
-        valid_units=[LMEvalUnit(built.model)] if valid_reader is not None else [],
+        valid_units=[valid_unit] if valid_reader is not None else [],
         valid_data_readers=[valid_reader] if valid_reader is not None else [],
         **options,
     )

@@ -12,6 +12,13 @@ from runtime.data.text.instructions import (
 )
 from runtime.data.text.mixture import MixtureSampler, TextSource, parse_mixture
 from runtime.data.text.packing import TextBatch
+from runtime.data.text.preference import (
+    PreferenceBatch,
+    PreferenceDataset,
+    PreferenceFields,
+    PreferencePair,
+    collate_preference_pairs,
+)
 from runtime.data.text.text_reader import TextDataReader
 from runtime.data.text.tokenizer import (
     ByteTokenizer,
@@ -30,6 +37,11 @@ __all__ = [
     "ByteTokenizer",
     "HuggingFaceTokenizer",
     "MixtureSampler",
+    "PreferenceBatch",
+    "PreferenceDataset",
+    "PreferenceFields",
+    "PreferencePair",
+    "collate_preference_pairs",
     "TextBatch",
     "TextDataError",
     "TextDataReader",
