@@ -185,7 +185,7 @@ class LMConfig:
                 f"task={self.task} reads one dataset: give data.train, not data.mixture."
             )
         if self.task in PREFERENCE_TASKS:
-            self.preference.validate(self.task)
+            self.preference.check_task(self.task)
         for name, value in (
             ("data.seq_len", self.data.seq_len),
             ("data.batch_size", self.data.batch_size),

@@ -73,13 +73,16 @@ class PreferenceSection:
     def fields(self) -> PreferenceFields:
         return PreferenceFields(self.prompt_field, self.chosen_field, self.rejected_field)
 
-    def validate(self, task: str) -> None:
+    def validate(self) -> None:
         check_positive("preference.beta", self.beta)
         if not 0.0 <= self.label_smoothing < 0.5:
             raise ValueError(
                 "preference.label_smoothing must be at least 0 and below 0.5, but is "
                 f"{self.label_smoothing} instead."
             )
+
+    def check_task(self, task: str) -> None:
+        """Refuse options that ``task`` would ignore."""
         if self.label_smoothing and not (
             task == "simpo" or (task == "dpo" and self.loss_type == "robust")
         ):
@@ -230,13 +233,24 @@ def log1mexp(x: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------- units
 
 
-def register_pair_metrics(bag: MetricBag, extra: tuple[str, ...], *, persistent: bool) -> None:
-    for name in ("loss", *PAIR_METRICS, *extra):
-        bag.register_metric(name, Mean(), persistent=persistent)
+class PairMean(Mean):
+    """torcheval's weighted mean, without its warning that no update was made when the mean is
+    exactly 0 (as every reward is at the first step)."""
+
+    @torch.inference_mode()
+    def compute(self) -> Tensor:
+        if not self.weights:
+            return torch.tensor(0.0, dtype=torch.float64)
+        return self.weighted_sum / self.weights
+
+
+def register_pair_metrics(bag: MetricBag, names: tuple[str, ...], *, persistent: bool) -> None:
+    for name in names:
+        bag.register_metric(name, PairMean(), persistent=persistent)
 
 
 def record_pairs(bag: MetricBag, output: PairOutput) -> None:
-    """Each metric's mean over the batch's pairs, weighted by their number."""
+    """Each metric the bag has, as the mean over the batch's pairs weighted by their number."""
     num_pairs = output.losses.numel()
     values = {
         "loss": output.losses,
@@ -249,7 +263,8 @@ def record_pairs(bag: MetricBag, output: PairOutput) -> None:
         **output.extra,
     }
     for name, value in values.items():
-        getattr(bag, name).update(value.detach().float().mean(), weight=num_pairs)
+        if name in bag.metrics:
+            getattr(bag, name).update(value.detach().float().mean(), weight=num_pairs)
 
 
 class PreferenceTrainUnit(TrainUnit[PreferenceBatch]):
@@ -262,7 +277,10 @@ class PreferenceTrainUnit(TrainUnit[PreferenceBatch]):
     def __init__(self, model: nn.Module, section: PreferenceSection) -> None:
         super().__init__(model)
         self.section = section
-        register_pair_metrics(self.metric_bag, self.extra_metrics, persistent=False)
+        # The Trainer publishes the step's loss itself.
+        register_pair_metrics(
+            self.metric_bag, (*PAIR_METRICS, *self.extra_metrics), persistent=False
+        )
         # The readers' counts of skipped records and of pairs too long to keep.
         self.metric_bag.register_metric("num_bad_lines", Max(), persistent=False)
         self.metric_bag.register_metric("num_dropped_pairs", Max(), persistent=False)
@@ -355,7 +373,8 @@ class PreferenceEvalUnit(EvalUnit[PreferenceBatch]):
     def __init__(self, train_unit: PreferenceTrainUnit) -> None:
         super().__init__(train_unit.model)
         self._train_unit = train_unit
-        register_pair_metrics(self.metric_bag, train_unit.extra_metrics, persistent=True)
+        names = ("loss", *PAIR_METRICS, *train_unit.extra_metrics)
+        register_pair_metrics(self.metric_bag, names, persistent=True)
 
     def __call__(self, batch: PreferenceBatch) -> None:
         with torch.no_grad():

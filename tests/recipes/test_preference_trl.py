@@ -152,7 +152,8 @@ def train_ours(unit: PreferenceTrainUnit, batches: list[PreferenceBatch]) -> lis
         (loss / num_pairs).backward()
         optimizer.step()
         optimizer.zero_grad()
-        steps.append(unit.metric_bag.sync_and_compute(_single_gang()))
+        metrics = unit.metric_bag.sync_and_compute(_single_gang())
+        steps.append({"loss": loss.item() / num_pairs, **metrics})
         unit.metric_bag.reset_non_persistent_metrics()
     return steps
 
