@@ -125,11 +125,11 @@ class AdapterBaseReference(Reference):
 
     def __init__(self, policy: nn.Module) -> None:
         # Past the DDP wrapper: a forward without gradient needs none of its bookkeeping.
-        self._model = unwrap_model(policy)
+        self.model = unwrap_model(policy)
 
     def logits(self, batch: PreferenceBatch) -> Tensor:
-        with torch.no_grad(), adapters_disabled(self._model):
-            return logits_of(self._model, batch)
+        with torch.no_grad(), adapters_disabled(self.model):
+            return logits_of(self.model, batch)
 
 
 @contextlib.contextmanager
