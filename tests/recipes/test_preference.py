@@ -226,6 +226,50 @@ def test_under_lora_the_reference_is_the_base_with_the_adapters_disabled(tmp_pat
     assert (tmp_path / "peft" / "adapter_config.json").is_file()
 
 
+def accumulation_run(directory: Path, *, dp_size: int, write: bool = True) -> dict[str, Any]:
+    """A DPO run of 2 steps of 8 pairs each, as 2 micro-batches of 2 pairs on each of 2 ranks
+    (``dp_size=2``) or one micro-batch of 8 on one process; its valid set, 5 pairs, does not
+    divide over 2 ranks. ``write``: make the model and the pairs in ``directory`` first."""
+    if write:
+        make_hf_llama_dir(directory / "model")
+        write_pairs(directory / "train.jsonl", 40, seed=3)
+        write_pairs(directory / "valid.jsonl", 5, seed=4)
+    batch_size, num_accumulate = (2, 2) if dp_size == 2 else (8, 1)
+    data = {
+        "valid": str(directory / "valid.jsonl"),
+        "batch_size": batch_size,
+        "num_accumulate": num_accumulate,
+    }
+    trainer = {"max_num_steps": 2, "validate_every_n_steps": 2, "checkpoint_every_n_steps": 2}
+    return preference_config(
+        directory / "model", directory / "train.jsonl", data=data, trainer=trainer
+    )
+
+
+def test_dp_2_with_accumulation_takes_the_steps_of_one_process_with_the_whole_batch(
+    tmp_path: Path, two_rank_checks: Path
+) -> None:
+    two_ranks = two_rank_checks / "preference_dp"
+    one = tmp_path / "one"
+    run_in_process(accumulation_run(two_ranks, dp_size=1, write=False), one)
+
+    names = ["loss", *PAIR_METRICS]
+    for mine, theirs in zip(train_records(one), train_records(two_ranks / "run"), strict=True):
+        assert mine["num_targets"] == theirs["num_targets"] == 8
+        for name in names:
+            assert mine[name] == pytest.approx(theirs[name], abs=1e-5), (mine["step_nr"], name)
+    (valid_one,) = read_jsonl(one / "metrics" / "valid.jsonl")
+    (valid_two,) = read_jsonl(two_ranks / "run" / "metrics" / "valid.jsonl")
+    for name in names:
+        assert valid_one[name] == pytest.approx(valid_two[name], abs=1e-5), name
+    states = [
+        CheckpointManager(out / "checkpoints", Gangs.single()).read_model_state(2)
+        for out in (one, two_ranks / "run")
+    ]
+    for key, value in states[0].items():
+        torch.testing.assert_close(value, states[1][key], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize(
     ("sections", "message"),
     [
