@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import signal
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +31,15 @@ from recipes.preference import (
     SimpoTrainUnit,
 )
 from runtime.cli.config import config_from_dict
-from tests.conftest import read_jsonl
-from tests.recipes.test_lm import WORDS, make_hf_llama_dir
+from tests.conftest import (
+    REPO_ROOT,
+    assert_ok,
+    child_env,
+    read_jsonl,
+    torchrun,
+    torchrun_command,
+)
+from tests.recipes.test_lm import WORDS, last_model, make_hf_llama_dir, recipe_args
 
 transformers = pytest.importorskip("transformers")
 
@@ -268,6 +279,52 @@ def test_dp_2_with_accumulation_takes_the_steps_of_one_process_with_the_whole_ba
     ]
     for key, value in states[0].items():
         torch.testing.assert_close(value, states[1][key], atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_dpo_run_under_ddp_resumes_bitwise_after_kill_9(tmp_path: Path) -> None:
+    """The resumed run builds its reference again from model.hf_path: the same rewards, losses
+    and weights as a run never stopped, across a data epoch's end."""
+    model_dir = make_hf_llama_dir(tmp_path / "model")
+    train = write_pairs(tmp_path / "train.jsonl", 40, seed=5)
+    config = (
+        "task=dpo", f"model.hf_path={model_dir}", f"data.train={train}", "data.seq_len=32",
+        "data.batch_size=2", "data.num_workers=0", "optimizer.lr=0.01",
+        "trainer.max_num_steps=12", "trainer.publish_metrics_every_n_steps=1",
+        "trainer.checkpoint_every_n_steps=4", "trainer.keep_last_n_checkpoints=null",
+    )  # fmt: skip
+    reference = tmp_path / "reference"
+    assert_ok(torchrun(2, *recipe_args(reference, *config), timeout=600))
+
+    out = tmp_path / "killed"
+    process = subprocess.Popen(
+        torchrun_command(2, recipe_args(out, *config)),
+        env=child_env(),
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    manager = CheckpointManager(out / "checkpoints", Gangs.single())
+    while not (out / "checkpoints").is_dir() or not manager.list_checkpoints():
+        assert process.poll() is None, "the run ended before its first checkpoint"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=60)
+    assert manager.list_checkpoints()[-1].step_nr < 12
+    assert_ok(torchrun(2, *recipe_args(out, *config), timeout=600))
+
+    names = ["step_nr", "loss", *PAIR_METRICS]
+    expected = {r["step_nr"]: r for r in train_records(reference)}
+    for record in train_records(out)[-4:]:
+        assert {n: record[n] for n in names} == {n: expected[record["step_nr"]][n] for n in names}
+    expected_state, actual_state = last_model(reference), last_model(out)
+    assert expected_state.keys() == actual_state.keys()
+    for key in expected_state:
+        assert torch.equal(expected_state[key], actual_state[key]), key
 
 
 @pytest.mark.parametrize(
