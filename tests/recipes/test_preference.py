@@ -327,6 +327,39 @@ def test_a_dpo_run_under_ddp_resumes_bitwise_after_kill_9(tmp_path: Path) -> Non
         assert torch.equal(expected_state[key], actual_state[key]), key
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("layout", "batch_size"), [(("gang.tp_size=2",), 4), (("data_parallel=fsdp",), 2)]
+)
+def test_tp_and_fsdp2_on_two_ranks_take_the_dpo_steps_of_one_process(
+    tmp_path: Path, layout: tuple[str, ...], batch_size: int
+) -> None:
+    """The reference is split by the same TP plan or sharded by the same FSDP2 units as the
+    policy: the first rewards are 0, and the steps are those of one process with the whole
+    batch."""
+    model_dir = make_hf_llama_dir(tmp_path / "model")
+    train = write_pairs(tmp_path / "train.jsonl", 24, seed=6)
+    one = tmp_path / "one"
+    run_in_process(preference_config(model_dir, train), one)
+    two = tmp_path / "two"
+    config = (
+        "task=dpo", f"model.hf_path={model_dir}", f"data.train={train}", "data.seq_len=32",
+        f"data.batch_size={batch_size}", "data.num_workers=0", "optimizer.lr=0.01",
+        "optimizer.warmup_steps=1", "trainer.max_num_steps=3",
+        "trainer.publish_metrics_every_n_steps=1", "trainer.gc_every_n_steps=null", *layout,
+    )  # fmt: skip
+    assert_ok(torchrun(2, *recipe_args(two, *config), timeout=600))
+
+    assert_zero_rewards_first(train_records(two))
+    for mine, theirs in zip(train_records(one), train_records(two), strict=True):
+        for name in ["loss", *PAIR_METRICS]:
+            assert mine[name] == pytest.approx(theirs[name], abs=1e-4), (mine["step_nr"], name)
+    expected, actual = last_model(one), last_model(two)
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize(
     ("sections", "message"),
     [
