@@ -337,14 +337,20 @@ def test_tp_and_fsdp2_on_two_ranks_take_the_dpo_steps_of_one_process(
 ) -> None:
     """The reference is split by the same TP plan or sharded by the same FSDP2 units as the
     policy: the first rewards are 0, and the steps are those of one process with the whole
-    batch."""
+    batch. The valid set (5 pairs) leaves a rank without a batch, whose stand-in forwards keep
+    the policy's and the reference's collectives in step."""
     model_dir = make_hf_llama_dir(tmp_path / "model")
     train = write_pairs(tmp_path / "train.jsonl", 24, seed=6)
+    valid = write_pairs(tmp_path / "valid.jsonl", 5, seed=7)
     one = tmp_path / "one"
-    run_in_process(preference_config(model_dir, train), one)
+    trainer = {"validate_every_n_steps": 3, "checkpoint_every_n_steps": 3}
+    run_in_process(
+        preference_config(model_dir, train, data={"valid": str(valid)}, trainer=trainer), one
+    )
     two = tmp_path / "two"
     config = (
-        "task=dpo", f"model.hf_path={model_dir}", f"data.train={train}", "data.seq_len=32",
+        "task=dpo", f"model.hf_path={model_dir}", f"data.train={train}", f"data.valid={valid}",
+        "trainer.validate_every_n_steps=3", "trainer.checkpoint_every_n_steps=3", "data.seq_len=32",
         f"data.batch_size={batch_size}", "data.num_workers=0", "optimizer.lr=0.01",
         "optimizer.warmup_steps=1", "trainer.max_num_steps=3",
         "trainer.publish_metrics_every_n_steps=1", "trainer.gc_every_n_steps=null", *layout,
@@ -355,6 +361,10 @@ def test_tp_and_fsdp2_on_two_ranks_take_the_dpo_steps_of_one_process(
     for mine, theirs in zip(train_records(one), train_records(two), strict=True):
         for name in ["loss", *PAIR_METRICS]:
             assert mine[name] == pytest.approx(theirs[name], abs=1e-4), (mine["step_nr"], name)
+    (valid_one,) = read_jsonl(one / "metrics" / "valid.jsonl")
+    (valid_two,) = read_jsonl(two / "metrics" / "valid.jsonl")
+    for name in ["loss", *PAIR_METRICS]:
+        assert valid_one[name] == pytest.approx(valid_two[name], abs=1e-4), name
     expected, actual = last_model(one), last_model(two)
     for key, value in expected.items():
         torch.testing.assert_close(actual[key], value, atol=1e-4, rtol=0)
