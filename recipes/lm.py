@@ -5,7 +5,8 @@ The model is a Hugging Face causal LM from a local directory (``model.hf_path=DI
 (``model.name=llama_debug|llama_125m|llama_1b|llama_8b``). The data is JSONL, plain text or Parquet
 (``data.train=``, ``data.valid=``, or ``data.mixture=[{path: ..., weight: ...}]``), tokenized in
 worker processes and packed into sequences (``task=pretrain``), or prompt/response pairs with the loss
-on the responses only (``task=sft``). Run it with
+on the responses only (``task=sft``), or preference pairs (``task=dpo|simpo|orpo|cpo``, see
+:mod:`recipes.preference`). Run it with
 ``torchrun --standalone --nproc-per-node 8 -m recipes.lm OUTPUT_DIR --config model.hf_path=DIR
 data.train=train.jsonl``; ``python -m runtime export OUTPUT_DIR DEST --format hf`` writes a
 Hugging Face directory of the result. ``lora.rank=N`` fine-tunes LoRA adapters instead (peft; see
@@ -151,9 +152,9 @@ class DataSection:
 
 @dataclass
 class LMConfig:
-    task: Literal["pretrain", "sft", "dpo", "simpo", "orpo"] = "pretrain"
+    task: Literal["pretrain", "sft", "dpo", "simpo", "orpo", "cpo"] = "pretrain"
     """pretrain: packed text, every token a target; sft: prompt/response pairs, responses only;
-    dpo, simpo, orpo: prompt/chosen/rejected pairs (see docs/preference.md)."""
+    dpo, simpo, orpo, cpo: prompt/chosen/rejected pairs (see docs/preference.md)."""
     gang: GangSection = field(default_factory=GangSection)
     model: ModelSection = field(default_factory=ModelSection)
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)

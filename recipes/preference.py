@@ -1,4 +1,4 @@
-"""Preference tuning for ``recipes.lm``: DPO, SimPO and ORPO as train units.
+"""Preference tuning for ``recipes.lm``: DPO, SimPO, ORPO and CPO as train units.
 
 Each unit computes, for a batch of pairs (:class:`~runtime.data.text.PreferenceBatch`), one loss
 per pair and returns their SUM with the number of pairs, so the Trainer's normalization makes
@@ -10,8 +10,9 @@ ranks. The metrics are TRL's: ``rewards/chosen``, ``rewards/rejected``, ``reward
   weights (:class:`FrozenReference`), or under LoRA the policy with its adapters disabled
   (:class:`AdapterBaseReference`). Loss types as TRL's ``DPOTrainer``: sigmoid, hinge, ipo
   (length-normalized as TRL does) and robust.
-- :class:`SimpoTrainUnit` (TRL's ``CPOTrainer`` with ``loss_type="simpo"``, ``cpo_alpha=0``) and
-  :class:`OrpoTrainUnit` (TRL's ``ORPOTrainer``) use no reference.
+- :class:`SimpoTrainUnit` (TRL's ``CPOTrainer`` with ``loss_type="simpo"``, ``cpo_alpha=0``),
+  :class:`OrpoTrainUnit` (TRL's ``ORPOTrainer``) and :class:`CpoTrainUnit` (``CPOTrainer``'s
+  sigmoid loss) use no reference.
 
 See docs/preference.md for the data, the options and the comparison with TRL.
 """
@@ -35,8 +36,8 @@ from runtime.parallel.wrapping import unwrap_model
 from trainkit_utils.arguments import check_positive
 from units import EvalUnit, MetricBag, TrainUnit
 
-PreferenceTask = Literal["dpo", "simpo", "orpo"]
-PREFERENCE_TASKS: tuple[PreferenceTask, ...] = ("dpo", "simpo", "orpo")
+PreferenceTask = Literal["dpo", "simpo", "orpo", "cpo"]
+PREFERENCE_TASKS: tuple[PreferenceTask, ...] = ("dpo", "simpo", "orpo", "cpo")
 
 DpoLossType = Literal["sigmoid", "hinge", "ipo", "robust"]
 
@@ -52,7 +53,7 @@ PAIR_METRICS = (
 
 @dataclass
 class PreferenceSection:
-    """task=dpo|simpo|orpo: the method's options and the data's fields."""
+    """task=dpo|simpo|orpo|cpo: the method's options and the data's fields."""
 
     beta: float = 0.1
     """DPO's and SimPO's beta; ORPO's lambda (TRL calls both beta). Rewards are beta * logps."""
@@ -62,6 +63,8 @@ class PreferenceSection:
     """The probability that a pair's labels are flipped (DPO's robust loss, SimPO)."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin gamma."""
+    cpo_alpha: float = 1.0
+    """CPO's weight of the chosen completion's NLL."""
     prompt_field: str = "prompt"
     """The record field of the prompt (a string or chat messages)."""
     chosen_field: str = "chosen"
@@ -84,11 +87,12 @@ class PreferenceSection:
     def check_task(self, task: str) -> None:
         """Refuse options that ``task`` would ignore."""
         if self.label_smoothing and not (
-            task == "simpo" or (task == "dpo" and self.loss_type == "robust")
+            task in ("simpo", "cpo") or (task == "dpo" and self.loss_type == "robust")
         ):
             raise ValueError(
                 "preference.label_smoothing applies to task=dpo with loss_type=robust and to "
-                f"task=simpo, but the task is {task} (loss_type {self.loss_type}). Set it to 0."
+                f"task=simpo and cpo, but the task is {task} (loss_type {self.loss_type}). Set "
+                "it to 0."
             )
 
 
@@ -367,6 +371,25 @@ class OrpoTrainUnit(PreferenceTrainUnit):
         return PairOutput(losses, beta * chosen, beta * rejected, chosen, rejected, extra)
 
 
+class CpoTrainUnit(PreferenceTrainUnit):
+    """CPO: -log sigmoid(beta times the log-probability of chosen minus that of rejected), plus
+    cpo_alpha times the chosen completion's NLL (the mean over its tokens); no reference."""
+
+    extra_metrics = ("nll_loss",)
+
+    def pair_losses(self, batch: PreferenceBatch, logits: Tensor) -> PairOutput:
+        beta, smoothing = self.section.beta, self.section.label_smoothing
+        logps = sequence_logps(logits, batch.target_ids)
+        chosen, rejected = logps.sums.chunk(2)
+        margin = beta * (chosen - rejected)
+        losses = -F.logsigmoid(margin) * (1 - smoothing) - F.logsigmoid(-margin) * smoothing
+        nll = -logps.means().chunk(2)[0]
+        losses = losses + self.section.cpo_alpha * nll
+        chosen, rejected = chosen.detach(), rejected.detach()
+        extra = {"nll_loss": nll}
+        return PairOutput(losses, beta * chosen, beta * rejected, chosen, rejected, extra)
+
+
 class PreferenceEvalUnit(EvalUnit[PreferenceBatch]):
     """The train unit's losses and metrics on valid pairs, without gradient."""
 
@@ -398,4 +421,6 @@ def preference_unit(
         return SimpoTrainUnit(model, section)
     if task == "orpo":
         return OrpoTrainUnit(model, section)
+    if task == "cpo":
+        return CpoTrainUnit(model, section)
     raise ValueError(f"task must be one of {', '.join(PREFERENCE_TASKS)}, but is {task} instead.")

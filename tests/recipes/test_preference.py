@@ -25,6 +25,7 @@ from recipes.lm import LMConfig, build_model, build_trainer, build_units, load_r
 from recipes.preference import (
     PAIR_METRICS,
     AdapterBaseReference,
+    CpoTrainUnit,
     DpoTrainUnit,
     FrozenReference,
     OrpoTrainUnit,
@@ -158,9 +159,10 @@ def test_the_dpo_reference_is_a_frozen_model_with_the_policys_weights_and_placem
 
 
 @pytest.mark.parametrize(
-    ("task", "unit_type"), [("simpo", SimpoTrainUnit), ("orpo", OrpoTrainUnit)]
+    ("task", "unit_type"),
+    [("simpo", SimpoTrainUnit), ("orpo", OrpoTrainUnit), ("cpo", CpoTrainUnit)],
 )
-def test_simpo_and_orpo_build_no_reference(
+def test_simpo_orpo_and_cpo_build_no_reference(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, task: str, unit_type: type
 ) -> None:
     import recipes.lm

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from recipes.preference import (
+    CpoTrainUnit,
     DpoTrainUnit,
     FrozenReference,
     OrpoTrainUnit,
@@ -371,4 +372,29 @@ def test_orpo_matches_trl_orpo_trainer(tmp_path: Path) -> None:
     )
     ours = train_ours(unit, batches)
     assert_agree(ours, theirs, [*METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen"])
+    assert_same_weights(mine, policy)
+
+
+def test_cpo_matches_trl_cpo_trainer(tmp_path: Path) -> None:
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    # TRL's NLL term is the mean over the tokens of the batch's chosen completions, this
+    # runtime's the mean over pairs of each completion's: equal lengths agree.
+    records = write_pairs(tmp_path / "pairs.jsonl", 12, even=True)
+    hf_tokenizer = make_bos_tokenizer(tmp_path / "tok")
+    batches = our_batches(tmp_path / "pairs.jsonl", tmp_path / "tok", cuts=False)
+    policy = tiny_llama(hf_tokenizer.vocab_size)
+    mine = copy.deepcopy(policy)
+    options = {"beta": 0.2, "label_smoothing": 0.1, "cpo_alpha": 0.7}
+    config = trl_args(CPOConfig, tmp_path, loss_type="sigmoid", **options)
+    trainer = _reference_free_trainer(CPOTrainer, config, policy, hf_tokenizer, records)
+    unit = CpoTrainUnit(mine, PreferenceSection(**options))
+
+    theirs = train_trl(
+        policy,
+        [cpo_style_batch(b) for b in batches],
+        lambda batch: trainer.get_batch_loss_metrics(policy, batch),
+    )
+    ours = train_ours(unit, batches)
+    assert_agree(ours, theirs, [*METRICS, "nll_loss"])
     assert_same_weights(mine, policy)
