@@ -57,10 +57,17 @@ from recipes.preference import (
     PREFERENCE_TASKS,
     AdapterBaseReference,
     FrozenReference,
+    ModelReference,
     PreferenceEvalUnit,
     PreferenceSection,
     Reference,
     preference_unit,
+)
+from recipes.reference_logps import (
+    Autocast,
+    autocast_of,
+    compute_reference_logps,
+    stored_reference_logps,
 )
 from runtime import (
     DataReader,
@@ -237,13 +244,21 @@ def load_recipe_tokenizer(config: LMConfig) -> Tokenizer:
 
 
 def build_readers(
-    config: LMConfig, tokenizer: Tokenizer, gangs: Gangs
+    config: LMConfig, tokenizer: Tokenizer, gangs: Gangs, preference: PreferenceData | None = None
 ) -> tuple[DataReader[Any], DataReader[Any] | None]:
+    """The train and valid readers; ``preference``: the pairs of a preference task, if read
+    already."""
     data, seed = config.data, config.trainer.seed
-    if config.task != "pretrain":
-        make = _sft_reader if config.task == "sft" else _preference_reader
-        return make(config, tokenizer, gangs, data.train, train=True), (
-            make(config, tokenizer, gangs, data.valid, train=False) if data.valid else None
+    if config.task in PREFERENCE_TASKS:
+        pairs = preference or preference_data(config, tokenizer)
+        return _preference_reader(config, tokenizer, gangs, pairs.train, train=True), (
+            _preference_reader(config, tokenizer, gangs, pairs.valid, train=False)
+            if pairs.valid is not None
+            else None
+        )
+    if config.task == "sft":
+        return _sft_reader(config, tokenizer, gangs, data.train, train=True), (
+            _sft_reader(config, tokenizer, gangs, data.valid, train=False) if data.valid else None
         )
     sources = parse_mixture(data.mixture) if data.mixture is not None else data.train
     assert sources is not None
@@ -348,20 +363,35 @@ def _sft_reader(
     )
 
 
+@dataclass
+class PreferenceData:
+    train: PreferenceDataset
+    valid: PreferenceDataset | None
+
+
+def preference_data(config: LMConfig, tokenizer: Tokenizer) -> PreferenceData:
+    """The pairs of data.train and data.valid."""
+    data = config.data
+
+    def dataset(path: str) -> PreferenceDataset:
+        return PreferenceDataset(
+            path,
+            tokenizer=tokenizer,
+            max_len=data.seq_len,
+            fields=config.preference.fields,
+            seed=config.trainer.seed,
+            bucket_size=data.bucket_size,
+            skip_bad_lines=data.skip_bad_lines,
+        )
+
+    assert data.train is not None
+    return PreferenceData(dataset(data.train), dataset(data.valid) if data.valid else None)
+
+
 def _preference_reader(
-    config: LMConfig, tokenizer: Tokenizer, gangs: Gangs, path: str | None, *, train: bool
+    config: LMConfig, tokenizer: Tokenizer, gangs: Gangs, dataset: PreferenceDataset, *, train: bool
 ) -> DataReader[Any]:
     data = config.data
-    assert path is not None
-    dataset = PreferenceDataset(
-        path,
-        tokenizer=tokenizer,
-        max_len=data.seq_len,
-        fields=config.preference.fields,
-        seed=config.trainer.seed,
-        bucket_size=data.bucket_size,
-        skip_bad_lines=data.skip_bad_lines,
-    )
     collate = partial(
         collate_preference_pairs,
         pad_id=tokenizer.eos_id,
@@ -615,16 +645,94 @@ def write_hf_files(config: LMConfig, hf: dict[str, Any], tokenizer: Tokenizer, o
 
 
 def build_units(
-    config: LMConfig, gangs: Gangs, tokenizer: Tokenizer, built: BuiltModel, init_from: Path | None
+    config: LMConfig,
+    gangs: Gangs,
+    tokenizer: Tokenizer,
+    built: BuiltModel,
+    init_from: Path | None,
+    *,
+    precompute: PrecomputeContext | None = None,
 ) -> tuple[TrainUnit[Any], EvalUnit[Any]]:
-    """The task's train unit and the eval unit of its valid set."""
+    """The task's train unit and the eval unit of its valid set. ``precompute``: what
+    ``preference.precompute_reference`` needs."""
     if config.task not in PREFERENCE_TASKS:
         return LMTrainUnit(built.model), LMEvalUnit(built.model)
-    reference = None
-    if config.task == "dpo":
-        reference = build_reference(config, gangs, tokenizer, built, init_from)
+    if config.task != "dpo":
+        unit = preference_unit(config.task, built.model, config.preference, None)
+        return unit, PreferenceEvalUnit(unit)
+
+    def make_reference() -> Reference:
+        return build_reference(config, gangs, tokenizer, built, init_from)
+
+    if config.preference.precompute_reference:
+        if precompute is None:
+            raise ValueError("preference.precompute_reference needs the datasets and OUTPUT_DIR.")
+        reference, valid_reference = precompute.references(config, gangs, built, make_reference)
+    else:
+        reference = valid_reference = make_reference()
     unit = preference_unit(config.task, built.model, config.preference, reference)
-    return unit, PreferenceEvalUnit(unit)
+    valid_unit = preference_unit(config.task, built.model, config.preference, valid_reference)
+    return unit, PreferenceEvalUnit(valid_unit)
+
+
+@dataclass
+class PrecomputeContext:
+    """What precomputing the reference's log-probabilities takes besides the config."""
+
+    data: PreferenceData
+    output_dir: Path
+    init_from: Path | None
+    autocast: Autocast
+    pad_id: int
+
+    def references(
+        self,
+        config: LMConfig,
+        gangs: Gangs,
+        built: BuiltModel,
+        make_reference: Callable[[], Reference],
+    ) -> tuple[Reference, Reference | None]:
+        """The train and valid sets' stored log-probabilities, or those computed with the
+        reference ``make_reference`` builds (only if needed; freed afterwards)."""
+        made: list[Reference] = []
+
+        def model_reference() -> ModelReference:
+            if not made:
+                if built.lora is not None and self.init_from is not None:
+                    # The pass runs before the Trainer loads the base weights: load them now.
+                    base = built.lora.trainer_options(self.init_from)["init_from"]
+                    load_initial_weights(built.model, base, gangs=gangs)
+                made.append(make_reference())
+            reference = made[0]
+            assert isinstance(reference, ModelReference)
+            return reference
+
+        # What the values depend on besides the pairs: the weights and the precision.
+        source = (
+            f"{self.init_from or f'seed {config.trainer.seed}'}|{config.model}|{config.fsdp}|"
+            f"{config.trainer.dtype}|{config.trainer.amp}"
+        )
+
+        def stored(name: str, dataset: PreferenceDataset) -> Reference:
+            def compute() -> Tensor:
+                return compute_reference_logps(
+                    model_reference(),
+                    dataset,
+                    gangs=gangs,
+                    batch_size=config.data.batch_size,
+                    pad_id=self.pad_id,
+                    autocast=self.autocast,
+                )
+
+            path = self.output_dir / "reference_logps" / f"{name}.pt"
+            return stored_reference_logps(
+                path, dataset, source=source, gangs=gangs, compute=compute
+            )
+
+        valid = self.data.valid
+        references = stored("train", self.data.train), stored("valid", valid) if valid else None
+        made.clear()
+        return references
 
 
 def build_reference(
@@ -658,7 +766,8 @@ def build_trainer(config: LMConfig, output_dir: Path, gangs: Gangs) -> Trainer[A
     log.info("Model: %s, %d parameters.", type(built.model).__name__, num_params)
     if gangs.root.rank == 0:
         write_hf_files(config, built.hf_config, tokenizer, output_dir)
-    train_reader, valid_reader = build_readers(config, tokenizer, gangs)
+    pairs = preference_data(config, tokenizer) if config.task in PREFERENCE_TASKS else None
+    train_reader, valid_reader = build_readers(config, tokenizer, gangs, pairs)
     optimizer, lr_scheduler = adamw_with_schedule(
         built.model, config.optimizer, max_num_steps=config.trainer.max_num_steps
     )
@@ -679,7 +788,13 @@ def build_trainer(config: LMConfig, output_dir: Path, gangs: Gangs) -> Trainer[A
         options |= built.lora.trainer_options(init_from)
         if gangs.root.rank == 0:
             built.lora.write_adapter_config(init_from, output_dir)
-    train_unit, valid_unit = build_units(config, gangs, tokenizer, built, init_from)
+    precompute = None
+    if pairs is not None:
+        autocast = autocast_of(gangs.root.device, options["dtype"], options["amp"])
+        precompute = PrecomputeContext(pairs, output_dir, init_from, autocast, tokenizer.eos_id)
+    train_unit, valid_unit = build_units(
+        config, gangs, tokenizer, built, init_from, precompute=precompute
+    )
     if config.task in PREFERENCE_TASKS and valid_reader is not None:
         options["score_metric_name"] = "loss"
     return Trainer(

@@ -65,6 +65,9 @@ class PreferenceSection:
     """SimPO's target reward margin gamma."""
     cpo_alpha: float = 1.0
     """CPO's weight of the chosen completion's NLL."""
+    precompute_reference: bool = False
+    """DPO: compute the reference's log-probabilities of every pair once before training (kept
+    under OUTPUT_DIR/reference_logps/), then free the reference: no reference forward per step."""
     prompt_field: str = "prompt"
     """The record field of the prompt (a string or chat messages)."""
     chosen_field: str = "chosen"
@@ -86,6 +89,11 @@ class PreferenceSection:
 
     def check_task(self, task: str) -> None:
         """Refuse options that ``task`` would ignore."""
+        if self.precompute_reference and task != "dpo":
+            raise ValueError(
+                f"preference.precompute_reference applies to task=dpo, which has a reference "
+                f"model, but the task is {task}. Leave it false."
+            )
         if self.label_smoothing and not (
             task in ("simpo", "cpo") or (task == "dpo" and self.loss_type == "robust")
         ):
@@ -103,11 +111,23 @@ class Reference(ABC):
     """The frozen model DPO measures the policy against: the log-probabilities of a batch."""
 
     @abstractmethod
+    def logps(self, batch: PreferenceBatch) -> Tensor:
+        """The reference's log-probability of each row's completion (chosen rows, then
+        rejected), without gradient."""
+
+
+class ModelReference(Reference):
+    """A reference that runs a model on each batch."""
+
+    @abstractmethod
     def logits(self, batch: PreferenceBatch) -> Tensor:
         """The reference's logits of ``batch``, computed without gradient."""
 
+    def logps(self, batch: PreferenceBatch) -> Tensor:
+        return sequence_logps(self.logits(batch), batch.target_ids).sums
 
-class FrozenReference(Reference):
+
+class FrozenReference(ModelReference):
     """A model of its own, with no parameter that requires a gradient, in eval mode."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -124,7 +144,7 @@ class FrozenReference(Reference):
             return logits_of(self.model, batch)
 
 
-class AdapterBaseReference(Reference):
+class AdapterBaseReference(ModelReference):
     """The policy's base model: the policy run with its peft adapters disabled, no second copy."""
 
     def __init__(self, policy: nn.Module) -> None:
@@ -313,8 +333,7 @@ class DpoTrainUnit(PreferenceTrainUnit):
 
     def pair_losses(self, batch: PreferenceBatch, logits: Tensor) -> PairOutput:
         policy_logps = sequence_logps(logits, batch.target_ids)
-        reference = sequence_logps(self.reference.logits(batch), batch.target_ids)
-        logratios = policy_logps.sums - reference.sums
+        logratios = policy_logps.sums - self.reference.logps(batch)
         chosen_logratios, rejected_logratios = logratios.chunk(2)
         losses = dpo_losses(chosen_logratios, rejected_logratios, policy_logps.counts, self.section)
         beta = self.section.beta

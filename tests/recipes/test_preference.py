@@ -130,6 +130,44 @@ def test_a_dpo_run_starts_at_zero_rewards_checkpoints_the_policy_alone_and_expor
     assert any(not torch.equal(value, exported[key]) for key, value in base.state_dict().items())
 
 
+def test_precomputed_reference_logps_give_the_same_steps_and_are_reused_on_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import recipes.lm
+
+    model_dir = make_hf_llama_dir(tmp_path / "model")
+    train = write_pairs(tmp_path / "train.jsonl", 16, seed=1)
+    valid = write_pairs(tmp_path / "valid.jsonl", 5, seed=2)
+    data = {"valid": str(valid)}
+    trainer = {"validate_every_n_steps": 3, "checkpoint_every_n_steps": 3}
+    config = preference_config(model_dir, train, data=data, trainer=trainer)
+    run_in_process(config, tmp_path / "each_step")
+    precomputed = preference_config(
+        model_dir, train, data=data, trainer=trainer, preference={"precompute_reference": True}
+    )
+    out = tmp_path / "precomputed"
+    run_in_process(precomputed, out)
+    assert {p.name for p in (out / "reference_logps").iterdir()} == {"train.pt", "valid.pt"}
+
+    names = ["loss", *PAIR_METRICS]
+    for run in ("train", "valid"):
+        expected = read_jsonl(tmp_path / "each_step" / "metrics" / f"{run}.jsonl")
+        for mine, theirs in zip(
+            read_jsonl(out / "metrics" / f"{run}.jsonl"), expected, strict=True
+        ):
+            assert {n: mine[n] for n in names} == pytest.approx(
+                {n: theirs[n] for n in names}, abs=1e-6
+            )
+
+    def no_reference(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the resumed run built a reference model")
+
+    monkeypatch.setattr(recipes.lm, "build_reference", no_reference)
+    precomputed["trainer"] |= {"max_num_steps": 4}
+    run_in_process(precomputed, out)
+    assert train_records(out)[-1]["step_nr"] == 4
+
+
 def built_units(config: dict[str, Any], gangs: Gangs) -> tuple[Any, Any]:
     lm_config = config_from_dict(LMConfig, config)
     tokenizer = load_recipe_tokenizer(lm_config)
@@ -332,7 +370,12 @@ def test_a_dpo_run_under_ddp_resumes_bitwise_after_kill_9(tmp_path: Path) -> Non
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("layout", "batch_size"), [(("gang.tp_size=2",), 4), (("data_parallel=fsdp",), 2)]
+    ("layout", "batch_size"),
+    [
+        (("gang.tp_size=2",), 4),
+        (("data_parallel=fsdp",), 2),
+        (("data_parallel=fsdp", "preference.precompute_reference=true"), 2),
+    ],
 )
 def test_tp_and_fsdp2_on_two_ranks_take_the_dpo_steps_of_one_process(
     tmp_path: Path, layout: tuple[str, ...], batch_size: int
@@ -377,6 +420,10 @@ def test_tp_and_fsdp2_on_two_ranks_take_the_dpo_steps_of_one_process(
     [
         ({"preference": {"label_smoothing": 0.1}}, "applies to task=dpo with loss_type=robust"),
         ({"preference": {"beta": 0}}, "preference.beta must be greater than zero"),
+        (
+            {"task": "orpo", "preference": {"precompute_reference": True}},
+            "precompute_reference applies to task=dpo",
+        ),
         ({"preference": {"loss_type": "exo"}}, "loss_type"),
         (
             {"task": "simpo", "data": {"mixture": [{"path": "x", "weight": 1}], "train": None}},

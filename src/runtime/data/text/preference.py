@@ -20,7 +20,9 @@ Order: shuffled once by ``seed``, then sorted by length in windows of ``bucket_s
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,11 +57,13 @@ class PreferenceFields:
 
 
 class PreferencePair(NamedTuple):
-    """One tokenized pair, truncated: the prompt and each completion."""
+    """One tokenized pair, truncated: the prompt and each completion; ``pair_id``, its position
+    in its dataset (what precomputed reference log-probabilities are looked up by)."""
 
     prompt: list[int]
     chosen: list[int]
     rejected: list[int]
+    pair_id: int = -1
 
 
 @final
@@ -75,6 +79,7 @@ class PreferenceBatch:
     num_pairs: int
     num_bad_lines: int = 0
     num_dropped: int = 0
+    pair_ids: Tensor | None = None  # [num_pairs], int64: each pair's index in its dataset
 
     @property
     def batch_size(self) -> int:
@@ -120,13 +125,22 @@ class PreferenceDataset(torch.utils.data.Dataset[PreferencePair]):
                 pairs.append(pair)
         self._log_counts(path, len(pairs))
         lengths = [len(p.prompt) + max(len(p.chosen), len(p.rejected)) for p in pairs]
-        self._pairs = [pairs[i] for i in bucketed_order(lengths, seed, bucket_size)]
+        order = bucketed_order(lengths, seed, bucket_size)
+        self._pairs = [pairs[i]._replace(pair_id=pair_id) for pair_id, i in enumerate(order)]
 
     def __len__(self) -> int:
         return len(self._pairs)
 
     def __getitem__(self, index: int) -> PreferencePair:
         return self._pairs[index]
+
+    def fingerprint(self) -> str:
+        """A digest of every pair's tokens, in order: what precomputed values were made for."""
+        digest = hashlib.sha256()
+        for pair in self._pairs:
+            for ids in (pair.prompt, pair.chosen, pair.rejected):
+                digest.update(array("q", [len(ids), *ids]).tobytes())
+        return digest.hexdigest()
 
     def _texts(self, record: Any, fields: PreferenceFields) -> tuple[str, str, str, bool]:
         """The prompt's, chosen's and rejected's text, and whether they came from a chat."""
@@ -235,4 +249,5 @@ def collate_preference_pairs(
         num_pairs=len(pairs),
         num_bad_lines=num_bad_lines,
         num_dropped=num_dropped,
+        pair_ids=torch.tensor([p.pair_id for p in pairs], dtype=torch.int64),
     )
