@@ -372,9 +372,11 @@ def test_a_dpo_run_under_ddp_resumes_bitwise_after_kill_9(tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     ("layout", "batch_size"),
     [
-        (("gang.tp_size=2",), 4),
-        (("data_parallel=fsdp",), 2),
-        (("data_parallel=fsdp", "preference.precompute_reference=true"), 2),
+        pytest.param(("gang.tp_size=2",), 4, id="tp"),
+        pytest.param(("data_parallel=fsdp",), 2, id="fsdp2"),
+        pytest.param(
+            ("data_parallel=fsdp", "preference.precompute_reference=true"), 2, id="precomputed"
+        ),
     ],
 )
 def test_tp_and_fsdp2_on_two_ranks_take_the_dpo_steps_of_one_process(
