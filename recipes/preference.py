@@ -60,7 +60,7 @@ class PreferenceSection:
     loss_type: DpoLossType = "sigmoid"
     """DPO's loss: sigmoid, hinge, ipo or robust, as TRL's DPOTrainer computes them."""
     label_smoothing: float = 0.0
-    """The probability that a pair's labels are flipped (DPO's robust loss, SimPO)."""
+    """The probability that a pair's labels are flipped (DPO's robust loss, SimPO, CPO)."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin gamma."""
     cpo_alpha: float = 1.0
@@ -93,6 +93,11 @@ class PreferenceSection:
             raise ValueError(
                 f"preference.precompute_reference applies to task=dpo, which has a reference "
                 f"model, but the task is {task}. Leave it false."
+            )
+        if self.loss_type != "sigmoid" and task != "dpo":
+            raise ValueError(
+                f"preference.loss_type chooses DPO's loss, but the task is {task}. Leave it "
+                "sigmoid."
             )
         if self.label_smoothing and not (
             task in ("simpo", "cpo") or (task == "dpo" and self.loss_type == "robust")

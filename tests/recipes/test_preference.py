@@ -139,7 +139,7 @@ def test_precomputed_reference_logps_give_the_same_steps_and_are_reused_on_resum
     train = write_pairs(tmp_path / "train.jsonl", 16, seed=1)
     valid = write_pairs(tmp_path / "valid.jsonl", 5, seed=2)
     data = {"valid": str(valid)}
-    trainer = {"validate_every_n_steps": 3, "checkpoint_every_n_steps": 3}
+    trainer = {"max_num_steps": 2, "validate_every_n_steps": 2, "checkpoint_every_n_steps": 2}
     config = preference_config(model_dir, train, data=data, trainer=trainer)
     run_in_process(config, tmp_path / "each_step")
     precomputed = preference_config(
@@ -163,9 +163,9 @@ def test_precomputed_reference_logps_give_the_same_steps_and_are_reused_on_resum
         raise AssertionError("the resumed run built a reference model")
 
     monkeypatch.setattr(recipes.lm, "build_reference", no_reference)
-    precomputed["trainer"] |= {"max_num_steps": 4}
+    precomputed["trainer"] |= {"max_num_steps": 3}
     run_in_process(precomputed, out)
-    assert train_records(out)[-1]["step_nr"] == 4
+    assert train_records(out)[-1]["step_nr"] == 3
 
 
 def built_units(config: dict[str, Any], gangs: Gangs) -> tuple[Any, Any]:
@@ -227,7 +227,11 @@ def test_fsdp2_with_bf16_parameters_shards_the_reference_as_the_policy(
     model_dir = make_hf_llama_dir(tmp_path / "model")
     train = write_pairs(tmp_path / "train.jsonl", 12, seed=1)
     config = preference_config(
-        model_dir, train, data_parallel="fsdp", fsdp={"param_dtype": "bfloat16"}
+        model_dir,
+        train,
+        data_parallel="fsdp",
+        fsdp={"param_dtype": "bfloat16"},
+        trainer={"max_num_steps": 2},
     )
     built, unit = built_units(config, gangs_with_mesh_of_one)
     reference = unit.reference.model
@@ -427,6 +431,7 @@ def test_tp_and_fsdp2_on_two_ranks_take_the_dpo_steps_of_one_process(
             "precompute_reference applies to task=dpo",
         ),
         ({"preference": {"loss_type": "exo"}}, "loss_type"),
+        ({"task": "simpo", "preference": {"loss_type": "ipo"}}, "loss_type chooses DPO's loss"),
         (
             {"task": "simpo", "data": {"mixture": [{"path": "x", "weight": 1}], "train": None}},
             "task=simpo reads one dataset",
