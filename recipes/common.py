@@ -280,6 +280,17 @@ def summed_nll_loss(logits: Tensor, targets: Tensor) -> Tensor:
     )
 
 
+def logits_of(model: nn.Module, batch: Any) -> Tensor:
+    """The logits of a batch, from the project's model or from a Hugging Face model's output."""
+    document_ids = getattr(batch, "document_ids", None)
+    if document_ids is not None:
+        output = model(batch.input_ids, document_ids=document_ids, positions=batch.positions)
+    else:
+        output = model(input_ids=batch.input_ids)
+    logits: Tensor = output if isinstance(output, Tensor) else output.logits
+    return logits
+
+
 def adamw_with_schedule(
     model: nn.Module, config: OptimizerSection, *, max_num_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:

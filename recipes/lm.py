@@ -5,7 +5,8 @@ The model is a Hugging Face causal LM from a local directory (``model.hf_path=DI
 (``model.name=llama_debug|llama_125m|llama_1b|llama_8b``). The data is JSONL, plain text or Parquet
 (``data.train=``, ``data.valid=``, or ``data.mixture=[{path: ..., weight: ...}]``), tokenized in
 worker processes and packed into sequences (``task=pretrain``), or prompt/response pairs with the loss
-on the responses only (``task=sft``). Run it with
+on the responses only (``task=sft``), or preference pairs (``task=dpo|simpo|orpo|cpo``, see
+:mod:`recipes.preference`). Run it with
 ``torchrun --standalone --nproc-per-node 8 -m recipes.lm OUTPUT_DIR --config model.hf_path=DIR
 data.train=train.jsonl``; ``python -m runtime export OUTPUT_DIR DEST --format hf`` writes a
 Hugging Face directory of the result. ``lora.rank=N`` fine-tunes LoRA adapters instead (peft; see
@@ -44,6 +45,7 @@ from recipes.common import (
     OptimizerSection,
     TrainerSection,
     adamw_with_schedule,
+    logits_of,
     parallel_options,
     setup_recipe_gangs,
     summed_nll_loss,
@@ -51,12 +53,29 @@ from recipes.common import (
 )
 from recipes.llama import Llama, hf_config, llama_args, tensor_parallel_plan
 from recipes.lora import LoraAdapters, LoraSection, apply_lora
+from recipes.preference import (
+    PREFERENCE_TASKS,
+    AdapterBaseReference,
+    FrozenReference,
+    ModelReference,
+    PreferenceEvalUnit,
+    PreferenceSection,
+    Reference,
+    preference_unit,
+)
+from recipes.reference_logps import (
+    Autocast,
+    autocast_of,
+    compute_reference_logps,
+    stored_reference_logps,
+)
 from runtime import (
     DataReader,
     InitFn,
     MapDataReader,
     SyncMode,
     Trainer,
+    load_initial_weights,
     main,
     parallelize_model,
 )
@@ -65,12 +84,14 @@ from runtime.cli.hf_export import HF_FILES_DIR
 from runtime.data.text import (
     InstructionDataset,
     InstructionFields,
+    PreferenceDataset,
     PreparedDataReader,
     TextBatch,
     TextDataReader,
     TextSource,
     Tokenizer,
     collate_instructions,
+    collate_preference_pairs,
     is_prepared_dataset,
     load_tokenizer,
     parse_mixture,
@@ -143,8 +164,9 @@ class DataSection:
 
 @dataclass
 class LMConfig:
-    task: Literal["pretrain", "sft"] = "pretrain"
-    """pretrain: packed text, every token a target; sft: prompt/response pairs, responses only."""
+    task: Literal["pretrain", "sft", "dpo", "simpo", "orpo", "cpo"] = "pretrain"
+    """pretrain: packed text, every token a target; sft: prompt/response pairs, responses only;
+    dpo, simpo, orpo, cpo: prompt/chosen/rejected pairs (see docs/preference.md)."""
     gang: GangSection = field(default_factory=GangSection)
     model: ModelSection = field(default_factory=ModelSection)
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
@@ -153,6 +175,7 @@ class LMConfig:
     trainer: TrainerSection = field(default_factory=TrainerSection)
     fsdp: FsdpSection = field(default_factory=FsdpSection)
     lora: LoraSection = field(default_factory=LoraSection)
+    preference: PreferenceSection = field(default_factory=PreferenceSection)
     data_parallel: Literal["auto", "ddp", "fsdp", "hsdp"] = "auto"
     """auto: HSDP with gang.dp_shard_size, else FSDP2 with TP, else DDP."""
     compile: bool = False
@@ -170,17 +193,22 @@ class LMConfig:
                 f"model.hf_path must be a Hugging Face model directory with a config.json, but "
                 f"{model.hf_path} has none."
             )
-        if self.task == "sft" and self.data.mixture is not None:
-            raise ValueError("task=sft reads one dataset: give data.train, not data.mixture.")
+        if self.task != "pretrain" and self.data.mixture is not None:
+            raise ValueError(
+                f"task={self.task} reads one dataset: give data.train, not data.mixture."
+            )
+        if self.task in PREFERENCE_TASKS:
+            self.preference.check_task(self.task)
         prepared = [
             path
             for path in (self.data.train, self.data.valid)
             if path and is_prepared_dataset(path)
         ]
-        if self.task == "sft" and prepared:
+        if self.task != "pretrain" and prepared:
             raise ValueError(
-                f"task=sft reads prompt/response records, but {prepared[0]} is a prepared "
-                "dataset of packed text (for task=pretrain). Give the .jsonl or .parquet files."
+                f"task={self.task} reads records with their fields, but {prepared[0]} is a "
+                "prepared dataset of packed text (for task=pretrain). Give the .jsonl or "
+                ".parquet files."
             )
         for name, value in (
             ("data.seq_len", self.data.seq_len),
@@ -190,7 +218,7 @@ class LMConfig:
             check_positive(name, value)
         if self.lora.rank is not None:
             self._validate_lora()
-        if self.data.document_mask and (model.hf_path is not None or self.task == "sft"):
+        if self.data.document_mask and (model.hf_path is not None or self.task != "pretrain"):
             raise ValueError(
                 "data.document_mask needs the project's model (model.name) and task=pretrain: a "
                 "Hugging Face model gets no per-document mask here. Leave document_mask false."
@@ -232,9 +260,18 @@ def load_recipe_tokenizer(config: LMConfig) -> Tokenizer:
 
 
 def build_readers(
-    config: LMConfig, tokenizer: Tokenizer, gangs: Gangs
+    config: LMConfig, tokenizer: Tokenizer, gangs: Gangs, preference: PreferenceData | None = None
 ) -> tuple[DataReader[Any], DataReader[Any] | None]:
+    """The train and valid readers; ``preference``: the pairs of a preference task, if read
+    already."""
     data, seed = config.data, config.trainer.seed
+    if config.task in PREFERENCE_TASKS:
+        pairs = preference or preference_data(config, tokenizer)
+        return _preference_reader(config, tokenizer, gangs, pairs.train, train=True), (
+            _preference_reader(config, tokenizer, gangs, pairs.valid, train=False)
+            if pairs.valid is not None
+            else None
+        )
     if config.task == "sft":
         return _sft_reader(config, tokenizer, gangs, data.train, train=True), (
             _sft_reader(config, tokenizer, gangs, data.valid, train=False) if data.valid else None
@@ -366,6 +403,55 @@ def _sft_reader(
     )
 
 
+@dataclass
+class PreferenceData:
+    train: PreferenceDataset
+    valid: PreferenceDataset | None
+
+
+def preference_data(config: LMConfig, tokenizer: Tokenizer) -> PreferenceData:
+    """The pairs of data.train and data.valid."""
+    data = config.data
+
+    def dataset(path: str) -> PreferenceDataset:
+        return PreferenceDataset(
+            path,
+            tokenizer=tokenizer,
+            max_len=data.seq_len,
+            fields=config.preference.fields,
+            seed=config.trainer.seed,
+            bucket_size=data.bucket_size,
+            skip_bad_lines=data.skip_bad_lines,
+        )
+
+    assert data.train is not None
+    return PreferenceData(dataset(data.train), dataset(data.valid) if data.valid else None)
+
+
+def _preference_reader(
+    config: LMConfig, tokenizer: Tokenizer, gangs: Gangs, dataset: PreferenceDataset, *, train: bool
+) -> DataReader[Any]:
+    data = config.data
+    collate = partial(
+        collate_preference_pairs,
+        pad_id=tokenizer.eos_id,
+        num_bad_lines=dataset.num_bad_lines,
+        num_dropped=dataset.num_dropped,
+    )
+    # As _sft_reader: the dataset's order groups similar lengths; the valid set is read whole,
+    # every pair once, whatever the number of ranks.
+    return MapDataReader(
+        dataset=dataset,
+        batch_size=data.batch_size,
+        collate=collate,
+        gang=gangs.dp,
+        num_accumulate=data.num_accumulate if train else 1,
+        shuffle=False,
+        drop_remainder=train,
+        sync_mode=SyncMode.UNTIL_FIRST if train else SyncMode.UNTIL_LAST,
+    )
+
+
 # ----------------------------------------------------------------------------- units
 
 
@@ -373,17 +459,6 @@ class TokenBatch(Protocol):
     input_ids: Tensor
     target_ids: Tensor
     num_targets: int
-
-
-def logits_of(model: nn.Module, batch: Any) -> Tensor:
-    """The logits of a batch, from the project's model or from a Hugging Face model's output."""
-    document_ids = getattr(batch, "document_ids", None)
-    if document_ids is not None:
-        output = model(batch.input_ids, document_ids=document_ids, positions=batch.positions)
-    else:
-        output = model(input_ids=batch.input_ids)
-    logits: Tensor = output if isinstance(output, Tensor) else output.logits
-    return logits
 
 
 class LMTrainUnit(TrainUnit[TokenBatch]):
@@ -426,9 +501,12 @@ class BuiltModel:
     lora: LoraAdapters | None = None
 
 
-def build_model(config: LMConfig, gangs: Gangs, tokenizer: Tokenizer) -> BuiltModel:
+def build_model(
+    config: LMConfig, gangs: Gangs, tokenizer: Tokenizer, *, frozen: bool = False
+) -> BuiltModel:
     """Build on meta, then shard, wrap and initialize (``parallelize_model``); tied input and
-    output embeddings stay one weight in every layout."""
+    output embeddings stay one weight in every layout. ``frozen``: no parameter requires a
+    gradient (a reference model), no LoRA and no DDP wrapper."""
     if config.model.hf_path is not None:
         model, init_fn, plan, hf = _hf_model(config.model.hf_path, tp=gangs.tp.size > 1)
     else:
@@ -448,7 +526,9 @@ def build_model(config: LMConfig, gangs: Gangs, tokenizer: Tokenizer) -> BuiltMo
             "DDP, FSDP2 and HSDP train it."
         )
     lora = None
-    if config.lora.rank is not None:
+    if frozen:
+        model.requires_grad_(False)
+    elif config.lora.rank is not None:
         lora, init_fn = apply_lora(model, config.lora, init_fn)
     flops = flops_per_token(model, hf, config.data.seq_len)
     model = parallelize_model(
@@ -604,6 +684,112 @@ def write_hf_files(config: LMConfig, hf: dict[str, Any], tokenizer: Tokenizer, o
     partial_dir.replace(target)
 
 
+def build_units(
+    config: LMConfig,
+    gangs: Gangs,
+    tokenizer: Tokenizer,
+    built: BuiltModel,
+    init_from: Path | None,
+    *,
+    precompute: PrecomputeContext | None = None,
+) -> tuple[TrainUnit[Any], EvalUnit[Any]]:
+    """The task's train unit and the eval unit of its valid set. ``precompute``: what
+    ``preference.precompute_reference`` needs."""
+    if config.task not in PREFERENCE_TASKS:
+        return LMTrainUnit(built.model), LMEvalUnit(built.model)
+    if config.task != "dpo":
+        unit = preference_unit(config.task, built.model, config.preference, None)
+        return unit, PreferenceEvalUnit(unit)
+
+    def make_reference() -> Reference:
+        return build_reference(config, gangs, tokenizer, built, init_from)
+
+    if config.preference.precompute_reference:
+        if precompute is None:
+            raise ValueError("preference.precompute_reference needs the datasets and OUTPUT_DIR.")
+        reference, valid_reference = precompute.references(config, gangs, built, make_reference)
+    else:
+        reference = valid_reference = make_reference()
+    unit = preference_unit(config.task, built.model, config.preference, reference)
+    valid_unit = preference_unit(config.task, built.model, config.preference, valid_reference)
+    return unit, PreferenceEvalUnit(valid_unit)
+
+
+@dataclass
+class PrecomputeContext:
+    """What precomputing the reference's log-probabilities takes besides the config."""
+
+    data: PreferenceData
+    output_dir: Path
+    init_from: Path | None
+    autocast: Autocast
+    pad_id: int
+
+    def references(
+        self,
+        config: LMConfig,
+        gangs: Gangs,
+        built: BuiltModel,
+        make_reference: Callable[[], Reference],
+    ) -> tuple[Reference, Reference | None]:
+        """The train and valid sets' stored log-probabilities, or those computed with the
+        reference ``make_reference`` builds (only if needed; freed afterwards)."""
+        made: list[Reference] = []
+
+        def model_reference() -> ModelReference:
+            if not made:
+                if built.lora is not None and self.init_from is not None:
+                    # The pass runs before the Trainer loads the base weights: load them now.
+                    base = built.lora.trainer_options(self.init_from)["init_from"]
+                    load_initial_weights(built.model, base, gangs=gangs)
+                made.append(make_reference())
+            reference = made[0]
+            assert isinstance(reference, ModelReference)
+            return reference
+
+        # What the values depend on besides the pairs: the weights and the precision.
+        source = (
+            f"{self.init_from or f'seed {config.trainer.seed}'}|{config.model}|{config.fsdp}|"
+            f"{config.trainer.dtype}|{config.trainer.amp}"
+        )
+
+        def stored(name: str, dataset: PreferenceDataset) -> Reference:
+            def compute() -> Tensor:
+                return compute_reference_logps(
+                    model_reference(),
+                    dataset,
+                    gangs=gangs,
+                    batch_size=config.data.batch_size,
+                    pad_id=self.pad_id,
+                    autocast=self.autocast,
+                )
+
+            path = self.output_dir / "reference_logps" / f"{name}.pt"
+            return stored_reference_logps(
+                path, dataset, source=source, gangs=gangs, compute=compute
+            )
+
+        valid = self.data.valid
+        references = stored("train", self.data.train), stored("valid", valid) if valid else None
+        made.clear()
+        return references
+
+
+def build_reference(
+    config: LMConfig, gangs: Gangs, tokenizer: Tokenizer, built: BuiltModel, init_from: Path | None
+) -> Reference:
+    """DPO's reference. Under LoRA, the policy with its adapters disabled. Otherwise a frozen
+    model built, sharded and placed as the policy is (same layout, device, FSDP2 dtypes), with
+    the policy's initial weights: loaded from ``init_from`` (or model.hf_path), else
+    initialized from the same seed. Checkpoints do not hold it; a resumed run builds it again."""
+    if built.lora is not None:
+        return AdapterBaseReference(built.model)
+    reference = build_model(config, gangs, tokenizer, frozen=True).model
+    if init_from is not None:
+        load_initial_weights(reference, init_from, gangs=gangs)
+    return FrozenReference(reference)
+
+
 # ---------------------------------------------------------------------------- recipe
 
 
@@ -620,7 +806,8 @@ def build_trainer(config: LMConfig, output_dir: Path, gangs: Gangs) -> Trainer[A
     log.info("Model: %s, %d parameters.", type(built.model).__name__, num_params)
     if gangs.root.rank == 0:
         write_hf_files(config, built.hf_config, tokenizer, output_dir)
-    train_reader, valid_reader = build_readers(config, tokenizer, gangs)
+    pairs = preference_data(config, tokenizer) if config.task in PREFERENCE_TASKS else None
+    train_reader, valid_reader = build_readers(config, tokenizer, gangs, pairs)
     optimizer, lr_scheduler = adamw_with_schedule(
         built.model, config.optimizer, max_num_steps=config.trainer.max_num_steps
     )
@@ -641,12 +828,21 @@ def build_trainer(config: LMConfig, output_dir: Path, gangs: Gangs) -> Trainer[A
         options |= built.lora.trainer_options(init_from)
         if gangs.root.rank == 0:
             built.lora.write_adapter_config(init_from, output_dir)
+    precompute = None
+    if pairs is not None:
+        autocast = autocast_of(gangs.root.device, options["dtype"], options["amp"])
+        precompute = PrecomputeContext(pairs, output_dir, init_from, autocast, tokenizer.eos_id)
+    train_unit, valid_unit = build_units(
+        config, gangs, tokenizer, built, init_from, precompute=precompute
+    )
+    if config.task in PREFERENCE_TASKS and valid_reader is not None:
+        options["score_metric_name"] = "loss"
     return Trainer(
-        unit=LMTrainUnit(built.model),
+        unit=train_unit,
         data_reader=train_reader,
         optimizer=optimizer,
         lr_scheduler=lr_scheduler,
-        valid_units=[LMEvalUnit(built.model)] if valid_reader is not None else [],
+        valid_units=[valid_unit] if valid_reader is not None else [],
         valid_data_readers=[valid_reader] if valid_reader is not None else [],
         **options,
     )

@@ -33,9 +33,13 @@ class MetricBag:
 
     def register_metric(self, name: str, metric: Metric[Any], persistent: bool = True) -> None:
         """Add ``metric`` as ``name``; a non-persistent metric resets after each publish."""
-        if not name.isidentifier() or name.startswith("_"):
+        # "group/name" (TRL's "rewards/chosen") groups metrics in TensorBoard; such a metric is
+        # read back with getattr(bag, "group/name") or bag.metrics["group/name"].
+        parts = name.split("/")
+        if not all(part.isidentifier() for part in parts) or name.startswith("_"):
             raise ValueError(
-                f"A metric name must be a public Python identifier, but is '{name}' instead."
+                "A metric name must be a public Python identifier, or such identifiers joined "
+                f"by '/', but is '{name}' instead."
             )
         if name in self._metrics:
             raise ValueError(f"A metric named '{name}' is already registered in this bag.")

@@ -212,6 +212,18 @@ def test_chat_messages_are_rendered_with_the_tokenizer_template(tmp_path: Path) 
     assert tokenizer.decode(tokens[prompt_len:-1]).split() == ["sat"]
 
 
+def test_sft_examples_are_read_from_parquet_too(tmp_path: Path) -> None:
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    tokenizer = load_tokenizer(None)
+    pq.write_table(
+        pa.table({"prompt": ["ab", "c"], "response": ["d", "ef"]}), tmp_path / "s.parquet"
+    )
+    dataset = InstructionDataset(tmp_path / "s.parquet", tokenizer=tokenizer, max_len=16)
+    responses = sorted(tokenizer.decode(tokens[length:-1]) for tokens, length in dataset)
+    assert responses == ["d", "ef"]
+
+
 def test_a_bad_sft_line_names_its_file_and_line(tmp_path: Path) -> None:
     tokenizer = load_tokenizer(None)
     data = tmp_path / "sft.jsonl"
@@ -546,7 +558,7 @@ def test_prepared_data_trains_validates_and_is_refused_with_another_tokenizer(
     valid = read_jsonl(out / "metrics" / "valid.jsonl")
     assert [record["step_nr"] for record in valid] == [2, 4]
 
-    with pytest.raises(ValueError, match="task=sft reads prompt/response records"):
+    with pytest.raises(ValueError, match="task=sft reads records with their fields"):
         load_config(LMConfig, overrides=[*base, "task=sft"])
     config = load_config(LMConfig, overrides=base)
     with pytest.raises(PreparedDataError, match="tokenized by another tokenizer"):

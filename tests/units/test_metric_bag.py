@@ -35,8 +35,17 @@ def test_bad_and_duplicate_names_are_rejected() -> None:
     bag = make_bag()
     with pytest.raises(ValueError, match="already registered"):
         bag.register_metric("nll_loss", Mean())
-    with pytest.raises(ValueError, match="public Python identifier, but is 'bad-name'"):
+    with pytest.raises(ValueError, match="joined by '/', but is 'bad-name'"):
         bag.register_metric("bad-name", Mean())
+    with pytest.raises(ValueError, match="but is 'rewards/'"):
+        bag.register_metric("rewards/", Mean())
+
+
+def test_a_grouped_name_is_registered_read_back_and_computed() -> None:
+    bag = make_bag()
+    bag.register_metric("rewards/chosen", Mean())
+    getattr(bag, "rewards/chosen").update(torch.tensor(2.0))
+    assert bag.sync_and_compute(FakeGang())["rewards/chosen"] == 2.0
 
 
 def test_only_non_persistent_metrics_reset_after_publish() -> None:

@@ -42,7 +42,7 @@ def parallelize_model(
     4. this rank's shards are allocated on ``gangs.root.device`` and initialized from ``seed``
        (:func:`materialize_model`, with ``init_fn``); parameters that several modules share,
        such as tied input and output embeddings, stay one parameter;
-    5. with ``kind="ddp"``, DDP wraps the model;
+    5. with ``kind="ddp"``, DDP wraps the model, unless no parameter requires a gradient;
     6. with ``compile``, each block is compiled (:func:`compile_blocks`).
 
     Returns the model to train: the DDP wrapper under DDP, else ``model`` itself.
@@ -63,7 +63,9 @@ def parallelize_model(
             reduce_dtype=reduce_dtype,
         )
     materialize_model(model, device=gangs.root.device, seed=seed, init_fn=init_fn)
-    if kind == "ddp":
+    # A frozen model (a reference to compare against) has no gradient to synchronize: DDP,
+    # which would refuse it, leaves it whole on each rank.
+    if kind == "ddp" and any(param.requires_grad for param in model.parameters()):
         model = apply_data_parallel(model, gangs, kind="ddp")
     if compile:
         compile_blocks(model, block_types=block_types)

@@ -12,6 +12,13 @@ from runtime.data.text.instructions import (
 )
 from runtime.data.text.mixture import MixtureSampler, TextSource, parse_mixture
 from runtime.data.text.packing import TextBatch
+from runtime.data.text.preference import (
+    PreferenceBatch,
+    PreferenceDataset,
+    PreferenceFields,
+    PreferencePair,
+    collate_preference_pairs,
+)
 from runtime.data.text.prepared import (
     PreparedDataError,
     PreparedDataReader,
@@ -40,6 +47,11 @@ __all__ = [
     "PreparedDataError",
     "PreparedDataReader",
     "PreparedDataset",
+    "PreferenceBatch",
+    "PreferenceDataset",
+    "PreferenceFields",
+    "PreferencePair",
+    "collate_preference_pairs",
     "TextBatch",
     "TextDataError",
     "TextDataReader",

@@ -20,7 +20,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, final
+from typing import Any, Protocol, final
 
 import torch
 from torch import Tensor
@@ -80,9 +80,13 @@ class InstructionDataset(torch.utils.data.Dataset[tuple[list[int], int]]):
         check_positive("bucket_size", bucket_size)
         self.num_bad_lines = 0
         self.num_truncated = 0
-        template = _chat_template(tokenizer) if fields.messages is not None else None
+        template = (
+            chat_template(tokenizer, needed_by="data.messages_field")
+            if fields.messages is not None
+            else None
+        )
         examples: list[tuple[list[int], int]] = []
-        for where, record in _records(path, skip_bad_lines, self):
+        for where, record in read_records(path, skip_bad_lines=skip_bad_lines, bad_lines=self):
             try:
                 prompt, response = _prompt_and_response(record, fields, template)
             except TextDataError as ex:
@@ -104,7 +108,8 @@ class InstructionDataset(torch.utils.data.Dataset[tuple[list[int], int]]):
                 path,
                 max_len,
             )
-        self._examples = [examples[i] for i in bucketed_order(examples, seed, bucket_size)]
+        lengths = [len(tokens) for tokens, _ in examples]
+        self._examples = [examples[i] for i in bucketed_order(lengths, seed, bucket_size)]
 
     def __len__(self) -> int:
         return len(self._examples)
@@ -113,16 +118,15 @@ class InstructionDataset(torch.utils.data.Dataset[tuple[list[int], int]]):
         return self._examples[index]
 
 
-def bucketed_order(
-    examples: Sequence[tuple[list[int], int]], seed: int, bucket_size: int
-) -> list[int]:
-    """A shuffle of the examples, sorted by length within windows of ``bucket_size``."""
-    order = list(range(len(examples)))
+def bucketed_order(lengths: Sequence[int], seed: int, bucket_size: int) -> list[int]:
+    """A shuffle of the examples of ``lengths``, sorted by length within windows of
+    ``bucket_size``."""
+    order = list(range(len(lengths)))
     random.Random(seed).shuffle(order)
     return [
         index
         for start in range(0, len(order), bucket_size)
-        for index in sorted(order[start : start + bucket_size], key=lambda i: len(examples[i][0]))
+        for index in sorted(order[start : start + bucket_size], key=lambda i: lengths[i])
     ]
 
 
@@ -140,10 +144,22 @@ def collate_instructions(examples: list[tuple[list[int], int]], *, pad_id: int) 
     return InstructionBatch(input_ids=input_ids, target_ids=target_ids, num_targets=num_targets)
 
 
-def _records(path: str | Path, skip_bad_lines: bool, dataset: InstructionDataset) -> Any:
+class BadLineCounter(Protocol):
+    num_bad_lines: int
+
+
+def read_records(path: str | Path, *, skip_bad_lines: bool, bad_lines: BadLineCounter) -> Any:
+    """``(where, record)`` of each record of the JSONL and Parquet files of ``path``; a line
+    that is not JSON is an error naming it, or with ``skip_bad_lines`` counted in
+    ``bad_lines.num_bad_lines``."""
     for file in find_files(path):
+        if file.format == "parquet":
+            yield from _parquet_records(file.path)
+            continue
         if file.format != "jsonl":
-            raise TextDataError(f"{file.path}: instruction data must be JSONL, one example a line.")
+            raise TextDataError(
+                f"{file.path}: examples must be JSONL (one a line) or Parquet, not plain text."
+            )
         with open(file.path, encoding="utf-8", errors="strict") as stream:
             for line_nr, line in enumerate(stream, 1):
                 if not line.strip():
@@ -155,9 +171,19 @@ def _records(path: str | Path, skip_bad_lines: bool, dataset: InstructionDataset
                         raise TextDataError(
                             f"{file.path}: line {line_nr}: the line is not JSON ({ex})"
                         ) from None
-                    dataset.num_bad_lines += 1
+                    bad_lines.num_bad_lines += 1
                     continue
                 yield f"{file.path}: line {line_nr}", record
+
+
+def _parquet_records(path: str) -> Any:
+    import pyarrow.parquet as pq
+
+    row_nr = 0
+    for batch in pq.ParquetFile(path).iter_batches():
+        for record in batch.to_pylist():
+            row_nr += 1
+            yield f"{path}: row {row_nr}", record
 
 
 def _prompt_and_response(record: Any, fields: InstructionFields, template: Any) -> tuple[str, str]:
@@ -178,6 +204,14 @@ def _prompt_and_response(record: Any, fields: InstructionFields, template: Any) 
 
 
 def _render_chat(record: Mapping[str, Any], field: str, template: Any) -> tuple[str, str]:
+    messages = chat_messages(record, field)
+    if messages[-1]["role"] != "assistant":
+        raise TextDataError("the last message must be the assistant's: it is the response")
+    return render_chat(template, messages[:-1], messages[-1:])
+
+
+def chat_messages(record: Mapping[str, Any], field: str) -> list[dict[str, Any]]:
+    """The chat messages of ``record[field]``; a :class:`TextDataError` if it holds none."""
     messages = record.get(field)
     if (
         not isinstance(messages, list)
@@ -187,16 +221,23 @@ def _render_chat(record: Mapping[str, Any], field: str, template: Any) -> tuple[
         raise TextDataError(
             f"the field {field!r} must be a list of {{'role': ..., 'content': ...}} messages"
         )
-    if messages[-1]["role"] != "assistant":
-        raise TextDataError("the last message must be the assistant's: it is the response")
-    prompt = template.render(messages=messages[:-1], add_generation_prompt=True)
-    full = template.render(messages=messages, add_generation_prompt=False)
-    if not full.startswith(prompt):
+    return messages
+
+
+def render_chat(
+    template: Any, prompt: list[dict[str, Any]], response: list[dict[str, Any]]
+) -> tuple[str, str]:
+    """The prompt's text (with the generation prompt) and the response's, the rest of the text
+    the template renders for the whole conversation."""
+    prompt_text = template.render(messages=prompt, add_generation_prompt=True)
+    full = template.render(messages=prompt + response, add_generation_prompt=False)
+    if not full.startswith(prompt_text):
         raise TextDataError("the chat template renders the conversation without its prompt first")
-    return prompt, full[len(prompt) :]
+    return prompt_text, full[len(prompt_text) :]
 
 
-def _chat_template(tokenizer: Tokenizer) -> Any:
+def chat_template(tokenizer: Tokenizer, *, needed_by: str) -> Any:
+    """The tokenizer's chat template (``tokenizer_config.json``), compiled in a sandbox."""
     config_path = (
         tokenizer.path.parent / "tokenizer_config.json"
         if isinstance(tokenizer, HuggingFaceTokenizer)
@@ -208,9 +249,9 @@ def _chat_template(tokenizer: Tokenizer) -> Any:
         template = config.get("chat_template")
     if not isinstance(template, str):
         raise TextDataError(
-            "data.messages_field needs the tokenizer's chat template, but no "
-            "tokenizer_config.json with a chat_template is beside the tokenizer. Use "
-            "data.prompt_field and data.response_field instead, or add the template."
+            f"{needed_by} needs the tokenizer's chat template, but no tokenizer_config.json "
+            "with a chat_template is beside the tokenizer. Give plain text fields instead, or "
+            "add the template."
         )
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
