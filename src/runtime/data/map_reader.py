@@ -407,7 +407,6 @@ class _StepMaker(Generic[BatchT]):
         self._fetch: Callable[[int, int], BatchT]
         self._tensors: tuple[Tensor, ...] = ()
         self._shard = shard
-        self._shard_indices: list[int] = []
         # The rows of the micro-batches being read, gathered ahead: their first position in the
         # shard, and one tensor per dataset tensor.
         self._gathered_start = 0
@@ -418,8 +417,6 @@ class _StepMaker(Generic[BatchT]):
             self._gather_size = batch_size * _micro_batches_per_gather(self._tensors, batch_size)
             self._fetch = self._gather
         else:
-            # Python ints: a dataset need not accept a 0-dim tensor as its index.
-            self._shard_indices = shard.tolist()
             getitems = getattr(dataset, "__getitems__", None)
             self._fetch = self._fetch_batch if callable(getitems) else self._fetch_examples
 
@@ -448,12 +445,18 @@ class _StepMaker(Generic[BatchT]):
         return [rows[first:last] for rows in self._gathered]  # type: ignore[return-value]
 
     def _fetch_batch(self, start: int, stop: int) -> BatchT:
-        examples = self._dataset.__getitems__(self._shard_indices[start:stop])  # type: ignore[attr-defined]
+        examples = self._dataset.__getitems__(self._indices(start, stop))  # type: ignore[attr-defined]
         return self._collate(examples)
 
     def _fetch_examples(self, start: int, stop: int) -> BatchT:
         dataset = self._dataset
-        return self._collate([dataset[index] for index in self._shard_indices[start:stop]])
+        return self._collate([dataset[index] for index in self._indices(start, stop)])
+
+    def _indices(self, start: int, stop: int) -> list[int]:
+        # Python ints, a micro-batch at a time: a dataset need not accept a 0-dim tensor as its
+        # index, and a shard of millions held as Python ints would cost 36 bytes each.
+        indices: list[int] = self._shard[start:stop].tolist()
+        return indices
 
 
 # At most this many micro-batches, and this many bytes, are gathered from a TensorDataset at once.
