@@ -14,7 +14,7 @@ from gangs import Gang, find_disagreements
 from runtime.data.data_reader import DataReader, DataReaderError, SyncMode, int_entry
 from runtime.data.device import pin_memory
 from runtime.data.prefetch import Prefetcher
-from runtime.data.sharding import ShardLayout, resume_position
+from runtime.data.sharding import OrderedShard, ShardLayout, resume_position
 from trainkit_utils.arguments import check_not_negative, check_positive
 
 BatchT = TypeVar("BatchT")
@@ -48,8 +48,8 @@ class MapDataReader(DataReader[BatchT]):
     per micro-batch; any other dataset is indexed example by example.
 
     ``order`` (with ``shuffle=False``) maps the positions of epoch ``e`` to examples instead:
-    ``order(e, positions)``, called with this rank's positions only, so that a rank's work per
-    epoch does not grow with the dataset's size but with its shard's (see
+    ``order(e, positions)``, called with this rank's positions only, a block at a time as they
+    are read, so that neither the start of an epoch nor the memory grows with the dataset (see
     :class:`~runtime.data.permutation.ShuffledOrder`).
 
     A dataset with a ``set_epoch(epoch)`` method (as ``DistributedSampler`` has) is told each
@@ -349,13 +349,16 @@ class MapDataReader(DataReader[BatchT]):
             set_epoch(self._epoch)
         size = self._layout.dataset_size
         first, step = self._offset + self._gang.rank, self._gang.size
+        shard: Tensor | OrderedShard
         if self._shuffle:
             generator = torch.Generator().manual_seed(self._seed + self._epoch)
             shard = torch.randperm(size, generator=generator)[first::step]
+        elif self._order is not None:
+            shard = OrderedShard(
+                first=first, size=size, step=step, epoch=self._epoch, order=self._order
+            )
         else:
-            shard = torch.arange(first, size, step)  # this rank's positions alone
-            if self._order is not None:
-                shard = self._order(self._epoch, shard)
+            shard = torch.arange(first, size, step)
         return _StepMaker(
             dataset=self._dataset,
             collate=self._collate,
@@ -392,7 +395,7 @@ class _StepMaker(Generic[BatchT]):
         *,
         dataset: MapDataset,
         collate: Callable[[list[Any]], BatchT],
-        shard: Tensor,
+        shard: Tensor | OrderedShard,
         batch_size: int,
         num_accumulate: int,
         num_micro_batches: int,

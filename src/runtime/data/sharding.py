@@ -8,8 +8,12 @@ communicating.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import final
+
+import torch
+from torch import Tensor
 
 from runtime.data.data_reader import SyncMode, divide
 
@@ -94,3 +98,50 @@ def resume_position(
     # before the epoch's last step every rank has taken only full steps, and together they took
     # exactly a prefix of the permutation: the new layout goes on after it.
     return offset + saved.examples_before(step_nr), 0
+
+
+@final
+class OrderedShard:
+    """A rank's examples of an epoch whose order is computed, not materialized: positions
+    ``first, first + step, ...`` below ``size``, mapped by ``order`` a block at a time, so
+    neither the start of an epoch nor the memory grows with the shard.
+
+    Sliced like the tensor of its examples (``shard[a:b]``), as the reader reads it: in order.
+    """
+
+    BLOCK = 1 << 16
+
+    def __init__(
+        self,
+        *,
+        first: int,
+        size: int,
+        step: int,
+        epoch: int,
+        order: Callable[[int, Tensor], Tensor],
+    ) -> None:
+        self._positions = range(first, size, step)
+        self._epoch = epoch
+        self._order = order
+        self._block_nr = -1
+        self._block = torch.empty(0, dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return len(self._positions)
+
+    def __getitem__(self, items: slice) -> Tensor:
+        start, stop, _ = items.indices(len(self))
+        pieces = []
+        while start < stop:
+            block_nr, offset = divmod(start, self.BLOCK)
+            taken = min(stop - start, self.BLOCK - offset)
+            pieces.append(self._examples_of(block_nr)[offset : offset + taken])
+            start += taken
+        return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
+
+    def _examples_of(self, block_nr: int) -> Tensor:
+        if block_nr != self._block_nr:
+            positions = self._positions[block_nr * self.BLOCK : (block_nr + 1) * self.BLOCK]
+            self._block = self._order(self._epoch, torch.tensor(positions, dtype=torch.int64))
+            self._block_nr = block_nr
+        return self._block
