@@ -193,6 +193,8 @@ def setup_recipe_gangs(config: ParallelConfig) -> Gangs:
         dp_shard_size=config.gang.dp_shard_size,
         timeout=timedelta(minutes=config.gang.timeout_minutes),
         force_process_group=shards_parameters(config),
+        # Expert parallelism, in recipes whose gang section has it (recipes.lm).
+        ep_size=getattr(config.gang, "ep_size", 1),
     )
 
 

@@ -49,6 +49,8 @@ from recipes.common import (
     summed_nll_loss,
     trainer_options,
 )
+from recipes.expert_load import ExpertLoad
+from recipes.experts import apply_expert_parallel, expert_modules, router_aux_loss_coefficient
 from recipes.llama import Llama, hf_config, llama_args, tensor_parallel_plan
 from recipes.lora import LoraAdapters, LoraSection, apply_lora
 from runtime import (
@@ -72,6 +74,7 @@ from runtime.data.text import (
     load_tokenizer,
     parse_mixture,
 )
+from runtime.parallel.wrapping import unwrap_model
 from trainkit_utils.arguments import check_positive
 from units import EvalUnit, TrainUnit
 
@@ -137,10 +140,16 @@ class DataSection:
 
 
 @dataclass
+class LMGangSection(GangSection):
+    ep_size: int = 1
+    """Expert parallelism: split each MoE layer's experts over this many DP ranks (1: off)."""
+
+
+@dataclass
 class LMConfig:
     task: Literal["pretrain", "sft"] = "pretrain"
     """pretrain: packed text, every token a target; sft: prompt/response pairs, responses only."""
-    gang: GangSection = field(default_factory=GangSection)
+    gang: LMGangSection = field(default_factory=LMGangSection)
     model: ModelSection = field(default_factory=ModelSection)
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
     data: DataSection = field(default_factory=DataSection)
@@ -171,10 +180,17 @@ class LMConfig:
             ("data.seq_len", self.data.seq_len),
             ("data.batch_size", self.data.batch_size),
             ("gang.tp_size", self.gang.tp_size),
+            ("gang.ep_size", self.gang.ep_size),
         ):
             check_positive(name, value)
         if self.lora.rank is not None:
             self._validate_lora()
+        if self.gang.ep_size > 1 and (self.gang.tp_size > 1 or model.hf_path is None):
+            raise ValueError(
+                f"gang.ep_size ({self.gang.ep_size}) splits the experts of a Hugging Face "
+                "mixture of experts (model.hf_path) over DP ranks, beside DDP or FSDP2 without "
+                "tensor parallelism. Use gang.tp_size=1, or gang.ep_size=1."
+            )
         if self.data.document_mask and (model.hf_path is not None or self.task == "sft"):
             raise ValueError(
                 "data.document_mask needs the project's model (model.name) and task=pretrain: a "
@@ -338,28 +354,61 @@ class TokenBatch(Protocol):
 
 def logits_of(model: nn.Module, batch: Any) -> Tensor:
     """The logits of a batch, from the project's model or from a Hugging Face model's output."""
+    return logits_and_aux_loss(model, batch, router_logits=False)[0]
+
+
+def logits_and_aux_loss(
+    model: nn.Module, batch: Any, *, router_logits: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The logits of a batch and, with ``router_logits``, the MoE model's load-balancing loss."""
     document_ids = getattr(batch, "document_ids", None)
     if document_ids is not None:
         output = model(batch.input_ids, document_ids=document_ids, positions=batch.positions)
+    elif router_logits:
+        output = model(input_ids=batch.input_ids, output_router_logits=True)
     else:
         output = model(input_ids=batch.input_ids)
-    logits: Tensor = output if isinstance(output, Tensor) else output.logits
-    return logits
+    if isinstance(output, Tensor):
+        return output, None
+    return output.logits, getattr(output, "aux_loss", None) if router_logits else None
 
 
 class LMTrainUnit(TrainUnit[TokenBatch]):
+    """The summed cross entropy; for a mixture of experts, plus its load-balancing loss
+    (``router_aux_loss_coef``, see :mod:`recipes.experts`), published as ``router_aux_loss``,
+    and its experts' load (:mod:`recipes.expert_load`)."""
+
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.metric_bag.register_metric("nll_loss", Mean(), persistent=False)
         self.metric_bag.register_metric("num_bad_lines", Max(), persistent=False)
+        self.aux_loss_coefficient = router_aux_loss_coefficient(model)
+        if self.aux_loss_coefficient:
+            self.metric_bag.register_metric("router_aux_loss", Mean(), persistent=False)
+        experts = expert_modules(unwrap_model(model))
+        self.expert_load = ExpertLoad(experts) if experts else None
+        if self.expert_load is not None:
+            self.expert_load.register(self.metric_bag)
 
     def __call__(self, batch: TokenBatch) -> tuple[Tensor, int | None]:
         # The reader's count of skipped lines (data.skip_bad_lines), published with the metrics.
         self.metric_bag.num_bad_lines.update(torch.tensor(getattr(batch, "num_bad_lines", 0)))
-        loss = summed_nll_loss(logits_of(self.model, batch), batch.target_ids)
+        if self.expert_load is not None:
+            self.expert_load.begin()
+        logits, aux_loss = logits_and_aux_loss(
+            self.model, batch, router_logits=self.aux_loss_coefficient > 0
+        )
+        if self.expert_load is not None:
+            self.expert_load.record()
+        loss = summed_nll_loss(logits, batch.target_ids)
         # A micro-batch of an SFT run may hold no response token; its mean is left out.
         weight = max(batch.num_targets, 1)
         self.metric_bag.nll_loss.update(loss.detach() / weight, weight=batch.num_targets)
+        if aux_loss is not None:
+            # The model's mean load-balancing loss, weighted like a mean over the targets:
+            # the Trainer divides the sum by the step's targets.
+            loss = loss + self.aux_loss_coefficient * batch.num_targets * aux_loss.float()
+            self.metric_bag.router_aux_loss.update(aux_loss.detach(), weight=batch.num_targets)
         return loss, batch.num_targets
 
 
@@ -412,6 +461,7 @@ def build_model(config: LMConfig, gangs: Gangs, tokenizer: Tokenizer) -> BuiltMo
     if config.lora.rank is not None:
         lora, init_fn = apply_lora(model, config.lora, init_fn)
     flops = flops_per_token(model, hf, config.data.seq_len)
+    expert_params = apply_expert_parallel(model, gangs)
     model = parallelize_model(
         model,
         gangs,
@@ -419,6 +469,7 @@ def build_model(config: LMConfig, gangs: Gangs, tokenizer: Tokenizer) -> BuiltMo
         block_types=block_types,
         tp_plan=plan,
         init_fn=init_fn,
+        expert_params=expert_params,
     )
     return BuiltModel(model, block_types, flops, hf, lora)
 

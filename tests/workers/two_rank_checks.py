@@ -6,7 +6,8 @@ Usage: ``torchrun --nproc-per-node 2 tests/workers/two_rank_checks.py OUT``. The
 two-rank mode of ``checkpoint_check.py`` (by its name), ``agreement`` (``agreement_check.py``),
 ``readers`` (``tests/runtime/data/data_worker.py``), ``equivalence`` and ``good_runs`` (runs of
 ``train_toy.py``), ``collectives`` (``collective_count.py`` under DDP and FSDP2), ``host_sync``
-(make test's layouts), ``large_model`` (cases of ``large_model.py``) and ``ddp_options``. The runs
+(make test's layouts), ``large_model`` (cases of ``large_model.py``), ``expert_parallel`` and
+``ddp_options``. The runs
 and cases are those the tests define. A check that writes its own files returns None.
 """
 
@@ -31,6 +32,7 @@ from tests.workers import (
     checkpoint_check,
     collective_count,
     ddp_options,
+    expert_parallel,
     host_sync,
     large_model,
     train_toy,
@@ -46,6 +48,7 @@ CHECKS: dict[str, Callable[[Path, Gangs], Any]] = {
     "collectives": lambda out, gangs: collective_count.count_kinds(gangs, out, ["ddp", "fsdp"]),
     "host_sync": lambda out, gangs: host_sync.run_all(gangs.root, out, FAST_LAYOUTS),
     "large_model": lambda out, gangs: large_model.run_all(gangs.root, out, TWO_PROCESS_CASES),
+    "expert_parallel": lambda out, gangs: expert_parallel.run_all(gangs.root, out),
     # Last: the case DDP refuses leaves its reducer mid-iteration.
     "ddp_options": lambda out, gangs: ddp_options.run_all(gangs, out, DDP_CASES),
 }

@@ -1,0 +1,204 @@
+"""The load-balancing loss of a mixture of experts in ``recipes.lm``: on where the config has a
+coefficient, the model's own value, weighted like the summed main loss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gangs import Gangs
+from recipes.experts import router_aux_loss_coefficient
+from recipes.lm import LMTrainUnit
+from runtime.data.text import TextBatch
+from tests.conftest import rank_reports, read_jsonl
+from tests.recipes.families import FAMILY_BY_NAME, make_family_dir
+from tests.recipes.test_lm import last_model
+
+transformers = pytest.importorskip("transformers")
+
+
+def family_model(tmp_path: Path, name: str) -> torch.nn.Module:
+    directory = make_family_dir(FAMILY_BY_NAME[name], tmp_path / name)
+    return transformers.AutoModelForCausalLM.from_pretrained(directory)
+
+
+def batch_of(model: torch.nn.Module, *, rows: int = 3, length: int = 10) -> TextBatch:
+    tokens = torch.randint(
+        0, model.config.vocab_size, (rows, length + 1), generator=torch.Generator().manual_seed(1)
+    )
+    return TextBatch(
+        input_ids=tokens[:, :-1].contiguous(),
+        target_ids=tokens[:, 1:].contiguous(),
+        num_targets=rows * length,
+    )
+
+
+def grads(model: torch.nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_the_coefficient_is_the_configs_and_zero_without_an_aux_loss(tmp_path: Path) -> None:
+    assert router_aux_loss_coefficient(family_model(tmp_path, "OLMoE")) == 0.01
+    assert router_aux_loss_coefficient(family_model(tmp_path, "DeepSeek-V3")) == 0.0
+    assert router_aux_loss_coefficient(family_model(tmp_path, "Llama")) == 0.0
+    assert router_aux_loss_coefficient(torch.nn.Linear(2, 2)) == 0.0
+
+
+def test_the_units_loss_is_transformers_loss_summed_and_the_aux_loss_has_its_share(
+    tmp_path: Path,
+) -> None:
+    """The unit's sum over the targets, divided by them, is the loss transformers computes with
+    labels (mean cross entropy + coefficient x load-balancing loss); and the gradient of the
+    mean differs from the cross entropy's alone by the coefficient times the aux loss's."""
+    model = family_model(tmp_path, "OLMoE")
+    batch = batch_of(model)
+    unit = LMTrainUnit(model)
+    coefficient = unit.aux_loss_coefficient
+    assert coefficient == 0.01
+
+    loss, num_targets = unit(batch)
+    assert num_targets == batch.num_targets
+    expected = model(
+        input_ids=batch.input_ids,
+        labels=batch.target_ids,
+        shift_labels=batch.target_ids,
+        output_router_logits=True,
+    )
+    torch.testing.assert_close(loss / num_targets, expected.loss, rtol=1e-6, atol=1e-7)
+
+    with_aux = grads(model, unit(batch)[0] / num_targets)
+    unit.aux_loss_coefficient = 0.0
+    without_aux = grads(model, unit(batch)[0] / num_targets)
+    aux = grads(model, model(input_ids=batch.input_ids, output_router_logits=True).aux_loss)
+    routers = [name for name in aux if name.endswith("mlp.gate.weight")]
+    assert routers and all(aux[name].abs().sum() > 0 for name in routers)
+    for name, value in with_aux.items():
+        share = coefficient * aux.get(name, torch.zeros_like(value))
+        # float32 gradients of order 1e-2 differ by rounding of order 1e-8.
+        torch.testing.assert_close(value - without_aux[name], share, rtol=1e-3, atol=2e-7)
+    # The routers' share is far above that rounding: the comparison can fail.
+    assert max(float((coefficient * aux[name]).abs().max()) for name in routers) > 1e-5
+    assert float(unit.metric_bag.router_aux_loss.compute()) == pytest.approx(
+        float(expected.aux_loss.detach()), rel=1e-6
+    )
+
+
+# --------------------------------------------------------------------- expert parallelism
+
+EP_TOLERANCE = 1e-5
+
+
+@pytest.mark.distributed
+def test_expert_parallel_dispatch_is_exact_for_lopsided_and_empty_routings(
+    two_rank_checks: Path,
+) -> None:
+    """One rank sends every token to one expert of the other rank, the other leaves an expert
+    without a token: outputs and expert gradients equal one process's with every expert."""
+    for report in rank_reports(two_rank_checks / "expert_parallel", 2):
+        dispatch = report["dispatch"]
+        assert dispatch["output"] < EP_TOLERANCE, dispatch
+        for name in ("gate_up_proj", "down_proj"):
+            assert dispatch[name] < EP_TOLERANCE, dispatch
+            assert dispatch[f"{name}_received"] > 0, dispatch  # the comparison can fail
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("run", ["ddp_ep2", "fsdp_ep2"])
+def test_expert_parallel_training_equals_the_run_without_it(
+    two_rank_checks: Path, run: str
+) -> None:
+    """recipes.lm on Qwen3-MoE (float32, gradients clipped): each rank holds 2 of the 4
+    experts, yet losses, gradient norms and the saved weights (global shapes) equal DDP's."""
+    from tests.workers.expert_parallel import EP_STEPS
+
+    runs = two_rank_checks / "expert_parallel" / "runs"
+    reference, records = (
+        last_model(runs / "ddp"),
+        read_jsonl(runs / run / "metrics" / "train.jsonl"),
+    )
+    expected = read_jsonl(runs / "ddp" / "metrics" / "train.jsonl")
+    assert len(records) == EP_STEPS
+    for got, want in zip(records, expected, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], abs=EP_TOLERANCE)
+        # Clipping at 0.5 bites: the norm counts every expert once.
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], abs=EP_TOLERANCE)
+        assert want["grad_norm"] > 0.5
+    weights = last_model(runs / run)
+    assert weights.keys() == reference.keys()
+    assert weights["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
+    for key, value in reference.items():
+        torch.testing.assert_close(weights[key], value, rtol=0, atol=EP_TOLERANCE)
+
+
+@pytest.mark.distributed
+def test_an_expert_parallel_size_that_does_not_fit_is_refused_in_one_line(
+    two_rank_checks: Path,
+) -> None:
+    for report in rank_reports(two_rank_checks / "expert_parallel", 2):
+        refusals = report["refusals"]
+        assert "ep_size must be greater than zero and divide the DP size (2)" in refusals["ep_size"]
+        assert "must divide the number of experts of every MoE layer (3)" in refusals["experts"]
+        assert all("\n" not in line for line in refusals.values())
+
+
+@pytest.mark.distributed
+def test_a_run_resumes_at_another_expert_parallel_size(two_rank_checks: Path) -> None:
+    """EP=2 resumes DDP's checkpoint and DDP resumes EP=2's (``reshard_on_resume``): the
+    experts are saved at their global shape, so each continues to the same weights."""
+    from tests.workers.expert_parallel import EP_STEPS, RESUMES
+
+    runs = two_rank_checks / "expert_parallel" / "runs"
+    for name in RESUMES:
+        # One step trained, the last: the run took up the other's step EP_STEPS.
+        (record,) = read_jsonl(runs / name / "metrics" / "train.jsonl")
+        assert record["step_nr"] == EP_STEPS + 1
+    into_ep, out_of_ep = (last_model(runs / name) for name in RESUMES)
+    assert into_ep["model.layers.1.mlp.experts.down_proj"].shape[0] == 4
+    for key, value in out_of_ep.items():
+        torch.testing.assert_close(into_ep[key], value, rtol=0, atol=EP_TOLERANCE)
+
+
+def test_the_expert_load_is_counted_once_per_token_with_activation_checkpointing(
+    tmp_path: Path,
+) -> None:
+    """Each layer's tokens per expert over the micro-batches of a publish window, each routed
+    token-expert pair once though the backward recomputes the layers."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = family_model(tmp_path, "Mixtral")
+    layers = model.model.layers
+    for layer in layers:
+        forward = layer.forward
+        layer.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+    unit = LMTrainUnit(model)
+    assert unit.expert_load is not None
+    routed: list[torch.Tensor] = []
+    layers[1].mlp.experts.register_forward_pre_hook(lambda _, args: routed.append(args[1]))
+    batch = batch_of(model, rows=2, length=6)
+    for _ in range(2):
+        loss, _ = unit(batch)
+        loss.backward()
+    assert len(routed) == 4  # two forwards and two recomputations
+    counts = torch.bincount(torch.cat([routed[0], routed[2]]).flatten(), minlength=4).double()
+    values = unit.metric_bag.sync_and_compute(Gangs.single().dp)
+    assert values["moe_tokens_min_layer_1"] == counts.min().item()
+    assert values["moe_tokens_max_layer_1"] == counts.max().item()
+    assert values["moe_idle_experts_layer_1"] == int((counts == 0).sum())
+    cv = (counts.std(correction=0) / counts.mean()).item()
+    assert values["moe_tokens_cv_layer_1"] == pytest.approx(cv)
+    assert counts.sum() == 2 * 2 * 2 * 6  # forwards x top-2 x rows x length
+    assert {f"moe_tokens_max_layer_{n}" for n in (0, 1)} <= values.keys()
+
+
+def test_the_expert_load_of_one_expert_taking_everything() -> None:
+    from recipes.expert_load import ExpertTokens
+
+    counts = torch.tensor([0.0, 12.0, 0.0, 0.0])
+    assert ExpertTokens(4, "cv").update(counts).compute().item() == pytest.approx(3**0.5)
+    assert ExpertTokens(4, "idle").update(counts).compute().item() == 3
+    with pytest.raises(ValueError, match="stat must be one of"):
+        ExpertTokens(4, "mean")
