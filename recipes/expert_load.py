@@ -11,18 +11,23 @@ layer's counts after the forward (:meth:`ExpertLoad.record`), on the device, wit
 The counts reach the host only where the Trainer computes its metrics. Counting after the
 forward, not in the hook, keeps activation checkpointing's recomputation (in the backward) from
 counting a token twice.
+
+:class:`ExpertBiasUpdate` balances DeepSeek-V3-style routers without an auxiliary loss, from
+the same counts (``model.expert_bias_update_rate``).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
 from torcheval.metrics import Metric
 
+from gangs import Gang, ReduceOperation
+from runtime import TrainerCallback
 from units import MetricBag
 
 _STATS = ("min", "max", "cv", "idle")
@@ -73,6 +78,9 @@ class ExpertLoad:
         """``experts``: each MoE layer's experts module by its qualified name."""
         self._pending: dict[int, Tensor] = {}
         self._layers: list[tuple[int, int]] = []
+        self.step_counts: dict[int, Tensor] | None = None
+        """Each layer's tokens per expert in the current step, when asked for
+        (:meth:`count_steps`): what the aux-loss-free bias update reads."""
         for name, module in experts:
             match = _LAYER_NUMBER.search(name + ".")
             layer = int(match.group(1)) if match else len(self._layers)
@@ -89,6 +97,10 @@ class ExpertLoad:
                     _metric_name(stat, layer), ExpertTokens(num_experts, stat), persistent=False
                 )
         self._metric_bag = bag
+
+    def count_steps(self) -> None:
+        """Also count each step's tokens per expert into :attr:`step_counts`."""
+        self.step_counts = {}
 
     def _hook(self, layer: int) -> Any:
         def keep(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -114,7 +126,60 @@ class ExpertLoad:
             counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
             for stat in _STATS:
                 getattr(self._metric_bag, _metric_name(stat, layer)).update(counts)
+            if self.step_counts is not None:
+                if layer in self.step_counts:
+                    self.step_counts[layer] += counts
+                else:
+                    self.step_counts[layer] = counts
 
 
 def _metric_name(stat: str, layer: int) -> str:
     return f"moe_{'idle_experts' if stat == 'idle' else 'tokens_' + stat}_layer_{layer}"
+
+
+class ExpertBiasUpdate(TrainerCallback):
+    """Load balancing without an auxiliary loss (DeepSeek-V3, torchtitan): before each optimizer
+    step, each router's ``e_score_correction_bias`` moves by ``rate`` towards the experts that
+    received fewer tokens than the mean in this step over all DP ranks, and away from those that
+    received more (``rate * sign(mean - tokens)``, centred). The bias only chooses the experts;
+    the routing weights stay the scores'.
+
+    The bias is a buffer of the model, so checkpoints hold it and a resume continues from it.
+    The step's counts are summed over the DP gang with one all-reduce a step, on the device."""
+
+    def __init__(
+        self, load: ExpertLoad, biases: dict[int, Tensor], dp_gang: Gang, rate: float
+    ) -> None:
+        self._load, self._biases, self._gang, self._rate = load, biases, dp_gang, rate
+        load.count_steps()
+
+    def on_step_begin(self, *, step_nr: int, batches: Sequence[Any]) -> None:
+        assert self._load.step_counts is not None  # count_steps
+        self._load.step_counts.clear()  # a skipped step's counts are not carried over
+
+    def on_before_optimizer_step(self, *, step_nr: int, model: nn.Module) -> None:
+        counts = self._load.step_counts
+        assert counts is not None
+        layers = sorted(layer for layer in self._biases if layer in counts)
+        if not layers:
+            return
+        stacked = torch.stack([counts[layer] for layer in layers])
+        if self._gang.size > 1:
+            self._gang.all_reduce(stacked, ReduceOperation.SUM)
+        delta = self._rate * torch.sign(stacked.mean(dim=1, keepdim=True) - stacked)
+        delta -= delta.mean(dim=1, keepdim=True)
+        with torch.no_grad():
+            for row, layer in enumerate(layers):
+                bias = self._biases[layer]
+                bias.add_(delta[row].to(bias))
+
+
+def correction_biases(model: nn.Module) -> dict[int, Tensor]:
+    """The ``e_score_correction_bias`` of each MoE layer's router, by layer number."""
+    found = {}
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            match = _LAYER_NUMBER.search(name)
+            if match:
+                found[int(match.group(1))] = buffer
+    return found

@@ -49,7 +49,7 @@ from recipes.common import (
     summed_nll_loss,
     trainer_options,
 )
-from recipes.expert_load import ExpertLoad
+from recipes.expert_load import ExpertBiasUpdate, ExpertLoad, correction_biases
 from recipes.experts import apply_expert_parallel, expert_modules, router_aux_loss_coefficient
 from recipes.llama import Llama, hf_config, llama_args, tensor_parallel_plan
 from recipes.lora import LoraAdapters, LoraSection, apply_lora
@@ -99,6 +99,9 @@ class ModelSection:
     """Recompute the layers' activations in the backward pass: less memory, more compute."""
     activation_checkpointing_every_n: int = 1
     """With activation_checkpointing: checkpoint every n-th layer only."""
+    expert_bias_update_rate: float | None = None
+    """A mixture of experts whose routers have a correction bias (DeepSeek-V3): move it by this
+    much a step towards balanced experts (aux-loss-free load balancing; 1e-3 is usual)."""
 
 
 @dataclass
@@ -595,6 +598,18 @@ def _block_types(model: nn.Module) -> tuple[type[nn.Module], ...]:
     return types
 
 
+def bias_update(rate: float, unit: LMTrainUnit, gangs: Gangs) -> ExpertBiasUpdate:
+    """The aux-loss-free load balancing of ``model.expert_bias_update_rate``."""
+    biases = correction_biases(unwrap_model(unit.model))
+    if unit.expert_load is None or not biases:
+        raise ValueError(
+            f"model.expert_bias_update_rate ({rate}) moves the correction bias of a mixture of "
+            f"experts' routers (DeepSeek-V3's), but {type(unwrap_model(unit.model)).__name__} "
+            "has none. Leave it unset (null)."
+        )
+    return ExpertBiasUpdate(unit.expert_load, biases, gangs.dp, rate)
+
+
 def write_hf_files(config: LMConfig, hf: dict[str, Any], tokenizer: Tokenizer, out: Path) -> None:
     """Rank 0 keeps the model's config.json and tokenizer files under OUTPUT_DIR, for export."""
     target = out / HF_FILES_DIR
@@ -653,8 +668,11 @@ def build_trainer(config: LMConfig, output_dir: Path, gangs: Gangs) -> Trainer[A
         options |= built.lora.trainer_options(init_from)
         if gangs.root.rank == 0:
             built.lora.write_adapter_config(init_from, output_dir)
+    unit = LMTrainUnit(built.model)
+    if config.model.expert_bias_update_rate is not None:
+        options["callbacks"] = [bias_update(config.model.expert_bias_update_rate, unit, gangs)]
     return Trainer(
-        unit=LMTrainUnit(built.model),
+        unit=unit,
         data_reader=train_reader,
         optimizer=optimizer,
         lr_scheduler=lr_scheduler,

@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gangs import Gangs
 from recipes.experts import router_aux_loss_coefficient
 from recipes.lm import LMTrainUnit
 from runtime.data.text import TextBatch
-from tests.conftest import rank_reports, read_jsonl
+from tests.conftest import assert_ok, rank_reports, read_jsonl, torchrun
 from tests.recipes.families import FAMILY_BY_NAME, make_family_dir
 from tests.recipes.test_lm import last_model
 
@@ -113,9 +112,12 @@ def test_expert_parallel_training_equals_the_run_without_it(
 ) -> None:
     """recipes.lm on Qwen3-MoE (float32, gradients clipped): each rank holds 2 of the 4
     experts, yet losses, gradient norms and the saved weights (global shapes) equal DDP's."""
+    assert_equals_ddp(two_rank_checks / "expert_parallel" / "runs", run)
+
+
+def assert_equals_ddp(runs: Path, run: str) -> None:
     from tests.workers.expert_parallel import EP_STEPS
 
-    runs = two_rank_checks / "expert_parallel" / "runs"
     reference, records = (
         last_model(runs / "ddp"),
         read_jsonl(runs / run / "metrics" / "train.jsonl"),
@@ -132,6 +134,23 @@ def test_expert_parallel_training_equals_the_run_without_it(
     assert weights["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
     for key, value in reference.items():
         torch.testing.assert_close(weights[key], value, rtol=0, atol=EP_TOLERANCE)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_expert_parallel_on_four_processes_with_replicated_and_single_experts(
+    tmp_path: Path,
+) -> None:
+    """4 ranks: EP=2 (each expert on 2 ranks, whose gradients add) under DDP and FSDP2, and
+    EP=4 (one expert a rank) under FSDP2, all equal DDP without EP; the dispatch is exact."""
+    from tests.workers.expert_parallel import RUNS_OF_4
+
+    assert_ok(torchrun(4, "tests/workers/expert_parallel.py", str(tmp_path), timeout=600))
+    for report in rank_reports(tmp_path, 4):
+        assert max(report["dispatch"][k] for k in ("output", "gate_up_proj", "down_proj")) < 1e-5
+    for run in RUNS_OF_4:
+        if run != "ddp":
+            assert_equals_ddp(tmp_path / "runs", run)
 
 
 @pytest.mark.distributed
@@ -160,45 +179,3 @@ def test_a_run_resumes_at_another_expert_parallel_size(two_rank_checks: Path) ->
     assert into_ep["model.layers.1.mlp.experts.down_proj"].shape[0] == 4
     for key, value in out_of_ep.items():
         torch.testing.assert_close(into_ep[key], value, rtol=0, atol=EP_TOLERANCE)
-
-
-def test_the_expert_load_is_counted_once_per_token_with_activation_checkpointing(
-    tmp_path: Path,
-) -> None:
-    """Each layer's tokens per expert over the micro-batches of a publish window, each routed
-    token-expert pair once though the backward recomputes the layers."""
-    from torch.utils.checkpoint import checkpoint
-
-    model = family_model(tmp_path, "Mixtral")
-    layers = model.model.layers
-    for layer in layers:
-        forward = layer.forward
-        layer.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
-    unit = LMTrainUnit(model)
-    assert unit.expert_load is not None
-    routed: list[torch.Tensor] = []
-    layers[1].mlp.experts.register_forward_pre_hook(lambda _, args: routed.append(args[1]))
-    batch = batch_of(model, rows=2, length=6)
-    for _ in range(2):
-        loss, _ = unit(batch)
-        loss.backward()
-    assert len(routed) == 4  # two forwards and two recomputations
-    counts = torch.bincount(torch.cat([routed[0], routed[2]]).flatten(), minlength=4).double()
-    values = unit.metric_bag.sync_and_compute(Gangs.single().dp)
-    assert values["moe_tokens_min_layer_1"] == counts.min().item()
-    assert values["moe_tokens_max_layer_1"] == counts.max().item()
-    assert values["moe_idle_experts_layer_1"] == int((counts == 0).sum())
-    cv = (counts.std(correction=0) / counts.mean()).item()
-    assert values["moe_tokens_cv_layer_1"] == pytest.approx(cv)
-    assert counts.sum() == 2 * 2 * 2 * 6  # forwards x top-2 x rows x length
-    assert {f"moe_tokens_max_layer_{n}" for n in (0, 1)} <= values.keys()
-
-
-def test_the_expert_load_of_one_expert_taking_everything() -> None:
-    from recipes.expert_load import ExpertTokens
-
-    counts = torch.tensor([0.0, 12.0, 0.0, 0.0])
-    assert ExpertTokens(4, "cv").update(counts).compute().item() == pytest.approx(3**0.5)
-    assert ExpertTokens(4, "idle").update(counts).compute().item() == 3
-    with pytest.raises(ValueError, match="stat must be one of"):
-        ExpertTokens(4, "mean")

@@ -5,14 +5,16 @@
    (held by the other rank) and rank 1 uses two experts, so one expert receives no token. Each
    rank writes how far its outputs and the experts' gradients are from one process computing
    every token with all experts (``dispatch``).
-2. ``recipes.lm`` on a tiny Qwen3-MoE in the layouts of :data:`RUNS`, each under
-   ``OUT/runs/NAME``, to compare with the run without EP.
+2. ``recipes.lm`` on a tiny Qwen3-MoE in the layouts of :data:`RUNS` (:data:`RUNS_OF_4` on 4
+   ranks), each under ``OUT/runs/NAME``, to compare with the run without EP; and runs resumed at
+   another EP size (:data:`RESUMES`).
 3. The refusals: an EP size that does not divide the DP size, or the experts.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,9 @@ RUNS: dict[str, tuple[str, ...]] = {
     "ddp_ep2": ("data_parallel=ddp", "gang.ep_size=2"),
     "fsdp_ep2": ("data_parallel=fsdp", "gang.ep_size=2"),
 }
+"""On 2 ranks; on 4, EP=2 leaves each expert on 2 ranks (its replicas), and ``fsdp_ep4`` splits
+the experts over all of them."""
+RUNS_OF_4 = {**RUNS, "fsdp_ep4": ("data_parallel=fsdp", "gang.ep_size=4")}
 """float32 throughout, so that EP must match the run without it within 1e-5."""
 RESUMES = {"ep2_from_ddp": ("ddp_ep2", "ddp"), "ddp_from_ep2": ("ddp", "ddp_ep2")}
 """A run in the layout of the first name, resumed (``reshard_on_resume``) from the last
@@ -46,7 +51,7 @@ def run_all(root: Gang, out: Path) -> dict[str, Any]:
     root.barrier()
     report: dict[str, Any] = {"dispatch": check_dispatch(root, model_dir)}
     runs = out / "runs"
-    for name, overrides in RUNS.items():
+    for name, overrides in (RUNS if root.size == 2 else RUNS_OF_4).items():
         train_run(root, run_config(model_dir, train, overrides, EP_STEPS), runs / name)
     for name, (layout, source) in RESUMES.items():
         config = run_config(model_dir, train, RUNS[layout], EP_STEPS + 1)
@@ -56,6 +61,10 @@ def run_all(root: Gang, out: Path) -> dict[str, Any]:
     return report
 
 
+def root_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def run_config(model_dir: Path, train: Path, overrides: tuple[str, ...], steps: int) -> LMConfig:
     return load_config(
         LMConfig,
@@ -63,7 +72,7 @@ def run_config(model_dir: Path, train: Path, overrides: tuple[str, ...], steps: 
             f"model.hf_path={model_dir}",
             f"data.train={train}",
             "data.seq_len=32",
-            "data.batch_size=4",
+            f"data.batch_size={8 // root_size()}",
             "data.num_workers=0",
             "optimizer.lr=0.01",
             "optimizer.warmup_steps=1",
@@ -99,20 +108,22 @@ def check_dispatch(root: Gang, model_dir: Path) -> dict[str, float]:
     experts.to_empty(device="cpu")
     with torch.no_grad():
         for name in ("gate_up_proj", "down_proj"):
-            getattr(experts, name).to_local().copy_(getattr(reference, name).chunk(2)[root.rank])
+            getattr(experts, name).to_local().copy_(
+                getattr(reference, name).chunk(2)[gangs.ep.rank]
+            )
 
     generator = torch.Generator().manual_seed(root.rank)
-    tokens = 5 + 2 * root.rank  # uneven: 5 and 7
+    tokens = 5 + 2 * root.rank  # uneven: 5, 7, ...
     hidden = torch.randn(tokens, config.hidden_size, generator=generator)
-    # Rank 0: every token to expert 3 (twice over, top-2 of one); rank 1: experts 0 and 1 only,
-    # so expert 2 receives nothing.
-    index = torch.full((tokens, 2), 3) if root.rank == 0 else torch.tensor([[0, 1]] * tokens)
+    # EP rank 0: every token to expert 3 (twice over, top-2 of one); EP rank 1: experts 0 and 1
+    # only, so expert 2 receives nothing.
+    index = torch.full((tokens, 2), 3) if gangs.ep.rank == 0 else torch.tensor([[0, 1]] * tokens)
     weights = torch.rand(tokens, 2, generator=generator)
     out = experts(hidden.clone().requires_grad_(), index, weights)
     out.square().sum().backward()
 
-    # The reference sees every rank's tokens; gradients add over the ranks as EP's do (the
-    # 1 / DP size of the Trainer's normalization undone).
+    # The reference's gradients add over every rank, as EP's do over the EP gang and the
+    # experts' replicas (the 1 / DP size of the Trainer's normalization undone).
     expected = reference(hidden, index, weights)
     (expected.square().sum()).backward()
     report = {"output": float((out - expected).detach().abs().max())}
@@ -120,8 +131,8 @@ def check_dispatch(root: Gang, model_dir: Path) -> dict[str, float]:
         grad = getattr(experts, name).grad.to_local() * gangs.dp.size
         whole = getattr(reference, name).grad.clone()
         root.all_reduce(whole, ReduceOperation.SUM)
-        report[name] = float((grad - whole.chunk(2)[root.rank]).abs().max())
-        report[f"{name}_received"] = float(whole.chunk(2)[root.rank].abs().sum())
+        report[name] = float((grad - whole.chunk(2)[gangs.ep.rank]).abs().max())
+        report[f"{name}_received"] = float(whole.chunk(2)[gangs.ep.rank].abs().sum())
     return report
 
 
