@@ -151,7 +151,9 @@ def _dispatched_forward(
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # by expert, so by the rank that holds it
     token_of = order // num_per_token
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add_, not bincount: bincount sizes its output on the host (a sync on CUDA).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     # received[s * num_local + j]: the rows rank s sends to this rank's j-th expert.
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
@@ -164,9 +166,10 @@ def _dispatched_forward(
     rows = _AllToAll.apply(hidden[token_of], receive_splits, send_splits, group)
     # The rows came by source rank, then expert; group them by expert.
     local_expert = torch.arange(num_local, device=hidden.device).repeat(ep)
-    by_expert = torch.argsort(
-        torch.repeat_interleave(local_expert, received_by_rank.reshape(-1)), stable=True
+    expert_of_row = torch.repeat_interleave(
+        local_expert, received_by_rank.reshape(-1), output_size=sum(receive_splits)
     )
+    by_expert = torch.argsort(expert_of_row, stable=True)
     gate_up = _ExpertGradients.apply(module.gate_up_proj.to_local(), gangs).to(hidden.dtype)
     down = _ExpertGradients.apply(module.down_proj.to_local(), gangs).to(hidden.dtype)
     outputs = []

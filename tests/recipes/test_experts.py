@@ -96,13 +96,17 @@ def test_expert_parallel_dispatch_is_exact_for_lopsided_and_empty_routings(
     two_rank_checks: Path,
 ) -> None:
     """One rank sends every token to one expert of the other rank, the other leaves an expert
-    without a token: outputs and expert gradients equal one process's with every expert."""
+    without a token: outputs and expert gradients equal one process's with every expert; the
+    forward and backward make one host sync."""
     for report in rank_reports(two_rank_checks / "expert_parallel", 2):
         dispatch = report["dispatch"]
         assert dispatch["output"] < EP_TOLERANCE, dispatch
         for name in ("gate_up_proj", "down_proj"):
             assert dispatch[name] < EP_TOLERANCE, dispatch
             assert dispatch[f"{name}_received"] > 0, dispatch  # the comparison can fail
+        # Pinned: one host sync a layer's forward (the split sizes), none in its backward.
+        (sync,) = dispatch["syncs"]
+        assert sync.startswith("tolist at ") and "recipes/experts.py" in sync, sync
 
 
 @pytest.mark.distributed
@@ -179,3 +183,30 @@ def test_a_run_resumes_at_another_expert_parallel_size(two_rank_checks: Path) ->
     assert into_ep["model.layers.1.mlp.experts.down_proj"].shape[0] == 4
     for key, value in out_of_ep.items():
         torch.testing.assert_close(into_ep[key], value, rtol=0, atol=EP_TOLERANCE)
+
+
+def test_the_flops_of_a_token_count_the_experts_it_is_routed_to(tmp_path: Path) -> None:
+    from recipes.lm import flops_per_token
+
+    model = family_model(tmp_path, "Qwen3-MoE")  # 4 experts, top-2
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    embedding = model.model.embed_tokens.weight.numel()
+    active = sum(p.numel() for p in model.parameters()) - embedding - experts // 2
+    attention = 12.0 * 2 * 32 * 16
+    assert flops_per_token(model, {}, 16) == 6.0 * active + attention
+
+
+def test_a_moe_step_without_ep_makes_no_host_sync(tmp_path: Path) -> None:
+    """The unit's forward and backward of a mixture of experts (its load-balancing loss and the
+    expert load counted too) leave the device alone; EP's one sync a layer is pinned with the
+    dispatch test."""
+    from tests.sync_detector import HostSyncDetector
+
+    model = family_model(tmp_path, "Qwen3-MoE")
+    unit = LMTrainUnit(model)
+    assert unit.aux_loss_coefficient > 0 and unit.expert_load is not None
+    batch = batch_of(model)
+    with HostSyncDetector() as detector:
+        loss, _ = unit(batch)
+        loss.backward()
+    assert detector.syncs == []

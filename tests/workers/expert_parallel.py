@@ -26,6 +26,7 @@ from recipes.experts import apply_expert_parallel
 from recipes.lm import LMConfig, build_trainer
 from runtime.cli.config import load_config
 from tests.recipes.families import FAMILY_BY_NAME, make_family_dir, write_train
+from tests.sync_detector import HostSyncDetector
 from tests.workers.leave import leave
 
 EP_STEPS = 3
@@ -93,7 +94,7 @@ def train_run(root: Gang, config: LMConfig, out: Path, resume_from: Path | None 
     trainer.close()
 
 
-def check_dispatch(root: Gang, model_dir: Path) -> dict[str, float]:
+def check_dispatch(root: Gang, model_dir: Path) -> dict[str, Any]:
     """EP outputs and gradients against every expert on one rank, for hard routings."""
     import transformers
 
@@ -119,14 +120,16 @@ def check_dispatch(root: Gang, model_dir: Path) -> dict[str, float]:
     # only, so expert 2 receives nothing.
     index = torch.full((tokens, 2), 3) if gangs.ep.rank == 0 else torch.tensor([[0, 1]] * tokens)
     weights = torch.rand(tokens, 2, generator=generator)
-    out = experts(hidden.clone().requires_grad_(), index, weights)
-    out.square().sum().backward()
+    with HostSyncDetector() as detector:
+        out = experts(hidden.clone().requires_grad_(), index, weights)
+        out.square().sum().backward()
 
     # The reference's gradients add over every rank, as EP's do over the EP gang and the
     # experts' replicas (the 1 / DP size of the Trainer's normalization undone).
     expected = reference(hidden, index, weights)
     (expected.square().sum()).backward()
-    report = {"output": float((out - expected).detach().abs().max())}
+    report: dict[str, Any] = {"output": float((out - expected).detach().abs().max())}
+    report["syncs"] = detector.syncs
     for name in ("gate_up_proj", "down_proj"):
         grad = getattr(experts, name).grad.to_local() * gangs.dp.size
         whole = getattr(reference, name).grad.clone()
