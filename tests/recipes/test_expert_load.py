@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -16,14 +14,12 @@ from tests.recipes.test_experts import batch_of, family_model
 transformers = pytest.importorskip("transformers")
 
 
-def test_the_expert_load_is_counted_once_per_token_with_activation_checkpointing(
-    tmp_path: Path,
-) -> None:
+def test_the_expert_load_is_counted_once_per_token_with_activation_checkpointing() -> None:
     """Each layer's tokens per expert over the micro-batches of a publish window, each routed
     token-expert pair once though the backward recomputes the layers."""
     from torch.utils.checkpoint import checkpoint
 
-    model = family_model(tmp_path, "Mixtral")
+    model = family_model("Mixtral")
     layers = model.model.layers
     for layer in layers:
         forward = layer.forward
@@ -56,10 +52,10 @@ def test_the_expert_load_of_one_expert_taking_everything() -> None:
         ExpertTokens(4, "mean")
 
 
-def test_the_bias_moves_towards_the_experts_that_received_fewer_tokens(tmp_path: Path) -> None:
+def test_the_bias_moves_towards_the_experts_that_received_fewer_tokens() -> None:
     """DeepSeek-V3's correction bias: after a step, up for the experts under the step's mean
     load, down for those over it, centred; a model buffer, so in the checkpointed state."""
-    model = family_model(tmp_path, "DeepSeek-V3")
+    model = family_model("DeepSeek-V3")
     unit = LMTrainUnit(model)
     assert unit.expert_load is not None
     biases = correction_biases(model)
@@ -84,8 +80,8 @@ def test_the_bias_moves_towards_the_experts_that_received_fewer_tokens(tmp_path:
     )
 
 
-def test_a_bias_update_for_routers_without_a_bias_is_refused(tmp_path: Path) -> None:
-    unit = LMTrainUnit(family_model(tmp_path, "Qwen3-MoE"))
+def test_a_bias_update_for_routers_without_a_bias_is_refused() -> None:
+    unit = LMTrainUnit(family_model("Qwen3-MoE"))
     with pytest.raises(ValueError, match=r"expert_bias_update_rate \(0.001\).*Leave it unset"):
         bias_update(0.001, unit, Gangs.single())
     config = load_config(

@@ -12,15 +12,16 @@ from recipes.experts import router_aux_loss_coefficient
 from recipes.lm import LMTrainUnit
 from runtime.data.text import TextBatch
 from tests.conftest import assert_ok, rank_reports, read_jsonl, torchrun
-from tests.recipes.families import FAMILY_BY_NAME, make_family_dir
+from tests.recipes.families import FAMILY_BY_NAME
 from tests.recipes.test_lm import last_model
 
 transformers = pytest.importorskip("transformers")
 
 
-def family_model(tmp_path: Path, name: str) -> torch.nn.Module:
-    directory = make_family_dir(FAMILY_BY_NAME[name], tmp_path / name)
-    return transformers.AutoModelForCausalLM.from_pretrained(directory)
+def family_model(name: str) -> torch.nn.Module:
+    """The family's tiny model, built from its config (a vocabulary of 50)."""
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(FAMILY_BY_NAME[name].config(50))
 
 
 def batch_of(model: torch.nn.Module, *, rows: int = 3, length: int = 10) -> TextBatch:
@@ -40,20 +41,18 @@ def grads(model: torch.nn.Module, loss: torch.Tensor) -> dict[str, torch.Tensor]
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_the_coefficient_is_the_configs_and_zero_without_an_aux_loss(tmp_path: Path) -> None:
-    assert router_aux_loss_coefficient(family_model(tmp_path, "OLMoE")) == 0.01
-    assert router_aux_loss_coefficient(family_model(tmp_path, "DeepSeek-V3")) == 0.0
-    assert router_aux_loss_coefficient(family_model(tmp_path, "Llama")) == 0.0
+def test_the_coefficient_is_the_configs_and_zero_without_an_aux_loss() -> None:
+    assert router_aux_loss_coefficient(family_model("OLMoE")) == 0.01
+    assert router_aux_loss_coefficient(family_model("DeepSeek-V3")) == 0.0
+    assert router_aux_loss_coefficient(family_model("Llama")) == 0.0
     assert router_aux_loss_coefficient(torch.nn.Linear(2, 2)) == 0.0
 
 
-def test_the_units_loss_is_transformers_loss_summed_and_the_aux_loss_has_its_share(
-    tmp_path: Path,
-) -> None:
+def test_the_units_loss_is_transformers_loss_summed_and_the_aux_loss_has_its_share() -> None:
     """The unit's sum over the targets, divided by them, is the loss transformers computes with
     labels (mean cross entropy + coefficient x load-balancing loss); and the gradient of the
     mean differs from the cross entropy's alone by the coefficient times the aux loss's."""
-    model = family_model(tmp_path, "OLMoE")
+    model = family_model("OLMoE")
     batch = batch_of(model)
     unit = LMTrainUnit(model)
     coefficient = unit.aux_loss_coefficient
@@ -185,10 +184,10 @@ def test_a_run_resumes_at_another_expert_parallel_size(two_rank_checks: Path) ->
         torch.testing.assert_close(into_ep[key], value, rtol=0, atol=EP_TOLERANCE)
 
 
-def test_the_flops_of_a_token_count_the_experts_it_is_routed_to(tmp_path: Path) -> None:
+def test_the_flops_of_a_token_count_the_experts_it_is_routed_to() -> None:
     from recipes.lm import flops_per_token
 
-    model = family_model(tmp_path, "Qwen3-MoE")  # 4 experts, top-2
+    model = family_model("Qwen3-MoE")  # 4 experts, top-2
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     embedding = model.model.embed_tokens.weight.numel()
     active = sum(p.numel() for p in model.parameters()) - embedding - experts // 2
@@ -196,13 +195,13 @@ def test_the_flops_of_a_token_count_the_experts_it_is_routed_to(tmp_path: Path) 
     assert flops_per_token(model, {}, 16) == 6.0 * active + attention
 
 
-def test_a_moe_step_without_ep_makes_no_host_sync(tmp_path: Path) -> None:
+def test_a_moe_step_without_ep_makes_no_host_sync() -> None:
     """The unit's forward and backward of a mixture of experts (its load-balancing loss and the
     expert load counted too) leave the device alone; EP's one sync a layer is pinned with the
     dispatch test."""
     from tests.sync_detector import HostSyncDetector
 
-    model = family_model(tmp_path, "Qwen3-MoE")
+    model = family_model("Qwen3-MoE")
     unit = LMTrainUnit(model)
     assert unit.aux_loss_coefficient > 0 and unit.expert_load is not None
     batch = batch_of(model)
