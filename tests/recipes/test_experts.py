@@ -1,5 +1,6 @@
-"""The load-balancing loss of a mixture of experts in ``recipes.lm``: on where the config has a
-coefficient, the model's own value, weighted like the summed main loss."""
+"""Mixtures of experts in ``recipes.lm``: the load-balancing loss (on where the config has a
+coefficient, the model's own value, weighted like the summed main loss), the FLOPs, the host
+syncs, and expert parallelism (``tests/workers/expert_parallel.py``)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoint import CheckpointManager
+from gangs import Gangs
 from recipes.experts import router_aux_loss_coefficient
 from recipes.lm import LMTrainUnit
+from runtime import MapDataReader, Trainer, TrainerCallback
 from runtime.data.text import TextBatch
 from tests.conftest import assert_ok, rank_reports, read_jsonl, torchrun
 from tests.recipes.families import FAMILY_BY_NAME
@@ -209,3 +213,71 @@ def test_a_moe_step_without_ep_makes_no_host_sync() -> None:
         loss, _ = unit(batch)
         loss.backward()
     assert detector.syncs == []
+
+
+class _GradientProbe(TrainerCallback):
+    """Keeps the final gradients of the first step (normalized by the Trainer)."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_before_optimizer_step(self, *, step_nr: int, model: torch.nn.Module) -> None:
+        if not self.grads:
+            self.grads = {
+                n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+            }
+
+
+def trainer_gradients(
+    tmp_path: Path, coefficient: float, micro_batches: list[TextBatch]
+) -> dict[str, torch.Tensor]:
+    """The gradients the Trainer steps with, over ``micro_batches`` accumulated into one step."""
+    model = family_model("OLMoE")
+    model.config.router_aux_loss_coef = coefficient
+    probe = _GradientProbe()
+    gangs = Gangs.single()
+    trainer = Trainer(
+        unit=LMTrainUnit(model),
+        data_reader=MapDataReader(
+            dataset=micro_batches,
+            batch_size=1,
+            collate=lambda rows: rows[0],
+            gang=gangs.dp,
+            num_accumulate=len(micro_batches),
+            shuffle=False,
+        ),
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        checkpoint_manager=CheckpointManager(tmp_path / f"checkpoints_{coefficient}", gangs),
+        gangs=gangs,
+        max_num_steps=1,
+        callbacks=[probe],
+        progress=False,
+    )
+    trainer.run()
+    trainer.close()
+    return probe.grads
+
+
+def test_the_aux_loss_is_normalized_like_the_main_loss_across_accumulation(
+    tmp_path: Path,
+) -> None:
+    """Two micro-batches of 30 and 10 targets accumulated by the Trainer: the aux loss's share of
+    the update is the coefficient times the targets-weighted mean of their aux losses'
+    gradients, as the cross entropy's is its mean over all 40 targets."""
+    model = family_model("OLMoE")
+    micro_batches = [batch_of(model, rows=3, length=10), batch_of(model, rows=1, length=10)]
+    with_aux = trainer_gradients(tmp_path, 0.01, micro_batches)
+    without = trainer_gradients(tmp_path, 0.0, micro_batches)
+    total = sum(batch.num_targets for batch in micro_batches)
+    model.zero_grad()
+    for batch in micro_batches:
+        aux = model(input_ids=batch.input_ids, output_router_logits=True).aux_loss
+        (aux * batch.num_targets / total).backward()
+    for name, param in model.named_parameters():
+        share = 0.01 * (param.grad if param.grad is not None else torch.zeros_like(param))
+        torch.testing.assert_close(with_aux[name] - without[name], share, rtol=1e-3, atol=2e-7)
+    routers = [n for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert (
+        max(float(0.01 * dict(model.named_parameters())[n].grad.abs().max()) for n in routers)
+        > 1e-5
+    )
