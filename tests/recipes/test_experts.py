@@ -15,7 +15,7 @@ from recipes.experts import router_aux_loss_coefficient
 from recipes.lm import LMTrainUnit
 from runtime import MapDataReader, Trainer, TrainerCallback
 from runtime.data.text import TextBatch
-from tests.conftest import assert_ok, rank_reports, read_jsonl, torchrun
+from tests.conftest import assert_ok, rank_reports, read_jsonl, run_python, torchrun
 from tests.recipes.families import FAMILY_BY_NAME
 from tests.recipes.test_lm import last_model
 
@@ -281,3 +281,29 @@ def test_the_aux_loss_is_normalized_like_the_main_loss_across_accumulation(
         max(float(0.01 * dict(model.named_parameters())[n].grad.abs().max()) for n in routers)
         > 1e-5
     )
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_expert_parallel_run_exports_per_expert_files_from_pretrained_loads(
+    two_rank_checks: Path, tmp_path: Path
+) -> None:
+    """The FSDP2 x EP=2 run's checkpoint holds every expert; its export has one tensor per expert
+    (as the model directory it started from) and computes the checkpoint's logits."""
+    from safetensors import safe_open
+
+    run = two_rank_checks / "expert_parallel" / "runs" / "fsdp_ep2"
+    destination = tmp_path / "exported"
+    assert_ok(run_python("-m", "runtime", "export", str(run), str(destination), "--format", "hf"))
+    source = two_rank_checks / "expert_parallel" / "model" / "model.safetensors"
+    with (
+        safe_open(str(destination / "model.safetensors"), framework="pt") as exported_file,
+        safe_open(str(source), framework="pt") as source_file,
+    ):
+        assert sorted(exported_file.keys()) == sorted(source_file.keys())
+    exported = transformers.AutoModelForCausalLM.from_pretrained(destination).eval()
+    trained = transformers.AutoModelForCausalLM.from_config(exported.config).eval()
+    trained.load_state_dict(last_model(run), strict=True)
+    tokens = torch.randint(0, exported.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(tokens).logits, trained(tokens).logits)
