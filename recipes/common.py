@@ -193,6 +193,8 @@ def setup_recipe_gangs(config: ParallelConfig) -> Gangs:
         dp_shard_size=config.gang.dp_shard_size,
         timeout=timedelta(minutes=config.gang.timeout_minutes),
         force_process_group=shards_parameters(config),
+        # Expert parallelism, in recipes whose gang section has it (recipes.lm).
+        ep_size=getattr(config.gang, "ep_size", 1),
     )
 
 
@@ -282,13 +284,23 @@ def summed_nll_loss(logits: Tensor, targets: Tensor) -> Tensor:
 
 def logits_of(model: nn.Module, batch: Any) -> Tensor:
     """The logits of a batch, from the project's model or from a Hugging Face model's output."""
+    return logits_and_aux_loss(model, batch, router_logits=False)[0]
+
+
+def logits_and_aux_loss(
+    model: nn.Module, batch: Any, *, router_logits: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The logits of a batch and, with ``router_logits``, the MoE model's load-balancing loss."""
     document_ids = getattr(batch, "document_ids", None)
     if document_ids is not None:
         output = model(batch.input_ids, document_ids=document_ids, positions=batch.positions)
+    elif router_logits:
+        output = model(input_ids=batch.input_ids, output_router_logits=True)
     else:
         output = model(input_ids=batch.input_ids)
-    logits: Tensor = output if isinstance(output, Tensor) else output.logits
-    return logits
+    if isinstance(output, Tensor):
+        return output, None
+    return output.logits, getattr(output, "aux_loss", None) if router_logits else None
 
 
 def adamw_with_schedule(

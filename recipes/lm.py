@@ -45,12 +45,15 @@ from recipes.common import (
     OptimizerSection,
     TrainerSection,
     adamw_with_schedule,
+    logits_and_aux_loss,
     logits_of,
     parallel_options,
     setup_recipe_gangs,
     summed_nll_loss,
     trainer_options,
 )
+from recipes.expert_load import ExpertBiasUpdate, ExpertLoad, correction_biases
+from recipes.experts import apply_expert_parallel, expert_modules, router_aux_loss_coefficient
 from recipes.llama import Llama, hf_config, llama_args, tensor_parallel_plan
 from recipes.lora import LoraAdapters, LoraSection, apply_lora
 from recipes.preference import (
@@ -96,6 +99,7 @@ from runtime.data.text import (
     load_tokenizer,
     parse_mixture,
 )
+from runtime.parallel.wrapping import unwrap_model
 from trainkit_utils.arguments import check_positive
 from units import EvalUnit, TrainUnit
 
@@ -120,6 +124,9 @@ class ModelSection:
     """Recompute the layers' activations in the backward pass: less memory, more compute."""
     activation_checkpointing_every_n: int = 1
     """With activation_checkpointing: checkpoint every n-th layer only."""
+    expert_bias_update_rate: float | None = None
+    """A mixture of experts whose routers have a correction bias (DeepSeek-V3): move it by this
+    much a step towards balanced experts (aux-loss-free load balancing; 1e-3 is usual)."""
 
 
 @dataclass
@@ -163,11 +170,17 @@ class DataSection:
 
 
 @dataclass
+class LMGangSection(GangSection):
+    ep_size: int = 1
+    """Expert parallelism: split each MoE layer's experts over this many DP ranks (1: off)."""
+
+
+@dataclass
 class LMConfig:
     task: Literal["pretrain", "sft", "dpo", "simpo", "orpo", "cpo"] = "pretrain"
     """pretrain: packed text, every token a target; sft: prompt/response pairs, responses only;
     dpo, simpo, orpo, cpo: prompt/chosen/rejected pairs (see docs/preference.md)."""
-    gang: GangSection = field(default_factory=GangSection)
+    gang: LMGangSection = field(default_factory=LMGangSection)
     model: ModelSection = field(default_factory=ModelSection)
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
     data: DataSection = field(default_factory=DataSection)
@@ -214,10 +227,17 @@ class LMConfig:
             ("data.seq_len", self.data.seq_len),
             ("data.batch_size", self.data.batch_size),
             ("gang.tp_size", self.gang.tp_size),
+            ("gang.ep_size", self.gang.ep_size),
         ):
             check_positive(name, value)
         if self.lora.rank is not None:
             self._validate_lora()
+        if self.gang.ep_size > 1 and (self.gang.tp_size > 1 or model.hf_path is None):
+            raise ValueError(
+                f"gang.ep_size ({self.gang.ep_size}) splits the experts of a Hugging Face "
+                "mixture of experts (model.hf_path) over DP ranks, beside DDP or FSDP2 without "
+                "tensor parallelism. Use gang.tp_size=1, or gang.ep_size=1."
+            )
         if self.data.document_mask and (model.hf_path is not None or self.task != "pretrain"):
             raise ValueError(
                 "data.document_mask needs the project's model (model.name) and task=pretrain: a "
@@ -462,18 +482,41 @@ class TokenBatch(Protocol):
 
 
 class LMTrainUnit(TrainUnit[TokenBatch]):
+    """The summed cross entropy; for a mixture of experts, plus its load-balancing loss
+    (``router_aux_loss_coef``, see :mod:`recipes.experts`), published as ``router_aux_loss``,
+    and its experts' load (:mod:`recipes.expert_load`)."""
+
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.metric_bag.register_metric("nll_loss", Mean(), persistent=False)
         self.metric_bag.register_metric("num_bad_lines", Max(), persistent=False)
+        self.aux_loss_coefficient = router_aux_loss_coefficient(model)
+        if self.aux_loss_coefficient:
+            self.metric_bag.register_metric("router_aux_loss", Mean(), persistent=False)
+        experts = expert_modules(unwrap_model(model))
+        self.expert_load = ExpertLoad(experts) if experts else None
+        if self.expert_load is not None:
+            self.expert_load.register(self.metric_bag)
 
     def __call__(self, batch: TokenBatch) -> tuple[Tensor, int | None]:
         # The reader's count of skipped lines (data.skip_bad_lines), published with the metrics.
         self.metric_bag.num_bad_lines.update(torch.tensor(getattr(batch, "num_bad_lines", 0)))
-        loss = summed_nll_loss(logits_of(self.model, batch), batch.target_ids)
+        if self.expert_load is not None:
+            self.expert_load.begin()
+        logits, aux_loss = logits_and_aux_loss(
+            self.model, batch, router_logits=self.aux_loss_coefficient > 0
+        )
+        if self.expert_load is not None:
+            self.expert_load.record()
+        loss = summed_nll_loss(logits, batch.target_ids)
         # A micro-batch of an SFT run may hold no response token; its mean is left out.
         weight = max(batch.num_targets, 1)
         self.metric_bag.nll_loss.update(loss.detach() / weight, weight=batch.num_targets)
+        if aux_loss is not None:
+            # The model's mean load-balancing loss, weighted like a mean over the targets:
+            # the Trainer divides the sum by the step's targets.
+            loss = loss + self.aux_loss_coefficient * batch.num_targets * aux_loss.float()
+            self.metric_bag.router_aux_loss.update(aux_loss.detach(), weight=batch.num_targets)
         return loss, batch.num_targets
 
 
@@ -531,6 +574,7 @@ def build_model(
     elif config.lora.rank is not None:
         lora, init_fn = apply_lora(model, config.lora, init_fn)
     flops = flops_per_token(model, hf, config.data.seq_len)
+    expert_params = apply_expert_parallel(model, gangs)
     model = parallelize_model(
         model,
         gangs,
@@ -538,6 +582,7 @@ def build_model(
         block_types=block_types,
         tp_plan=plan,
         init_fn=init_fn,
+        expert_params=expert_params,
     )
     return BuiltModel(model, block_types, flops, hf, lora)
 
@@ -545,7 +590,8 @@ def build_model(
 def flops_per_token(model: nn.Module, hf: Mapping[str, Any], seq_len: int) -> float:
     """Forward and backward FLOPs per token, as PaLM (appendix B) and torchtitan count them:
     6 per parameter that multiplies (an embedding's lookup does not; tied to the output layer,
-    it does), plus attention's scores and weighted sum, 12 * layers * hidden size * seq_len.
+    it does; of a mixture of experts, only the top-k experts a token is routed to), plus
+    attention's scores and weighted sum, 12 * layers * hidden size * seq_len.
 
     Counted on the model before it is wrapped or sharded (the whole parameters)."""
     # A transformers model's config names depth and width alike in every family (GPT-2's
@@ -554,6 +600,11 @@ def flops_per_token(model: nn.Module, hf: Mapping[str, Any], seq_len: int) -> fl
     multiplying = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - multiplying
     num_params = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
+    # A token meets only the experts it is routed to: top-k of each layer's experts.
+    for _, experts in expert_modules(model):
+        share = getattr(sizes, "num_experts_per_tok", 1) / experts.gate_up_proj.shape[0]
+        stacked = experts.gate_up_proj.numel() + experts.down_proj.numel()
+        num_params -= round(stacked * (1 - share))
     attention = 12.0 * sizes.num_hidden_layers * sizes.hidden_size * seq_len
     return 6.0 * num_params + attention
 
@@ -661,6 +712,23 @@ def _block_types(model: nn.Module) -> tuple[type[nn.Module], ...]:
             "cannot be sharded layer by layer."
         )
     return types
+
+
+def bias_update(rate: float, unit: TrainUnit[Any], gangs: Gangs) -> ExpertBiasUpdate:
+    """The aux-loss-free load balancing of ``model.expert_bias_update_rate``."""
+    if not isinstance(unit, LMTrainUnit):
+        raise ValueError(
+            f"model.expert_bias_update_rate ({rate}) balances the experts of task=pretrain or "
+            "task=sft runs. Leave it unset (null) for a preference task."
+        )
+    biases = correction_biases(unwrap_model(unit.model))
+    if unit.expert_load is None or not biases:
+        raise ValueError(
+            f"model.expert_bias_update_rate ({rate}) moves the correction bias of a mixture of "
+            f"experts' routers (DeepSeek-V3's), but {type(unwrap_model(unit.model)).__name__} "
+            "has none. Leave it unset (null)."
+        )
+    return ExpertBiasUpdate(unit.expert_load, biases, gangs.dp, rate)
 
 
 def write_hf_files(config: LMConfig, hf: dict[str, Any], tokenizer: Tokenizer, out: Path) -> None:
@@ -837,6 +905,10 @@ def build_trainer(config: LMConfig, output_dir: Path, gangs: Gangs) -> Trainer[A
     )
     if config.task in PREFERENCE_TASKS and valid_reader is not None:
         options["score_metric_name"] = "loss"
+    if config.model.expert_bias_update_rate is not None:
+        options["callbacks"] = [
+            bias_update(config.model.expert_bias_update_rate, train_unit, gangs)
+        ]
     return Trainer(
         unit=train_unit,
         data_reader=train_reader,

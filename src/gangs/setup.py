@@ -40,13 +40,28 @@ class Gangs:
     """
 
     def __init__(
-        self, *, root: Gang, dp: Gang, tp: Gang, device_mesh: DeviceMesh | None = None
+        self,
+        *,
+        root: Gang,
+        dp: Gang,
+        tp: Gang,
+        device_mesh: DeviceMesh | None = None,
+        ep: Gang | None = None,
+        ep_replicas: Gang | None = None,
     ) -> None:
         self._root = root
         self._dp = dp
         self._tp = tp
+        self._ep = ep or FakeGang(device=root.device)
+        self._ep_replicas = ep_replicas or (dp if self._ep.size == 1 else None)
+        if self._ep_replicas is None or self._ep.size * self._ep_replicas.size != dp.size:
+            raise GangError(
+                f"The EP gang ({self._ep.size}) times its replicas' gang must make up the DP "
+                f"gang ({dp.size}). Make the gangs with setup_gangs(ep_size=...)."
+            )
         self._device_mesh = device_mesh
         self._dp_mesh = None if device_mesh is None else _whole_dp_mesh(device_mesh, dp)
+        self._ep_mesh: DeviceMesh | None = None
 
     @property
     def root(self) -> Gang:
@@ -61,6 +76,33 @@ class Gangs:
     def tp(self) -> Gang:
         """The tensor-parallel gang: the ranks that share a batch and shard the layers."""
         return self._tp
+
+    @property
+    def ep(self) -> Gang:
+        """The expert-parallel gang: DP ranks that split the experts of each MoE layer among them
+        and send each other the tokens for them (consecutive DP ranks; size 1: no EP)."""
+        return self._ep
+
+    @property
+    def ep_replicas(self) -> Gang:
+        """The DP ranks that hold the same experts (one per EP gang, striding across them):
+        their expert gradients add up. The whole DP gang without EP."""
+        assert self._ep_replicas is not None  # __init__
+        return self._ep_replicas
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        """The 1-D ``("ep",)`` mesh of the EP gang, over which expert weights are sharded."""
+        if self._ep_mesh is None:
+            if not isinstance(self._ep, ProcessGroupGang):
+                raise GangError(
+                    "An EP mesh needs an EP gang of two or more processes. Make the gangs "
+                    "with setup_gangs(ep_size=N) under torchrun."
+                )
+            self._ep_mesh = DeviceMesh.from_group(
+                self._ep.as_process_group(), self._root.device.type, mesh_dim_names=("ep",)
+            )
+        return self._ep_mesh
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -119,7 +161,8 @@ class Gangs:
 
     def __repr__(self) -> str:
         shard = "" if self.dp_shard_size is None else f", dp_shard={self.dp_shard_size}"
-        return f"Gangs(root={self.root.size}, dp={self.dp.size}{shard}, tp={self.tp.size})"
+        ep = "" if self.ep.size == 1 else f", ep={self.ep.size}"
+        return f"Gangs(root={self.root.size}, dp={self.dp.size}{shard}{ep}, tp={self.tp.size})"
 
     @staticmethod
     def single(device: torch.device | None = None) -> Gangs:
@@ -232,14 +275,18 @@ def setup_root_gang(
 
 
 def setup_parallel_gangs(
-    root: Gang, *, tp_size: int = 1, dp_shard_size: int | None = None
+    root: Gang, *, tp_size: int = 1, dp_shard_size: int | None = None, ep_size: int = 1
 ) -> Gangs:
     """Split ``root`` into DP and TP gangs with a DeviceMesh over them.
 
     The mesh is ``("dp", "tp")``; with ``dp_shard_size`` (HSDP) it is ``("dp_replicate",
     "dp_shard", "tp")`` and :attr:`Gangs.dp` is still the whole DP gang. A root gang of one
     process gets a mesh (of size 1) only when it has a process group.
+
+    ``ep_size`` (expert parallelism) takes runs of ``ep_size`` consecutive DP ranks as EP gangs
+    (:attr:`Gangs.ep`); the DP ranks that hold the same experts are :attr:`Gangs.ep_replicas`.
     """
+    _check_ep_size(ep_size, root.size // tp_size if tp_size > 0 else 0)
     if tp_size <= 0:
         raise GangError(f"tp_size must be greater than zero, but is {tp_size} instead.")
     if root.size % tp_size != 0:
@@ -285,7 +332,53 @@ def setup_parallel_gangs(
         dp = gang_of(_flat_dp_mesh(mesh))
     else:
         dp = _public_dp_gang(mesh, root, timeout)
-    return Gangs(root=root, dp=dp, tp=gang_of(mesh["tp"]), device_mesh=mesh)
+    ep, ep_replicas = _ep_gangs(mesh, root, ep_size, timeout) if ep_size > 1 else (None, None)
+    return Gangs(
+        root=root,
+        dp=dp,
+        tp=gang_of(mesh["tp"]),
+        device_mesh=mesh,
+        ep=ep,
+        ep_replicas=ep_replicas,
+    )
+
+
+def _check_ep_size(ep_size: int, dp_size: int) -> None:
+    if ep_size <= 0 or (dp_size > 0 and dp_size % ep_size != 0):
+        raise GangError(
+            f"ep_size must be greater than zero and divide the DP size ({dp_size}), but is "
+            f"{ep_size} instead."
+        )
+
+
+def _ep_gangs(
+    mesh: DeviceMesh, root: Gang, ep_size: int, timeout: timedelta | None
+) -> tuple[Gang, Gang]:
+    """This rank's EP gang (``ep_size`` consecutive DP ranks) and the gang of its experts'
+    replicas (the DP ranks ``ep_size`` apart), made with public ``new_group``: every rank makes
+    every group, in one order."""
+    tp_size = mesh.mesh.shape[-1]
+    by_dp_rank: list[list[int]] = mesh.mesh.reshape(-1, tp_size).tolist()  # [dp rank][tp rank]
+    dp_size = len(by_dp_rank)
+    ep_groups = [
+        [by_dp_rank[start + i][t] for i in range(ep_size)]
+        for t in range(tp_size)
+        for start in range(0, dp_size, ep_size)
+    ]
+    replica_groups = [
+        [by_dp_rank[start + i][t] for start in range(0, dp_size, ep_size)]
+        for t in range(tp_size)
+        for i in range(ep_size)
+    ]
+    gangs: list[Gang] = []
+    for groups in (ep_groups, replica_groups):
+        mine: Gang = FakeGang(device=root.device)
+        for ranks in groups:
+            group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+            if root.rank in ranks and group is not None:
+                mine = ProcessGroupGang(group, device=root.device, timeout=timeout)
+        gangs.append(mine)
+    return gangs[0], gangs[1]
 
 
 def setup_gangs(
@@ -295,6 +388,7 @@ def setup_gangs(
     device: torch.device | None = None,
     timeout: timedelta = timedelta(minutes=15),
     force_process_group: bool = False,
+    ep_size: int = 1,
 ) -> Gangs:
     """:func:`setup_root_gang` and :func:`setup_parallel_gangs` in one call.
 
@@ -305,7 +399,9 @@ def setup_gangs(
     group_made_here = force_process_group and not dist.is_initialized()
     root = setup_root_gang(device, timeout, force_process_group=force_process_group)
     try:
-        return setup_parallel_gangs(root, tp_size=tp_size, dp_shard_size=dp_shard_size)
+        return setup_parallel_gangs(
+            root, tp_size=tp_size, dp_shard_size=dp_shard_size, ep_size=ep_size
+        )
     except BaseException:
         if group_made_here and root.size == 1:
             root.close()  # nothing else holds this rank's group yet

@@ -93,11 +93,13 @@ def four_process_layouts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One launch of four processes for the HSDP and HSDP x TP layouts, each on both torch
     paths (gangs.torch_versions): ``OUT/LAYOUT-PATH/rank_R.json``."""
     out = tmp_path_factory.mktemp("four_processes")
-    cases = {
+    cases: dict[str, tuple[Any, ...]] = {
         f"{layout}-{path}": (tp_size, 2, path)
         for layout, tp_size in (("hsdp", 1), ("hsdp_tp", 2))
         for path in ("private", "public")
     }
+    # Expert parallelism over 4 DP ranks, and over the 2 DP ranks beside TP.
+    cases |= {"ep": (1, None, None, 2), "ep_tp": (2, None, None, 2)}
     assert_ok(torchrun(4, WORKER, str(out), "--cases", json.dumps(cases)))
     return out
 
@@ -143,6 +145,29 @@ def test_four_processes_hsdp_x_tp_layout_on_each_torch_path(
             assert "dp_mesh" not in report
             assert "Use kind='hsdp'" in report["dp_mesh_error"]
             assert "TRAINKIT_TORCH_PRIVATE_APIS is 'public'" in report["dp_mesh_error"]
+
+
+@pytest.mark.distributed
+def test_four_processes_ep_gangs_are_consecutive_dp_ranks_and_replicas_stride(
+    four_process_layouts: Path,
+) -> None:
+    for rank, report in enumerate(four_process_reports(four_process_layouts, "ep")):
+        start = rank - rank % 2
+        assert report["ep_members"] == [float(start), float(start + 1)]
+        assert report["ep_replicas_members"] == [float(rank % 2), float(rank % 2 + 2)]
+        assert report["ep_mesh"] == [start, start + 1]
+        assert report["dp_members"] == [0.0, 1.0, 2.0, 3.0]
+    for rank, report in enumerate(four_process_reports(four_process_layouts, "ep_tp")):
+        # DP ranks stride over TP (rank = dp_rank * 2 + tp_rank); EP takes both DP ranks.
+        assert report["ep_members"] == [float(rank % 2), float(rank % 2 + 2)]
+        assert "ep_replicas_members" in report and len(report["ep_replicas_members"]) == 1
+
+
+def test_ep_size_must_divide_the_dp_size() -> None:
+    with pytest.raises(GangError, match=r"ep_size must .* divide the DP size \(1\), but is 2"):
+        setup_parallel_gangs(FakeGang(), ep_size=2)
+    assert Gangs.single().ep.size == 1
+    assert Gangs.single().ep_replicas.size == 1
 
 
 def test_dp_shard_size_must_divide_the_dp_size() -> None:

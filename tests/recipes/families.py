@@ -59,6 +59,12 @@ _COMMON: dict[str, Any] = {
 }
 
 NO_TP_PLAN = "no base_model_tp_plan"
+EXPERTS_TP = "'packed_colwise'"
+"""The words of the refusal of a mixture-of-experts family under TP: its plan splits the stacked
+experts in a style the recipe does not apply."""
+
+_MOE: dict[str, Any] = {"num_experts_per_tok": 2, "tie_word_embeddings": False}
+"""Four experts of every family, two per token."""
 
 
 @dataclass(frozen=True)
@@ -68,10 +74,13 @@ class Family:
     """The family's tiny ``transformers`` config for a vocabulary size."""
     features: str
     """What the family brings that the others do not."""
-    quick_layout: str
-    """The layout ``make test`` trains it in (the others run in ``make test-all``)."""
+    quick_layout: str | None
+    """The layout ``make test`` trains it in (the others run in ``make test-all``); None: every
+    layout in ``make test-all`` only."""
     refused: Mapping[str, str] = field(default_factory=dict)
     """Layouts the recipe refuses at start, and words its one-line error holds."""
+    experts: bool = False
+    """A mixture of experts: per-expert keys in its files, a router's load-balancing loss."""
 
     @property
     def slug(self) -> str:
@@ -153,6 +162,73 @@ FAMILIES = (
         quick_layout="DDP",
     ),
 )
+MOE_REFUSED = {"TP": EXPERTS_TP, "FSDP2 x TP": EXPERTS_TP}
+
+MOE_FAMILIES = (
+    Family(
+        "Qwen3-MoE",
+        _config("Qwen3MoeConfig", **_MOE, num_experts=4, moe_intermediate_size=16, head_dim=8),
+        "4 experts, top-2 softmax routing, load-balancing loss (0.001)",
+        quick_layout="FSDP2",
+        refused=MOE_REFUSED,
+        experts=True,
+    ),
+    Family(
+        "Mixtral",
+        _config("MixtralConfig", **_MOE, num_local_experts=4, intermediate_size=16),
+        "experts stored as block_sparse_moe w1/w2/w3, renamed and merged at load",
+        quick_layout=None,
+        refused=MOE_REFUSED,
+        experts=True,
+    ),
+    Family(
+        "OLMoE",
+        _config("OlmoeConfig", **_MOE, num_experts=4, intermediate_size=16),
+        "q/k norms over the whole width, load-balancing loss (0.01)",
+        quick_layout=None,
+        refused=MOE_REFUSED,
+        experts=True,
+    ),
+    Family(
+        "Qwen2-MoE",
+        _config(
+            "Qwen2MoeConfig",
+            **_MOE,
+            num_experts=4,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=32,
+        ),
+        "a gated shared expert beside the routed ones",
+        quick_layout=None,
+        refused=MOE_REFUSED,
+        experts=True,
+    ),
+    Family(
+        "DeepSeek-V3",
+        _config(
+            "DeepseekV3Config",
+            **_MOE,
+            n_routed_experts=4,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+        "sigmoid, group-limited routing with a correction bias (no aux loss), latent "
+        "attention, a dense first layer",
+        quick_layout=None,
+        refused=MOE_REFUSED,
+        experts=True,
+    ),
+)
+FAMILIES = (*FAMILIES, *MOE_FAMILIES)
 FAMILY_BY_NAME = {family.name: family for family in FAMILIES}
 
 

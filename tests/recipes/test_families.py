@@ -71,10 +71,15 @@ def test_every_family_trains_in_its_quick_layout_in_one_launch(tmp_path: Path) -
     )
     assert_ok(result)
     for family in FAMILIES:
+        if family.quick_layout is None:
+            continue
         run = tmp_path / family.slug / "run"
         values = losses(run)
         assert len(values) == QUICK_STEPS, family.name
-        assert all(r["mfu"] > 0 for r in read_jsonl(run / "metrics" / "train.jsonl"))
+        records = read_jsonl(run / "metrics" / "train.jsonl")
+        assert all(r["mfu"] > 0 for r in records)
+        # A mixture of experts trains with its load-balancing loss unless asked not to.
+        assert all(r.get("router_aux_loss", 0) > 0 for r in records) == family.experts, family.name
         assert values[-1] < values[0], (family.name, values)
         (valid,) = read_jsonl(run / "metrics" / "valid.jsonl")
         assert math.isfinite(valid["nll_loss"]) and valid["nll_loss"] < values[0], family.name
@@ -284,7 +289,10 @@ def test_a_family_from_scratch_is_initialized_as_transformers_initializes_it(
                 family.name,
                 name,
             )
-            assert abs(float(tensor.detach().float().mean()) - float(want.mean())) < spread, (
+            # Two draws' means differ by sampling too: about std * sqrt(2 / numel).
+            sampling = 4 * float(want.std()) * math.sqrt(2 / want.numel())
+            mean_gap = abs(float(tensor.detach().float().mean()) - float(want.mean()))
+            assert mean_gap < spread + sampling, (
                 family.name,
                 name,
             )

@@ -2,7 +2,7 @@
 
 Usage: ``gang_check.py OUT TP_SIZE [DP_SHARD_SIZE]`` writes ``OUT/rank_R.json``;
 ``gang_check.py OUT --cases JSON`` checks several layouts of one launch (one torchrun start-up),
-JSON mapping each case's name to ``[tp_size, dp_shard_size, torch path]``, into
+JSON mapping each case's name to ``[tp_size, dp_shard_size, torch path(, ep_size)]``, into
 ``OUT/NAME/rank_R.json``. The torch path is ``private`` or ``public`` (gangs.torch_versions).
 """
 
@@ -13,6 +13,7 @@ import os
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -94,21 +95,29 @@ def check(gangs: Gangs) -> dict[str, object]:
             report["dp_mesh"] = gangs.dp_mesh.mesh.tolist()
         except GangError as ex:  # HSDP x TP off the private path (gangs.torch_versions)
             report["dp_mesh_error"] = str(ex)
+    if gangs.ep.size > 1:
+        for gang_name, gang in (("ep", gangs.ep), ("ep_replicas", gangs.ep_replicas)):
+            members = torch.zeros(gang.size, 1)
+            gang.all_gather(members, value)
+            report[f"{gang_name}_members"] = members.flatten().tolist()
+        report["ep_mesh"] = gangs.ep_mesh.mesh.tolist()
     everyone = root.make_gang(list(range(root.size)))
     report["timeouts"] = _timeouts(root, gangs.dp, gangs.tp, everyone, mesh)
     root.barrier()
     return report
 
 
-def main(output_dir: Path, cases: dict[str, tuple[int, int | None, str | None]]) -> None:
+def main(output_dir: Path, cases: dict[str, tuple[Any, ...]]) -> None:
     root = setup_root_gang(timeout=GANG_TIMEOUT)
-    for name, (tp_size, dp_shard_size, torch_path) in cases.items():
+    for name, (tp_size, dp_shard_size, torch_path, *ep) in cases.items():
         if torch_path is not None:
             os.environ[PRIVATE_APIS_ENV_VAR] = torch_path
         case_dir = output_dir / name
         case_dir.mkdir(parents=True, exist_ok=True)
         try:
-            gangs = setup_parallel_gangs(root, tp_size=tp_size, dp_shard_size=dp_shard_size)
+            gangs = setup_parallel_gangs(
+                root, tp_size=tp_size, dp_shard_size=dp_shard_size, ep_size=ep[0] if ep else 1
+            )
             report = check(gangs)
         except BaseException as ex:
             ex.add_note(f"(in gang_check.py's case {name})")

@@ -1,7 +1,7 @@
 """Every model family of tests/recipes/families.py trained a few steps through ``recipes.lm``
 in its quick layout, all in one launch of 2 ranks, for tests/recipes/test_families.py.
 
-Usage: ``lm_families.py DIR STEPS [FAMILY ...]`` (default: every family). ``DIR`` holds ``train.jsonl``, ``valid.jsonl`` and one model
+Usage: ``lm_families.py DIR STEPS [FAMILY ...]`` (default: every family with a quick layout). ``DIR`` holds ``train.jsonl``, ``valid.jsonl`` and one model
 directory per family (``DIR/<slug>/model``); each family's run goes to ``DIR/<slug>/run``. The
 2-rank layouts a family is refused in are built too, and rank 0 writes the errors to
 ``DIR/refusals.json``: ``{"<family>/<layout>": "message"}``.
@@ -37,6 +37,8 @@ def main(directory: Path, steps: int, names: list[str]) -> None:
     root = setup_root_gang()
     families = [family for family in FAMILIES if not names or family.name in names]
     for family in families:
+        if family.quick_layout is None:
+            continue
         layout = LAYOUT_BY_NAME[family.quick_layout]
         config = config_of(directory, family.slug, layout, steps)
         gangs = setup_parallel_gangs(root, tp_size=config.gang.tp_size)

@@ -2,7 +2,8 @@
 
 A recipe that trains a Hugging Face-compatible model keeps the model's ``config.json`` and its
 tokenizer files in ``OUTPUT_DIR/hf/`` (``recipes.lm`` does); export writes them beside the
-checkpoint's weights as safetensors (tied embeddings once), one file or shards of at most ``max_shard_bytes`` with the
+checkpoint's weights as safetensors (tied embeddings once; a mixture of experts' experts one
+tensor per expert, as ``save_pretrained`` writes them), one file or shards of at most ``max_shard_bytes`` with the
 ``model.safetensors.index.json`` that ``from_pretrained`` reads. The directory is written under a
 temporary name and renamed when complete, so DEST is either whole or absent.
 """
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from runtime.training.hf_conversion import checkpoint_state
 
 HF_FILES_DIR = "hf"
 PEFT_FILES_DIR = "peft"
@@ -50,6 +53,7 @@ def write_hf_directory(
         },
         json.loads((source / "config.json").read_text()),
     )
+    tensors = _as_saved(tensors, source)
     shards = _shards(tensors, max_shard_bytes)
     names = (
         ["model.safetensors"]
@@ -110,6 +114,23 @@ def _stored_once(tensors: dict[str, Tensor], config: Mapping[str, object]) -> di
         and any(torch.equal(tensors[key], tensors[k]) for k in inputs)
     }
     return {key: tensor for key, tensor in tensors.items() if key not in copies}
+
+
+def _as_saved(tensors: dict[str, Tensor], source: Path) -> dict[str, Tensor]:
+    """The tensors under the keys ``save_pretrained`` writes for the model of ``config.json``:
+    a mixture of experts' stacked experts split per expert again (see
+    :mod:`runtime.training.hf_conversion`); unchanged without ``transformers`` or a conversion."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        return tensors
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (ValueError, KeyError, OSError):
+        return tensors  # a model transformers does not know: its keys stay as they are
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    return checkpoint_state(model, tensors)
 
 
 def _shards(tensors: Mapping[str, Tensor], max_shard_bytes: int) -> list[dict[str, Tensor]]:

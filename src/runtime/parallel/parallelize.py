@@ -3,11 +3,11 @@ compose in: TP, activation checkpointing, FSDP2/HSDP, materialize, DDP, compile.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 import torch
-from torch.nn import Module
+from torch.nn import Module, Parameter
 
 from gangs import Gangs
 from runtime.parallel.activation_recompute import apply_activation_checkpointing
@@ -32,6 +32,7 @@ def parallelize_model(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     compile: bool = False,
+    expert_params: Collection[Parameter] = (),
 ) -> Module:
     """Shard, wrap and initialize ``model`` (built under ``torch.device("meta")``) for ``gangs``.
 
@@ -44,6 +45,8 @@ def parallelize_model(
        such as tied input and output embeddings, stay one parameter;
     5. with ``kind="ddp"``, DDP wraps the model, unless no parameter requires a gradient;
     6. with ``compile``, each block is compiled (:func:`compile_blocks`).
+
+    ``expert_params`` (already sharded over the EP gang) are left alone by DDP and FSDP2.
 
     Returns the model to train: the DDP wrapper under DDP, else ``model`` itself.
     """
@@ -61,12 +64,13 @@ def parallelize_model(
             fsdp_units=block_types,
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
+            expert_params=expert_params,
         )
     materialize_model(model, device=gangs.root.device, seed=seed, init_fn=init_fn)
     # A frozen model (a reference to compare against) has no gradient to synchronize: DDP,
     # which would refuse it, leaves it whole on each rank.
     if kind == "ddp" and any(param.requires_grad for param in model.parameters()):
-        model = apply_data_parallel(model, gangs, kind="ddp")
+        model = apply_data_parallel(model, gangs, kind="ddp", expert_params=expert_params)
     if compile:
         compile_blocks(model, block_types=block_types)
     return model

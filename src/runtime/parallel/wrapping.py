@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Literal
 
 import torch
-from torch.nn import Module
+from torch.nn import Module, Parameter
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gangs import Gangs
@@ -57,6 +57,7 @@ def apply_data_parallel(
     find_unused_parameters: bool = False,
     static_graph: bool = False,
     gradient_as_bucket_view: bool = False,
+    expert_params: Collection[Parameter] = (),
 ) -> Module:
     """Replicate (DDP), shard (FSDP2) or shard-and-replicate (HSDP) ``model`` over the DP gang.
 
@@ -86,6 +87,10 @@ def apply_data_parallel(
     reduces their gradients (see :mod:`runtime.training.sparse_gradients`). Only torch's private
     API can make DDP leave them out: off the tested torch versions (:mod:`gangs.torch_versions`)
     a sparse embedding under DDP is a clear error.
+
+    ``expert_params``: parameters already sharded over the EP gang (expert parallelism), whose
+    gradients their own layer reduces; DDP and FSDP2 leave them alone (DDP through the same
+    private API as sparse embeddings).
     """
     if kind not in ("ddp", "fsdp", "hsdp"):
         raise ValueError(f"kind must be 'ddp', 'fsdp' or 'hsdp', but is '{kind}' instead.")
@@ -125,14 +130,15 @@ def apply_data_parallel(
 
         mesh = gangs.hsdp_mesh if kind == "hsdp" else gangs.dp_mesh
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        ignored = set(expert_params) or None
         for module in model.modules():
             if isinstance(module, fsdp_units):
-                fully_shard(module, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+                fully_shard(module, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+        fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
         if param_dtype is not None:
             _FSDP_PARAM_DTYPES[model] = param_dtype
         return model
-    return _wrap_ddp(model, gangs, ddp_options)
+    return _wrap_ddp(model, gangs, ddp_options, expert_params)
 
 
 def _shards_alone(kind: DataParallelKind, gangs: Gangs) -> bool:
@@ -163,14 +169,16 @@ def _check_ties_in_one_unit(model: Module, fsdp_units: tuple[type[Module], ...])
             )
 
 
-def _wrap_ddp(model: Module, gangs: Gangs, options: dict[str, bool]) -> Module:
+def _wrap_ddp(
+    model: Module, gangs: Gangs, options: dict[str, bool], expert_params: Collection[Parameter]
+) -> Module:
     if gangs.tp.size > 1:
         # DDP does not handle DTensor parameters (their state dict entries are lost).
         raise ValueError(
             "DDP does not compose with tensor parallelism. Use kind='fsdp' (FSDP2) when the TP "
             f"gang has more than one process (it has {gangs.tp.size})."
         )
-    _leave_sparse_out_of_ddp(model, gangs)
+    _leave_sparse_out_of_ddp(model, gangs, expert_params)
     device_ids = [gangs.dp.device.index] if gangs.dp.device.type == "cuda" else None
     return DDP(
         model,
@@ -182,11 +190,24 @@ def _wrap_ddp(model: Module, gangs: Gangs, options: dict[str, bool]) -> Module:
     )
 
 
-def _leave_sparse_out_of_ddp(model: Module, gangs: Gangs) -> None:
+def _leave_sparse_out_of_ddp(
+    model: Module, gangs: Gangs, expert_params: Collection[Parameter] = ()
+) -> None:
     """Have DDP ignore the sparse embeddings of ``model``, and start them equal on every DP rank
-    (DDP's own broadcast skips what it ignores)."""
+    (DDP's own broadcast skips what it ignores); and the ``expert_params``, which start equal
+    (they are initialized from the seed, or loaded)."""
     sparse = sparse_parameters(model)
+    experts = {id(p) for p in expert_params}
+    expert_names = [name for name, p in model.named_parameters() if id(p) in experts]
+    if not sparse and not expert_names:
+        return
     if not sparse:
+        if not private_apis_supported():
+            raise ValueError(
+                "DDP can leave the experts out only through a private torch API, "
+                f"{private_apis_refused()}. Use data_parallel=fsdp with expert parallelism."
+            )
+        DDP._set_params_and_buffers_to_ignore_for_model(model, expert_names)  # type: ignore[no-untyped-call]
         return
     # No public API makes DDP ignore a parameter: only this private setter, so only on the
     # torch versions it is tested with (see gangs.torch_versions), and no fallback elsewhere.
@@ -196,7 +217,7 @@ def _leave_sparse_out_of_ddp(model: Module, gangs: Gangs) -> None:
             f"torch API, {private_apis_refused()}. Use sparse=False for them, or a tested torch "
             "version."
         )
-    DDP._set_params_and_buffers_to_ignore_for_model(model, list(sparse))  # type: ignore[no-untyped-call]
+    DDP._set_params_and_buffers_to_ignore_for_model(model, [*sparse, *expert_names])  # type: ignore[no-untyped-call]
     with torch.no_grad():
         for param in sparse.values():
             gangs.dp.broadcast(param.data, source_rank=0)

@@ -35,6 +35,11 @@ from gangs import Gangs
 from runtime.parallel.materialize import canonical_name, copy_own_slice
 from runtime.parallel.tying import shared_parameters
 from runtime.parallel.wrapping import unwrap_model
+from runtime.training.hf_conversion import (
+    ConversionError,
+    ConvertedCheckpoint,
+    weight_conversions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +118,7 @@ def load_initial_weights(
     loaded: dict[str, Path] = {}
     paths = []
     for source in sources:
-        path, source_keys, loader = _open_source(Path(source.path), gangs)
+        path, source_keys, loader = _open_source(Path(source.path), gangs, model, model_state)
         plan = _match_keys(
             path,
             source_keys,
@@ -173,11 +178,13 @@ def _copy_to_tied(
                     loaded[name] = loaded[source]
 
 
-def _open_source(path: Path, gangs: Gangs) -> tuple[Path, list[str], _Loader]:
+def _open_source(
+    path: Path, gangs: Gangs, model: Module, model_state: Mapping[str, object]
+) -> tuple[Path, list[str], _Loader]:
     if path.is_file():
         return path, *_file_source(path)
     if _is_hf_model_dir(path):
-        return path, *_hf_model_source(path)
+        return path, *_hf_model_source(path, model, model_state)
     if path.is_dir():
         path = find_step_dir(path)
         return path, *_dcp_source(path, gangs)
@@ -218,7 +225,10 @@ class _FileLoader(_Loader):
     def __call__(self, targets: dict[str, Tensor]) -> None:
         with torch.no_grad():
             for key, target in targets.items():
-                source = self._state[key]
+                try:
+                    source = self._state[key]
+                except ConversionError as ex:
+                    raise InitialWeightsError(f"{self._path}: {ex}") from ex
                 if tuple(source.shape) != tuple(target.shape):
                     raise InitialWeightsError(
                         f"'{key}' in {self._path} has the shape {tuple(source.shape)}, but the "
@@ -326,9 +336,16 @@ class _SafetensorsFiles(Mapping[str, Tensor]):
         return len(self._files_by_key)
 
 
-def _hf_model_source(path: Path) -> tuple[list[str], _Loader]:
-    files_by_key = _hf_files_by_key(path)
-    return list(files_by_key), _FileLoader(path, _SafetensorsFiles(files_by_key))
+def _hf_model_source(
+    path: Path, model: Module, model_state: Mapping[str, object]
+) -> tuple[list[str], _Loader]:
+    """A Hugging Face directory's tensors under the model's names: a ``transformers`` model's
+    per-expert keys merged into its stacked experts (and renamed) as ``from_pretrained`` does."""
+    files: Mapping[str, Tensor] = _SafetensorsFiles(_hf_files_by_key(path))
+    unwrapped = unwrap_model(model)
+    if weight_conversions(unwrapped):
+        files = ConvertedCheckpoint(files, unwrapped, model_state)
+    return list(files), _FileLoader(path, files)
 
 
 def _hf_files_by_key(path: Path) -> dict[str, Path]:

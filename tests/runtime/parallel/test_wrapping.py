@@ -87,3 +87,23 @@ def test_sparse_embeddings_leave_ddp_only_through_the_private_setter(
         _leave_sparse_out_of_ddp(model, Gangs.single())
     assert f"this is torch 2.15.0, or {PRIVATE_APIS_ENV_VAR} is 'public'" in str(ex.value)
     assert not hasattr(model[0].weight, "_ddp_ignored")
+
+
+def test_experts_leave_ddp_through_the_private_setter_or_are_refused_toward_fsdp2(
+    monkeypatch: pytest.MonkeyPatch, torch_private_apis: str
+) -> None:
+    # Expert-parallel experts: DDP ignores them on the private path; on the public one a run
+    # is pointed to FSDP2, whose public ignored_params leaves them out.
+    from runtime.parallel.wrapping import _leave_sparse_out_of_ddp
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    experts = [model[1].weight]
+    if torch_private_apis == "private":
+        _leave_sparse_out_of_ddp(model, Gangs.single(), experts)
+        assert model[1].weight._ddp_ignored
+        assert not hasattr(model[0].weight, "_ddp_ignored")
+        return
+    monkeypatch.setattr("torch.__version__", "2.15.0")
+    with pytest.raises(ValueError, match=r"experts out only through a private.*data_parallel=fsdp"):
+        _leave_sparse_out_of_ddp(model, Gangs.single(), experts)
+    assert not hasattr(model[1].weight, "_ddp_ignored")
