@@ -47,10 +47,9 @@ class MapDataReader(DataReader[BatchT]):
     with ``__getitems__`` (torch's batched protocol, which ``DataLoader`` uses too) gets one call
     per micro-batch; any other dataset is indexed example by example.
 
-    ``order`` (with ``shuffle=False``) maps the positions of epoch ``e`` to examples instead:
-    ``order(e, positions)``, called with this rank's positions only, a block at a time as they
-    are read, so that neither the start of an epoch nor the memory grows with the dataset (see
-    :class:`~runtime.data.permutation.ShuffledOrder`).
+    ``order(e, positions)`` (with ``shuffle=False``) gives the examples instead, for this rank's
+    positions a block at a time as they are read: neither an epoch's start nor the memory grows
+    with the dataset (:class:`~runtime.data.permutation.ShuffledOrder`).
 
     A dataset with a ``set_epoch(epoch)`` method (as ``DistributedSampler`` has) is told each
     data epoch before any of its examples are read in it.
@@ -124,10 +123,7 @@ class MapDataReader(DataReader[BatchT]):
             drop_remainder=drop_remainder,
         )
         if order is not None and shuffle:
-            raise ValueError(
-                "order and shuffle both decide the order of the examples. Give shuffle=False "
-                "with an order."
-            )
+            raise ValueError("order and shuffle both decide the order: give shuffle=False.")
         self._shuffle = shuffle
         self._order = order
         self._seed = seed
