@@ -25,6 +25,8 @@ def write_jsonl(path: Path, count: int) -> Path:
     return path
 
 
+# In make test, test_prepared_writer.py stops a preparation mid-way (a full disk) and goes on.
+@pytest.mark.slow
 def test_kill_9_mid_way_then_the_same_command_finishes_from_the_finished_chunks(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
