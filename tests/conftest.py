@@ -231,6 +231,11 @@ def make_toy_trainer(
     )
 
 
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "over", "green"]
+WORDS += ["hills", "and", "birds", "sang"]
+"""The vocabulary of the tests' small texts and word-level tokenizers."""
+
+
 def make_tokenizer_dir(
     directory: Path, texts: Sequence[str], *, config_file: str | None = "tokenizer_config.json"
 ) -> Path:

@@ -34,6 +34,7 @@ from runtime.data.text import (
 from runtime.data.text.prepared import PreparedDataError
 from tests.conftest import (
     REPO_ROOT,
+    WORDS,
     assert_ok,
     child_env,
     make_tokenizer_dir,
@@ -43,25 +44,6 @@ from tests.conftest import (
 )
 
 transformers = pytest.importorskip("transformers")
-
-WORDS = [
-    "the",
-    "cat",
-    "sat",
-    "on",
-    "a",
-    "mat",
-    "while",
-    "dogs",
-    "ran",
-    "far",
-    "over",
-    "green",
-    "hills",
-    "and",
-    "birds",
-    "sang",
-]
 
 
 def sentences(count: int, seed: int) -> list[str]:

@@ -38,30 +38,12 @@ from runtime.data.text import (
     collate_preference_pairs,
     load_tokenizer,
 )
-from tests.conftest import make_tokenizer_dir
+from tests.conftest import WORDS, make_tokenizer_dir
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-WORDS = [
-    "the",
-    "cat",
-    "sat",
-    "on",
-    "a",
-    "mat",
-    "while",
-    "dogs",
-    "ran",
-    "far",
-    "over",
-    "green",
-    "hills",
-    "and",
-    "birds",
-    "sang",
-]
 BATCH_SIZE = 3
 NUM_STEPS = 3
 MAX_LEN = 14

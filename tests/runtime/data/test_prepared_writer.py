@@ -27,26 +27,7 @@ from runtime.data.text import (
     is_prepared_dataset,
     prepare_dataset,
 )
-from tests.conftest import make_tokenizer_dir
-
-WORDS = [
-    "the",
-    "cat",
-    "sat",
-    "on",
-    "a",
-    "mat",
-    "while",
-    "dogs",
-    "ran",
-    "far",
-    "away",
-    "from",
-    "home",
-    "and",
-    "birds",
-    "sang",
-]
+from tests.conftest import WORDS, make_tokenizer_dir
 
 
 def documents(count: int, seed: int) -> list[str]:
