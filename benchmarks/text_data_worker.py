@@ -6,6 +6,7 @@ costs against the tokenizer alone, and what opening a prepared dataset costs by 
 - ``deliver --reader text|prepared --dp N``: tokens a second that rank 0 of an ``N``-rank
   data-parallel gang gets. One process stands in for rank 0: both readers make no collective
   after their first check, so a gang that says it has ``N`` ranks gives that rank's figure.
+  The text reader reads the corpus; the prepared one the random ids of ``--text-gb``.
 - ``encode``: the tokenizer's own ``encode_batch`` over the corpus's texts, held in memory.
 - ``prepare``: ``prepare_dataset`` of the corpus's files with one worker a core.
 - ``open --text-gb G``: opening a prepared dataset as large as ``G`` GB of text would make and
@@ -92,10 +93,10 @@ def deliver(args: argparse.Namespace) -> dict[str, float]:
             sources=str(corpus), tokenizer=load_tokenizer(tokenizer_dir), **options
         )
     else:
-        # Random ids of 5 GB of text: an epoch of 300 steps for one of 512 ranks, where the
-        # corpus would give 7, each paying the epoch's start (see the case's notes).
+        # Random ids of --text-gb of text (5 GB: an epoch of 300 steps for one of 512 ranks,
+        # where the corpus would give 7, each paying the epoch's start; see the case's notes).
         reader = PreparedDataReader(
-            sources=random_dataset(args.cache, 5.0), num_prefetch=0, **options
+            sources=random_dataset(args.cache, args.text_gb), num_prefetch=0, **options
         )
     next(reader)  # the first check and the epoch's permutation
     tokens, start = 0, time.perf_counter()

@@ -14,6 +14,7 @@ _WORKER = "benchmarks.text_data_worker"
 
 def comparisons(settings: SuiteSettings) -> list[Comparison]:
     corpus = ("--corpus-mb", "20" if settings.quick else "200")
+    prepared_gb = ("--text-gb", "0.1" if settings.quick else "5")
     seconds = ("--seconds", "2" if settings.quick else "10")
     dp_sizes = (1, 8) if settings.quick else (1, 8, 64, 512)
     sizes_gb = (0.1,) if settings.quick else (0.1, 1.0, 5.0)
@@ -27,7 +28,16 @@ def comparisons(settings: SuiteSettings) -> list[Comparison]:
                 Contender(
                     name=f"{reader}, DP={dp}",
                     module=_WORKER,
-                    args=("deliver", "--reader", reader, "--dp", str(dp), *corpus, *seconds),
+                    args=(
+                        "deliver",
+                        "--reader",
+                        reader,
+                        "--dp",
+                        str(dp),
+                        *corpus,
+                        *prepared_gb,
+                        *seconds,
+                    ),
                 )
                 for reader in ("prepared", "text")
                 for dp in dp_sizes
