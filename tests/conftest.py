@@ -6,9 +6,11 @@ import io
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, final
@@ -135,6 +137,31 @@ def run_python(
         timeout=timeout,
         check=False,
     )
+
+
+def kill_9_after_first_checkpoint(
+    command: Sequence[str], out: Path, *, timeout: float = 300
+) -> list[int]:
+    """Start ``command`` (a run writing to ``out``), wait for its first committed checkpoint and
+    SIGKILL its whole process group: torchrun or the trainer, and their workers, at once.
+    Returns the steps of the checkpoints it left."""
+    process = subprocess.Popen(
+        list(command),
+        env=child_env(),
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    manager = CheckpointManager(out / "checkpoints", Gangs.single())
+    deadline = time.monotonic() + timeout
+    while not (out / "checkpoints").is_dir() or not manager.list_checkpoints():
+        assert process.poll() is None, "the run ended before its first checkpoint"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=60)
+    return [info.step_nr for info in manager.list_checkpoints()]
 
 
 def run_quick_benchmark(

@@ -6,22 +6,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
-import time
 from itertools import chain
 from pathlib import Path
 
 import pytest
 import torch
 
-from checkpoint import CheckpointManager
 from gangs import Gangs
 from tests.conftest import (
     REPO_ROOT,
     assert_ok,
-    child_env,
+    kill_9_after_first_checkpoint,
     make_tokenizer_dir,
     read_jsonl,
     run_python,
@@ -197,23 +192,9 @@ def test_a_family_resumes_bitwise_after_kill_9_and_exports_to_hugging_face(
     layout = resume_layout(family)
     reference = last_model(finished_run(matrix_dir, family, layout))
     out = matrix_dir / family.slug / "killed"
-    process = subprocess.Popen(
-        torchrun_command(layout.nproc, matrix_args(matrix_dir, family, layout, out)),
-        env=child_env(),
-        cwd=REPO_ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
+    killed_at = kill_9_after_first_checkpoint(
+        torchrun_command(layout.nproc, matrix_args(matrix_dir, family, layout, out)), out
     )
-    manager = CheckpointManager(out / "checkpoints", Gangs.single())
-    deadline = time.monotonic() + 300
-    while not (out / "checkpoints").is_dir() or not manager.list_checkpoints():
-        assert process.poll() is None, "the run ended before its first checkpoint"
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    os.killpg(process.pid, signal.SIGKILL)  # torchrun and its workers at once
-    process.wait(timeout=60)
-    killed_at = [info.step_nr for info in manager.list_checkpoints()]
     assert max(killed_at) < STEPS, "killed after the run's end: nothing was resumed"
 
     assert_ok(torchrun(layout.nproc, *matrix_args(matrix_dir, family, layout, out), timeout=600))

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,10 +29,9 @@ from runtime.data.text import (
 )
 from runtime.data.text.prepared import PreparedDataError
 from tests.conftest import (
-    REPO_ROOT,
     WORDS,
     assert_ok,
-    child_env,
+    kill_9_after_first_checkpoint,
     make_tokenizer_dir,
     read_jsonl,
     run_python,
@@ -339,22 +334,7 @@ def test_sft_trains_on_responses_only(tmp_path: Path) -> None:
 
 def kill_9_and_resume(out: Path, config: tuple[str, ...]) -> None:
     """Run the recipe, kill -9 it and its data workers after its first checkpoint, rerun it."""
-    process = subprocess.Popen(
-        [sys.executable, *recipe_args(out, *config)],
-        env=child_env(),
-        cwd=REPO_ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 240
-    manager = CheckpointManager(out / "checkpoints", Gangs.single())
-    while not (out / "checkpoints").is_dir() or not manager.list_checkpoints():
-        assert process.poll() is None, "the run ended before its first checkpoint"
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGKILL)  # the trainer and its data workers at once
-    process.wait(timeout=60)
+    kill_9_after_first_checkpoint([sys.executable, *recipe_args(out, *config)], out, timeout=240)
     assert_ok(run_python(*recipe_args(out, *config), timeout=300))
 
 

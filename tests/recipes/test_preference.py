@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import signal
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +29,8 @@ from recipes.preference import (
 )
 from runtime.cli.config import config_from_dict
 from tests.conftest import (
-    REPO_ROOT,
     assert_ok,
-    child_env,
+    kill_9_after_first_checkpoint,
     read_jsonl,
     torchrun,
     torchrun_command,
@@ -342,23 +337,8 @@ def test_a_dpo_run_under_ddp_resumes_bitwise_after_kill_9(tmp_path: Path) -> Non
     assert_ok(torchrun(2, *recipe_args(reference, *config), timeout=600))
 
     out = tmp_path / "killed"
-    process = subprocess.Popen(
-        torchrun_command(2, recipe_args(out, *config)),
-        env=child_env(),
-        cwd=REPO_ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 300
-    manager = CheckpointManager(out / "checkpoints", Gangs.single())
-    while not (out / "checkpoints").is_dir() or not manager.list_checkpoints():
-        assert process.poll() is None, "the run ended before its first checkpoint"
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=60)
-    assert manager.list_checkpoints()[-1].step_nr < 12
+    killed_at = kill_9_after_first_checkpoint(torchrun_command(2, recipe_args(out, *config)), out)
+    assert max(killed_at) < 12
     assert_ok(torchrun(2, *recipe_args(out, *config), timeout=600))
 
     names = ["step_nr", "loss", *PAIR_METRICS]
