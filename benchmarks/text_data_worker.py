@@ -185,22 +185,22 @@ def random_dataset(cache: Path, text_gb: float) -> Path:
         }
         for name in (prepared.TOKENS_FILE, prepared.DOCUMENTS_FILE)
     }
-    manifest: dict[str, Any] = {
-        "format": prepared.FORMAT_NAME,
-        "version": prepared.FORMAT_VERSION,
+    plan = {
         "sources": [],
         "tokenizer": {"fingerprint": "random", "vocab_size": VOCAB_SIZE, "eos_id": 2, "bos_id": 1},
         "text_field": "text",
         "skip_bad_lines": False,
         "add_bos": True,
         "dtype": "uint16",
-        "num_tokens": num_tokens,
-        "num_documents": len(ends),
-        "num_bad_lines": 0,
-        "files": files,
     }
-    manifest["fingerprint"] = prepared.dataset_fingerprint(manifest)
-    (directory / prepared.MANIFEST_FILE).write_text(json.dumps(manifest))
+    prepared.write_manifest(
+        directory,
+        plan,
+        num_tokens=num_tokens,
+        num_documents=len(ends),
+        num_bad_lines=0,
+        files=files,
+    )
     return directory
 
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from runtime.data.text.files import TextDataError
 from runtime.data.text.tokenizer import Tokenizer
+from trainkit_utils.files import write_json_durably
 
 FORMAT_NAME: Final = "trainkit-prepared-text"
 FORMAT_VERSION: Final = 1
@@ -74,6 +75,32 @@ def dataset_fingerprint(manifest: Mapping[str, Any]) -> str:
         "files": {name: entry["digest"] for name, entry in manifest["files"].items()},
     }
     return xxhash.xxh3_128_hexdigest(json.dumps(decisive, sort_keys=True).encode())
+
+
+def write_manifest(
+    directory: Path,
+    plan: Mapping[str, Any],
+    *,
+    num_tokens: int,
+    num_documents: int,
+    num_bad_lines: int,
+    files: Mapping[str, Mapping[str, Any]],
+) -> dict[str, Any]:
+    """Write the manifest of the dataset in ``directory``, whose files are on disk already:
+    ``plan`` (sources, tokenizer, options and dtype), the counts, and each file's size and
+    digest. Returns it."""
+    manifest = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        **plan,
+        "num_tokens": num_tokens,
+        "num_documents": num_documents,
+        "num_bad_lines": num_bad_lines,
+        "files": {name: dict(entry) for name, entry in files.items()},
+    }
+    manifest["fingerprint"] = dataset_fingerprint(manifest)
+    write_json_durably(manifest, directory / MANIFEST_FILE)
+    return manifest
 
 
 def tokenizer_entry(tokenizer: Tokenizer) -> dict[str, Any]:

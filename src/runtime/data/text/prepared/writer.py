@@ -26,18 +26,16 @@ import numpy as np
 from runtime.data.text.files import DataFile, ReadOptions, chunk_ends, find_files
 from runtime.data.text.prepared.format import (
     DOCUMENTS_FILE,
-    FORMAT_NAME,
-    FORMAT_VERSION,
     MANIFEST_FILE,
     TOKENS_FILE,
     WORK_DIR,
     PreparedDataError,
     PreparedDataset,
-    dataset_fingerprint,
     file_digest,
     read_manifest,
     token_dtype,
     tokenizer_entry,
+    write_manifest,
 )
 from runtime.data.text.tokenizer import Tokenizer
 from runtime.data.text.workers import make_chunk_reader
@@ -284,22 +282,17 @@ def _join(
         )
     itemsize = np.dtype(plan["dtype"]).itemsize
     sizes = {TOKENS_FILE: num_tokens * itemsize, DOCUMENTS_FILE: num_documents * 8}
-    manifest = {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        **plan,
-        "num_tokens": num_tokens,
-        "num_documents": num_documents,
-        "num_bad_lines": num_bad_lines,
-        "files": {
-            name: {"size": sizes[name], "digest": digests[name].hexdigest()} for name in sizes
-        },
-    }
-    manifest["fingerprint"] = dataset_fingerprint(manifest)
     for name in sizes:
         os.replace(work / name, output_dir / name)
     fsync_dir(output_dir)
-    write_json_durably(manifest, output_dir / MANIFEST_FILE)
+    manifest = write_manifest(
+        output_dir,
+        plan,
+        num_tokens=num_tokens,
+        num_documents=num_documents,
+        num_bad_lines=num_bad_lines,
+        files={name: {"size": sizes[name], "digest": digests[name].hexdigest()} for name in sizes},
+    )
     return manifest
 
 
