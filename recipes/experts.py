@@ -13,13 +13,16 @@ Expert parallelism (``gang.ep_size=N``): the stacked experts of every MoE layer 
 sharded on their first dim over the EP gang (N consecutive DP ranks), so each rank holds
 ``experts / N`` of them and a checkpoint holds them at their global shape. The router runs on
 each rank's own tokens as before; each token-expert pair is sent to the rank of its expert and
-its result back, with ``all_to_all_single`` and uneven splits. DDP and FSDP2 leave the experts
-alone; their gradients are summed over the ranks that hold the same experts and scaled for the
-Trainer's DP normalization by :class:`_ExpertGradients`.
+its result back, with ``all_to_all_single`` and uneven splits. Where the DP size is a multiple
+of N, each expert has replicas (the ranks N apart): DDP leaves the experts alone and
+:class:`_ExpertGradients` sums their gradients over the replicas; FSDP2 and HSDP shard them
+over the replicas on their second dim (``runtime.parallel.wrapping``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -66,43 +69,81 @@ class _AllToAll(torch.autograd.Function):
 
 
 class _ExpertGradients(torch.autograd.Function):
-    """Identity forward; backward: an expert's gradient summed over the ranks that hold the same
-    experts, divided by the DP size. The Trainer scales every gradient for a DP average (DDP and
-    FSDP2 average the dense ones), but an expert's gradient already holds the contributions of
-    every rank of its EP gang (their tokens came to it). Summing per micro-batch is exact: the
-    sum is linear, so it commutes with accumulation."""
+    """Identity forward; backward: an expert's gradient scaled for the Trainer's DP average, and
+    summed over the experts' replicas unless FSDP2 does that.
+
+    The Trainer scales every gradient for a DP average (DDP and FSDP2 average the dense ones),
+    but an expert's gradient already holds the contributions of every rank of its EP gang
+    (their tokens came to it): summed over its replicas, it must be divided by the DP size.
+    FSDP2, which shards the experts over their replicas, averages over them (divides by DP size
+    / EP size), so here it is divided by the EP size only. Reducing per micro-batch is exact:
+    the sum is linear, so it commutes with accumulation."""
 
     @staticmethod
-    def forward(ctx: Any, weight: Tensor, gangs: Gangs) -> Tensor:  # type: ignore[override]
-        ctx.gangs = gangs
+    def forward(  # type: ignore[override]
+        ctx: Any, weight: Tensor, gangs: Gangs, reduced_by_fsdp: bool
+    ) -> Tensor:
+        ctx.gangs, ctx.reduced_by_fsdp = gangs, reduced_by_fsdp
         return weight.view_as(weight)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
         gangs: Gangs = ctx.gangs
+        if ctx.reduced_by_fsdp:
+            return grad / gangs.ep.size, None, None
         grad = grad.contiguous()
         if gangs.ep_replicas.size > 1:
             gangs.ep_replicas.all_reduce(grad, ReduceOperation.SUM)
-        return grad / gangs.dp.size, None
+        return grad / gangs.dp.size, None, None
+
+
+@dataclass(frozen=True)
+class _StackedExperts:
+    """One layout of stacked experts: the names of its ``[experts, ...]`` weights, and how one
+    expert computes the rows routed to it from its slices of them."""
+
+    weights: tuple[str, ...]
+    compute: Callable[[nn.Module, list[Tensor], Tensor], Tensor]
+
+
+def _swiglu(module: nn.Module, weights: list[Tensor], rows: Tensor) -> Tensor:
+    """Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, DeepSeek-V3: ``gate_up_proj`` is ``[2 x
+    intermediate, hidden]`` an expert, gate rows first; no biases."""
+    gate_up, down = weights
+    gate, up = nn.functional.linear(rows, gate_up).chunk(2, dim=-1)
+    return nn.functional.linear(module.act_fn(gate) * up, down)
+
+
+def _gpt_oss(module: nn.Module, weights: list[Tensor], rows: Tensor) -> Tensor:
+    """gpt-oss: ``gate_up_proj`` is ``[hidden, 2 x intermediate]`` (input first) with gate and
+    up interleaved, clamped by the module's own gate, and every projection has a bias."""
+    gate_up, gate_up_bias, down, down_bias = weights
+    gated: Tensor = module._apply_gate(rows @ gate_up + gate_up_bias)
+    return gated @ down + down_bias
+
+
+_SWIGLU = _StackedExperts(("gate_up_proj", "down_proj"), _swiglu)
+_GPT_OSS = _StackedExperts(
+    ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"), _gpt_oss
+)
+
+
+def _layout_of(module: nn.Module) -> _StackedExperts | None:
+    names = {name for name, _ in module.named_parameters(recurse=False)}
+    if names == set(_SWIGLU.weights) and hasattr(module, "act_fn"):
+        layout = _SWIGLU
+    elif names == set(_GPT_OSS.weights) and hasattr(module, "_apply_gate"):
+        layout = _GPT_OSS
+    else:
+        return None
+    stacked = all(getattr(module, name).dim() == 3 for name in ("gate_up_proj", "down_proj"))
+    return layout if stacked else None
 
 
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The stacked-experts modules of a ``transformers`` MoE model: ``gate_up_proj`` of shape
-    ``[experts, 2 x intermediate, hidden]`` and ``down_proj`` of ``[experts, hidden,
-    intermediate]``, without biases (gpt-oss's experts are not of this kind), by name."""
-    found = []
-    for name, module in model.named_modules():
-        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-        if (
-            isinstance(gate_up, nn.Parameter)
-            and isinstance(down, nn.Parameter)
-            and gate_up.dim() == 3
-            and down.dim() == 3
-            and hasattr(module, "act_fn")
-            and not hasattr(module, "gate_up_proj_bias")
-        ):
-            found.append((name, module))
-    return found
+    """The stacked-experts modules of a ``transformers`` MoE model, by name: ``gate_up_proj``
+    and ``down_proj`` of shape ``[experts, ...]``, with gpt-oss's biases or without any."""
+    return [(name, module) for name, module in model.named_modules() if _layout_of(module)]
 
 
 def apply_expert_parallel(model: nn.Module, gangs: Gangs) -> list[nn.Parameter]:
@@ -129,21 +170,30 @@ def apply_expert_parallel(model: nn.Module, gangs: Gangs) -> list[nn.Parameter]:
         )
     params = []
     for module in modules:
-        for name in ("gate_up_proj", "down_proj"):
+        layout = _layout_of(module)
+        assert layout is not None  # expert_modules
+        for name in layout.weights:
             full = getattr(module, name)
             sharded = distribute_tensor(full.data, gangs.ep_mesh, [Shard(0)])
             param = nn.Parameter(sharded, requires_grad=full.requires_grad)
             setattr(module, name, param)
             params.append(param)
-        module.forward = partial(_dispatched_forward, module, gangs)
+        module.forward = partial(_dispatched_forward, module, layout, gangs)
     return params
 
 
 def _dispatched_forward(
-    module: nn.Module, gangs: Gangs, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+    module: nn.Module,
+    layout: _StackedExperts,
+    gangs: Gangs,
+    hidden: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
 ) -> Tensor:
     """The experts of ``transformers``' eager forward, with the tokens sent to the ranks of
     their experts and the results sent back (``all_to_all_single``, uneven splits)."""
+    from torch.distributed.fsdp import FSDPModule  # loaded already: EP runs under torchrun
+
     ep, group = gangs.ep.size, gangs.ep.as_process_group()
     num_experts = int(module.gate_up_proj.shape[0])
     num_local = num_experts // ep
@@ -170,12 +220,14 @@ def _dispatched_forward(
         local_expert, received_by_rank.reshape(-1), output_size=sum(receive_splits)
     )
     by_expert = torch.argsort(expert_of_row, stable=True)
-    gate_up = _ExpertGradients.apply(module.gate_up_proj.to_local(), gangs).to(hidden.dtype)
-    down = _ExpertGradients.apply(module.down_proj.to_local(), gangs).to(hidden.dtype)
+    fsdp = isinstance(module, FSDPModule)
+    weights = [
+        _ExpertGradients.apply(getattr(module, name).to_local(), gangs, fsdp).to(hidden.dtype)
+        for name in layout.weights
+    ]
     outputs = []
     for j, chunk in enumerate(rows[by_expert].split(per_expert)):
-        gate, up = nn.functional.linear(chunk, gate_up[j]).chunk(2, dim=-1)
-        outputs.append(nn.functional.linear(module.act_fn(gate) * up, down[j]))
+        outputs.append(layout.compute(module, [weight[j] for weight in weights], chunk))
     computed = torch.cat(outputs)[torch.argsort(by_expert)]
     back = _AllToAll.apply(computed, send_splits, receive_splits, group)
     weighted = back * top_k_weights.reshape(-1)[order, None]

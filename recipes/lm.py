@@ -232,11 +232,11 @@ class LMConfig:
             check_positive(name, value)
         if self.lora.rank is not None:
             self._validate_lora()
-        if self.gang.ep_size > 1 and (self.gang.tp_size > 1 or model.hf_path is None):
+        if self.gang.ep_size > 1 and model.hf_path is None:
             raise ValueError(
                 f"gang.ep_size ({self.gang.ep_size}) splits the experts of a Hugging Face "
-                "mixture of experts (model.hf_path) over DP ranks, beside DDP or FSDP2 without "
-                "tensor parallelism. Use gang.tp_size=1, or gang.ep_size=1."
+                "mixture of experts (model.hf_path) over DP ranks, but the project's models "
+                "have no experts. Use gang.ep_size=1."
             )
         if self.data.document_mask and (model.hf_path is not None or self.task != "pretrain"):
             raise ValueError(
@@ -565,8 +565,8 @@ def build_model(
     if gangs.tp.size > 1 and not plan:
         raise ValueError(
             f"{type(model).__name__} has no tensor parallel plan (its config has no "
-            f"base_model_tp_plan), but gang.tp_size is {gangs.tp.size}. Use gang.tp_size=1: "
-            "DDP, FSDP2 and HSDP train it."
+            f"base_model_tp_plan that splits a layer), but gang.tp_size is {gangs.tp.size}. "
+            "Use gang.tp_size=1: DDP, FSDP2 and HSDP train it."
         )
     lora = None
     if frozen:
@@ -685,7 +685,11 @@ def _hf_tensor_parallel_plan(model: nn.Module, hf_config_object: Any) -> dict[st
     plan: dict[str, ParallelStyle] = {}
     prefix = getattr(model, "base_model_prefix", "model")
     for pattern, style in (getattr(hf_config_object, "base_model_tp_plan", None) or {}).items():
-        if style in _HF_TP_UNSPLIT:
+        # The stacked experts of a mixture stay whole over TP: each TP rank runs them on its
+        # (replicated) tokens, and expert parallelism splits them over the DP ranks instead.
+        # (transformers' "packed_colwise" splits the gate and up halves of one tensor apart,
+        # which no public parallel style does.)
+        if style in _HF_TP_UNSPLIT or "experts" in pattern.split("."):
             continue
         if style not in _HF_TP_STYLES:
             raise ValueError(

@@ -48,6 +48,7 @@ class Gangs:
         device_mesh: DeviceMesh | None = None,
         ep: Gang | None = None,
         ep_replicas: Gang | None = None,
+        expert_mesh: DeviceMesh | None = None,
     ) -> None:
         self._root = root
         self._dp = dp
@@ -61,7 +62,8 @@ class Gangs:
             )
         self._device_mesh = device_mesh
         self._dp_mesh = None if device_mesh is None else _whole_dp_mesh(device_mesh, dp)
-        self._ep_mesh: DeviceMesh | None = None
+        self._expert_mesh = expert_mesh
+        self._ep_mesh = None if expert_mesh is None else expert_mesh["ep"]
 
     @property
     def root(self) -> Gang:
@@ -89,6 +91,19 @@ class Gangs:
         their expert gradients add up. The whole DP gang without EP."""
         assert self._ep_replicas is not None  # __init__
         return self._ep_replicas
+
+    @property
+    def expert_mesh(self) -> DeviceMesh:
+        """The ``("ep_replicate", "ep", "tp")`` mesh of the experts: a view of the DP ranks in
+        which ``ep`` is the EP gang and ``ep_replicate`` its replicas. Experts are sharded over
+        ``ep``, and FSDP2 shards them further over ``ep_replicate``, which needs both dims cut
+        from one mesh."""
+        if self._expert_mesh is None:
+            raise GangError(
+                "An expert mesh needs an EP gang of two or more processes. Make the gangs with "
+                "setup_gangs(ep_size=N) under torchrun."
+            )
+        return self._expert_mesh
 
     @property
     def ep_mesh(self) -> DeviceMesh:
@@ -315,32 +330,36 @@ def setup_parallel_gangs(
         raise GangError(f"The {shape} device mesh cannot be made: {ex}") from ex
 
     timeout = root.timeout if isinstance(root, ProcessGroupGang) else None
-
-    def gang_of(dim_mesh: DeviceMesh) -> Gang:
-        if dim_mesh.size() == 1:
-            return FakeGang(device=root.device)
-        group = dim_mesh.get_group()
-        _set_timeout(group, timeout)
-        return ProcessGroupGang(group, device=root.device, timeout=timeout)
-
     for name in names:
         # The mesh's groups get torch's default timeout (30 minutes), not the root gang's;
         # FSDP2 and TP run their collectives on them.
         _set_timeout(mesh[name].get_group(), timeout)
 
     if dp_shard_size is None or private_apis_supported():
-        dp = gang_of(_flat_dp_mesh(mesh))
+        dp = _gang_of(_flat_dp_mesh(mesh), root, timeout)
     else:
         dp = _public_dp_gang(mesh, root, timeout)
-    ep, ep_replicas = _ep_gangs(mesh, root, ep_size, timeout) if ep_size > 1 else (None, None)
+    expert_mesh = _expert_mesh(mesh, ep_size, timeout) if ep_size > 1 else None
     return Gangs(
         root=root,
         dp=dp,
-        tp=gang_of(mesh["tp"]),
+        tp=_gang_of(mesh["tp"], root, timeout),
         device_mesh=mesh,
-        ep=ep,
-        ep_replicas=ep_replicas,
+        ep=None if expert_mesh is None else _gang_of(expert_mesh["ep"], root, timeout),
+        ep_replicas=(
+            None if expert_mesh is None else _gang_of(expert_mesh["ep_replicate"], root, timeout)
+        ),
+        expert_mesh=expert_mesh,
     )
+
+
+def _gang_of(dim_mesh: DeviceMesh, root: Gang, timeout: timedelta | None) -> Gang:
+    """The gang of this rank along one mesh dim (a fake one for a dim of size 1)."""
+    if dim_mesh.size() == 1:
+        return FakeGang(device=root.device)
+    group = dim_mesh.get_group()
+    _set_timeout(group, timeout)
+    return ProcessGroupGang(group, device=root.device, timeout=timeout)
 
 
 def _check_ep_size(ep_size: int, dp_size: int) -> None:
@@ -351,34 +370,18 @@ def _check_ep_size(ep_size: int, dp_size: int) -> None:
         )
 
 
-def _ep_gangs(
-    mesh: DeviceMesh, root: Gang, ep_size: int, timeout: timedelta | None
-) -> tuple[Gang, Gang]:
-    """This rank's EP gang (``ep_size`` consecutive DP ranks) and the gang of its experts'
-    replicas (the DP ranks ``ep_size`` apart), made with public ``new_group``: every rank makes
-    every group, in one order."""
+def _expert_mesh(mesh: DeviceMesh, ep_size: int, timeout: timedelta | None) -> DeviceMesh:
+    """The ``("ep_replicate", "ep", "tp")`` view of ``mesh``: its ranks by DP rank, then TP rank,
+    with each run of ``ep_size`` consecutive DP ranks an EP gang. One mesh, not groups of its
+    own, because FSDP2 shards a DTensor over a second dim only of the mesh that holds the first.
+    Every rank makes every group, in one order (the public ``DeviceMesh`` constructor)."""
     tp_size = mesh.mesh.shape[-1]
-    by_dp_rank: list[list[int]] = mesh.mesh.reshape(-1, tp_size).tolist()  # [dp rank][tp rank]
-    dp_size = len(by_dp_rank)
-    ep_groups = [
-        [by_dp_rank[start + i][t] for i in range(ep_size)]
-        for t in range(tp_size)
-        for start in range(0, dp_size, ep_size)
-    ]
-    replica_groups = [
-        [by_dp_rank[start + i][t] for start in range(0, dp_size, ep_size)]
-        for t in range(tp_size)
-        for i in range(ep_size)
-    ]
-    gangs: list[Gang] = []
-    for groups in (ep_groups, replica_groups):
-        mine: Gang = FakeGang(device=root.device)
-        for ranks in groups:
-            group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
-            if root.rank in ranks and group is not None:
-                mine = ProcessGroupGang(group, device=root.device, timeout=timeout)
-        gangs.append(mine)
-    return gangs[0], gangs[1]
+    ranks = mesh.mesh.reshape(-1, ep_size, tp_size)  # [replica][ep rank][tp rank]
+    names = ("ep_replicate", "ep", "tp")
+    expert_mesh = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=names)
+    for name in names:
+        _set_timeout(expert_mesh[name].get_group(), timeout)
+    return expert_mesh
 
 
 def setup_gangs(

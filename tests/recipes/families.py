@@ -59,9 +59,6 @@ _COMMON: dict[str, Any] = {
 }
 
 NO_TP_PLAN = "no base_model_tp_plan"
-EXPERTS_TP = "'packed_colwise'"
-"""The words of the refusal of a mixture-of-experts family under TP: its plan splits the stacked
-experts in a style the recipe does not apply."""
 
 _MOE: dict[str, Any] = {"num_experts_per_tok": 2, "tie_word_embeddings": False}
 """Four experts of every family, two per token."""
@@ -162,15 +159,12 @@ FAMILIES = (
         quick_layout="DDP",
     ),
 )
-MOE_REFUSED = {"TP": EXPERTS_TP, "FSDP2 x TP": EXPERTS_TP}
-
 MOE_FAMILIES = (
     Family(
         "Qwen3-MoE",
         _config("Qwen3MoeConfig", **_MOE, num_experts=4, moe_intermediate_size=16, head_dim=8),
         "4 experts, top-2 softmax routing, load-balancing loss (0.001)",
         quick_layout="FSDP2",
-        refused=MOE_REFUSED,
         experts=True,
     ),
     Family(
@@ -178,7 +172,6 @@ MOE_FAMILIES = (
         _config("MixtralConfig", **_MOE, num_local_experts=4, intermediate_size=16),
         "experts stored as block_sparse_moe w1/w2/w3, renamed and merged at load",
         quick_layout=None,
-        refused=MOE_REFUSED,
         experts=True,
     ),
     Family(
@@ -186,7 +179,6 @@ MOE_FAMILIES = (
         _config("OlmoeConfig", **_MOE, num_experts=4, intermediate_size=16),
         "q/k norms over the whole width, load-balancing loss (0.01)",
         quick_layout=None,
-        refused=MOE_REFUSED,
         experts=True,
     ),
     Family(
@@ -200,7 +192,6 @@ MOE_FAMILIES = (
         ),
         "a gated shared expert beside the routed ones",
         quick_layout=None,
-        refused=MOE_REFUSED,
         experts=True,
     ),
     Family(
@@ -224,11 +215,28 @@ MOE_FAMILIES = (
         "sigmoid, group-limited routing with a correction bias (no aux loss), latent "
         "attention, a dense first layer",
         quick_layout=None,
-        refused=MOE_REFUSED,
         experts=True,
     ),
 )
-FAMILIES = (*FAMILIES, *MOE_FAMILIES)
+GPT_OSS = Family(
+    "gpt-oss",
+    _config(
+        "GptOssConfig",
+        **_MOE,
+        num_local_experts=4,
+        intermediate_size=16,
+        head_dim=8,
+        sliding_window=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    "experts with biases and a clamped, interleaved gate; attention sinks; sliding window (16) "
+    "on every other layer",
+    quick_layout=None,
+    refused={"TP": NO_TP_PLAN, "FSDP2 x TP": NO_TP_PLAN},
+    experts=True,
+)
+"""Its plan splits nothing but the embedding, which the recipe leaves whole."""
+FAMILIES = (*FAMILIES, *MOE_FAMILIES, GPT_OSS)
 FAMILY_BY_NAME = {family.name: family for family in FAMILIES}
 
 

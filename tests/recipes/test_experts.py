@@ -13,7 +13,7 @@ from checkpoint import CheckpointManager
 from gangs import Gangs
 from recipes.experts import router_aux_loss_coefficient
 from recipes.lm import LMTrainUnit
-from runtime import MapDataReader, Trainer, TrainerCallback
+from runtime import MapDataReader, Trainer, TrainerCallback, apply_data_parallel, unwrap_model
 from runtime.data.text import TextBatch
 from tests.conftest import assert_ok, rank_reports, read_jsonl, run_python, torchrun
 from tests.recipes.families import FAMILY_BY_NAME
@@ -99,17 +99,26 @@ def test_expert_parallel_dispatch_is_exact_for_lopsided_and_empty_routings(
     two_rank_checks: Path,
 ) -> None:
     """One rank sends every token to one expert of the other rank, the other leaves an expert
-    without a token: outputs and expert gradients equal one process's with every expert; the
-    forward and backward make one host sync."""
+    without a token: outputs and expert gradients equal one process's with every expert, for
+    Qwen3-MoE's experts and gpt-oss's (biases, an interleaved and clamped gate); the forward
+    and backward make one host sync."""
+    weights = {
+        "dispatch": ["gate_up_proj", "down_proj"],
+        "dispatch_gpt_oss": ["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"],
+    }
     for report in rank_reports(two_rank_checks / "expert_parallel", 2):
-        dispatch = report["dispatch"]
-        assert dispatch["output"] < EP_TOLERANCE, dispatch
-        for name in ("gate_up_proj", "down_proj"):
-            assert dispatch[name] < EP_TOLERANCE, dispatch
-            assert dispatch[f"{name}_received"] > 0, dispatch  # the comparison can fail
-        # Pinned: one host sync a layer's forward (the split sizes), none in its backward.
-        (sync,) = dispatch["syncs"]
-        assert sync.startswith("tolist at ") and "recipes/experts.py" in sync, sync
+        for kind, names in weights.items():
+            dispatch = report[kind]
+            assert dispatch["output"] < EP_TOLERANCE, dispatch
+            assert {k for k in dispatch if k.endswith("_received")} == {
+                f"{name}_received" for name in names
+            }
+            for name in names:
+                assert dispatch[name] < EP_TOLERANCE, dispatch
+                assert dispatch[f"{name}_received"] > 0, dispatch  # the comparison can fail
+            # Pinned: one host sync a layer's forward (the split sizes), none in its backward.
+            (sync,) = dispatch["syncs"]
+            assert sync.startswith("tolist at ") and "recipes/experts.py" in sync, sync
 
 
 @pytest.mark.distributed
@@ -122,14 +131,14 @@ def test_expert_parallel_training_equals_the_run_without_it(
     assert_equals_ddp(two_rank_checks / "expert_parallel" / "runs", run)
 
 
-def assert_equals_ddp(runs: Path, run: str) -> None:
+def assert_equals_ddp(runs: Path, run: str, reference_run: str = "ddp") -> None:
     from tests.workers.expert_parallel import EP_STEPS
 
     reference, records = (
-        last_model(runs / "ddp"),
+        last_model(runs / reference_run),
         read_jsonl(runs / run / "metrics" / "train.jsonl"),
     )
-    expected = read_jsonl(runs / "ddp" / "metrics" / "train.jsonl")
+    expected = read_jsonl(runs / reference_run / "metrics" / "train.jsonl")
     assert len(records) == EP_STEPS
     for got, want in zip(records, expected, strict=True):
         assert got["loss"] == pytest.approx(want["loss"], abs=EP_TOLERANCE)
@@ -148,16 +157,44 @@ def assert_equals_ddp(runs: Path, run: str) -> None:
 def test_expert_parallel_on_four_processes_with_replicated_and_single_experts(
     tmp_path: Path,
 ) -> None:
-    """4 ranks: EP=2 (each expert on 2 ranks, whose gradients add) under DDP and FSDP2, and
-    EP=4 (one expert a rank) under FSDP2, all equal DDP without EP; the dispatch is exact."""
-    from tests.workers.expert_parallel import RUNS_OF_4
+    """4 ranks: EP=2 (each expert on 2 ranks) under DDP (which sums the replicas' gradients),
+    FSDP2 and HSDP (which shard the experts over the replicas too); EP=4 (one expert a rank);
+    TP=2 with the experts whole on each TP rank, and beside EP=2. All equal DDP without EP,
+    and a run resumes from DDP's checkpoint into experts sharded over EP and FSDP2."""
+    from tests.workers.expert_parallel import EP_STEPS, RESUMES_OF_4
 
-    assert_ok(torchrun(4, "tests/workers/expert_parallel.py", str(tmp_path), timeout=600))
+    assert_ok(torchrun(4, "tests/workers/expert_parallel.py", str(tmp_path), timeout=900))
     for report in rank_reports(tmp_path, 4):
         assert max(report["dispatch"][k] for k in ("output", "gate_up_proj", "down_proj")) < 1e-5
-    for run in RUNS_OF_4:
-        if run != "ddp":
-            assert_equals_ddp(tmp_path / "runs", run)
+        # gate_up_proj is [4 experts, 2 x 16, 32]: FSDP2 halves dim 1 over the replicas.
+        placements = report["placements"]
+        for run in ("fsdp_ep2", "hsdp_ep2"):
+            assert placements[run] == {
+                "mesh": ["ep_replicate", "ep"],
+                "placements": ["Shard(1)", "Shard(0)"],
+                "local_shape": [2, 16, 32],
+            }, run
+        # DDP keeps each EP share whole on both replicas.
+        assert placements["ddp_ep2"]["local_shape"] == [2, 32, 32]
+        assert placements["fsdp_ep4"]["local_shape"] == [1, 32, 32]
+    runs = tmp_path / "runs"
+    for run in ("ddp_ep2", "fsdp_ep2", "hsdp_ep2", "fsdp_ep4"):
+        assert_equals_ddp(runs, run)
+    # TP=2 leaves 2 DP ranks of 4 sequences where DDP has 4 of 2, and the load-balancing loss
+    # of a micro-batch is not the sum of its halves': so TP with EP is held to TP without it,
+    # and TP without it to DDP on the first step's cross entropy (the same weights and tokens).
+    assert_equals_ddp(runs, "fsdp_tp2_ep2", reference_run="fsdp_tp2")
+    tp_first, ddp_first = (
+        read_jsonl(runs / run / "metrics" / "train.jsonl")[0] for run in ("fsdp_tp2", "ddp")
+    )
+    assert tp_first["nll_loss"] == pytest.approx(ddp_first["nll_loss"], abs=EP_TOLERANCE)
+    for name in RESUMES_OF_4:
+        (record,) = read_jsonl(runs / name / "metrics" / "train.jsonl")
+        assert record["step_nr"] == EP_STEPS + 1
+    reference = last_model(runs / "ddp_from_ep2")
+    for name in RESUMES_OF_4:
+        for key, value in last_model(runs / name).items():
+            torch.testing.assert_close(value, reference[key], rtol=0, atol=EP_TOLERANCE)
 
 
 @pytest.mark.distributed
@@ -224,18 +261,23 @@ class _GradientProbe(TrainerCallback):
     def on_before_optimizer_step(self, *, step_nr: int, model: torch.nn.Module) -> None:
         if not self.grads:
             self.grads = {
-                n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+                n: p.grad.clone()
+                for n, p in unwrap_model(model).named_parameters()
+                if p.grad is not None
             }
 
 
 def trainer_gradients(
-    tmp_path: Path, coefficient: float, micro_batches: list[TextBatch]
+    out: Path, coefficient: float, micro_batches: list[TextBatch], gangs: Gangs | None = None
 ) -> dict[str, torch.Tensor]:
-    """The gradients the Trainer steps with, over ``micro_batches`` accumulated into one step."""
+    """The gradients the Trainer steps with: on one process, ``micro_batches`` accumulated into
+    one step; on a DP gang of several (DDP), one micro-batch a rank."""
+    gangs = gangs or Gangs.single()
     model = family_model("OLMoE")
     model.config.router_aux_loss_coef = coefficient
+    if gangs.dp.size > 1:
+        model = apply_data_parallel(model, gangs, kind="ddp")
     probe = _GradientProbe()
-    gangs = Gangs.single()
     trainer = Trainer(
         unit=LMTrainUnit(model),
         data_reader=MapDataReader(
@@ -243,11 +285,11 @@ def trainer_gradients(
             batch_size=1,
             collate=lambda rows: rows[0],
             gang=gangs.dp,
-            num_accumulate=len(micro_batches),
+            num_accumulate=len(micro_batches) // gangs.dp.size,
             shuffle=False,
         ),
         optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        checkpoint_manager=CheckpointManager(tmp_path / f"checkpoints_{coefficient}", gangs),
+        checkpoint_manager=CheckpointManager(out / f"checkpoints_{coefficient}", gangs),
         gangs=gangs,
         max_num_steps=1,
         callbacks=[probe],
@@ -258,6 +300,12 @@ def trainer_gradients(
     return probe.grads
 
 
+def aux_loss_micro_batches() -> list[TextBatch]:
+    """Two micro-batches of 30 and 10 targets."""
+    model = family_model("OLMoE")
+    return [batch_of(model, rows=3, length=10), batch_of(model, rows=1, length=10)]
+
+
 def test_the_aux_loss_is_normalized_like_the_main_loss_across_accumulation(
     tmp_path: Path,
 ) -> None:
@@ -265,7 +313,7 @@ def test_the_aux_loss_is_normalized_like_the_main_loss_across_accumulation(
     the update is the coefficient times the targets-weighted mean of their aux losses'
     gradients, as the cross entropy's is its mean over all 40 targets."""
     model = family_model("OLMoE")
-    micro_batches = [batch_of(model, rows=3, length=10), batch_of(model, rows=1, length=10)]
+    micro_batches = aux_loss_micro_batches()
     with_aux = trainer_gradients(tmp_path, 0.01, micro_batches)
     without = trainer_gradients(tmp_path, 0.0, micro_batches)
     total = sum(batch.num_targets for batch in micro_batches)
@@ -281,6 +329,28 @@ def test_the_aux_loss_is_normalized_like_the_main_loss_across_accumulation(
         max(float(0.01 * dict(model.named_parameters())[n].grad.abs().max()) for n in routers)
         > 1e-5
     )
+
+
+@pytest.mark.distributed
+def test_the_aux_loss_is_normalized_like_the_main_loss_across_dp(
+    two_rank_checks: Path, tmp_path: Path
+) -> None:
+    """The two micro-batches on 2 DDP ranks, one each, step with the gradients of one process
+    accumulating both: the load-balancing loss is not divided by the DP size. (Were it, the
+    update would hold half its share: the coefficient 0.5 run, which the test tells apart.)"""
+    from tests.workers.expert_parallel import AUX_LOSS_COEFFICIENT
+
+    on_two_ranks = torch.load(
+        two_rank_checks / "expert_parallel" / "aux_loss_grads.pt", weights_only=True
+    )
+    micro_batches = aux_loss_micro_batches()
+    accumulated = trainer_gradients(tmp_path, AUX_LOSS_COEFFICIENT, micro_batches)
+    halved = trainer_gradients(tmp_path, AUX_LOSS_COEFFICIENT / 2, micro_batches)
+    assert on_two_ranks.keys() == accumulated.keys()
+    for name, grad in accumulated.items():
+        torch.testing.assert_close(on_two_ranks[name], grad, rtol=1e-4, atol=1e-7)
+    router = "model.layers.0.mlp.gate.weight"
+    assert float((on_two_ranks[router] - halved[router]).abs().max()) > 1e-4
 
 
 @pytest.mark.slow

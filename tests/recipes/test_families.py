@@ -96,6 +96,8 @@ def test_every_family_trains_in_its_quick_layout_in_one_launch(tmp_path: Path) -
 
 BF16_RTOL = 3e-2
 """How far a layout that gathers bf16 parameters may stray from DDP's float32 losses."""
+AUX_LOSS_TP_RTOL = 2e-3
+"""How far TP may stray from DDP's losses for a family with a load-balancing loss."""
 
 _RUNS: dict[tuple[str, str], Path] = {}
 """The finished matrix runs of this session, by (family, layout): later tests reuse them."""
@@ -169,10 +171,25 @@ def test_a_family_trains_in_a_layout_or_is_refused_at_start(
         reference = finished_run(matrix_dir, family, LAYOUT_BY_NAME["DDP"])
         bf16 = "fsdp.param_dtype=bfloat16" in layout.overrides
         rtol = BF16_RTOL if bf16 else 1e-4
+        assert values[0] == pytest.approx(losses(reference)[0], rel=rtol)
+        if has_aux_loss(family) and layout.name == "TP":
+            # TP's one DP rank takes the step's 8 sequences as one micro-batch where DDP's two
+            # take 4 each, and a load-balancing loss is not the mean of its halves': the runs
+            # part by about 5e-4 after the first update. (EP's tests hold TP to a run of its
+            # own micro-batches within 1e-5.)
+            rtol = AUX_LOSS_TP_RTOL
         assert values == pytest.approx(losses(reference), rel=rtol)
         # DDP scores the uneven valid set as one process does; so must every layout.
         expected = [r["nll_loss"] for r in read_jsonl(reference / "metrics" / "valid.jsonl")]
         assert scores == pytest.approx(expected, rel=rtol)
+
+
+def has_aux_loss(family: Family) -> bool:
+    """Whether the family trains with a router's load-balancing loss."""
+    config = family.config(19)
+    return hasattr(config, "output_router_logits") and bool(
+        getattr(config, "router_aux_loss_coef", 0)
+    )
 
 
 def resume_layout(family: Family) -> Layout:

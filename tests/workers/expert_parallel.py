@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 
 from gangs import Gang, GangError, ReduceOperation, setup_parallel_gangs, setup_root_gang
 from recipes.experts import apply_expert_parallel
 from recipes.lm import LMConfig, build_trainer
+from runtime import TrainerCallback
 from runtime.cli.config import load_config
 from tests.recipes.families import FAMILY_BY_NAME, make_family_dir, write_train
 from tests.sync_detector import HostSyncDetector
@@ -35,13 +37,25 @@ RUNS: dict[str, tuple[str, ...]] = {
     "ddp_ep2": ("data_parallel=ddp", "gang.ep_size=2"),
     "fsdp_ep2": ("data_parallel=fsdp", "gang.ep_size=2"),
 }
-"""On 2 ranks; on 4, EP=2 leaves each expert on 2 ranks (its replicas), and ``fsdp_ep4`` splits
-the experts over all of them."""
-RUNS_OF_4 = {**RUNS, "fsdp_ep4": ("data_parallel=fsdp", "gang.ep_size=4")}
+"""On 2 ranks; on 4, EP=2 leaves each expert on 2 ranks (its replicas): DDP sums their
+gradients, FSDP2 shards them over the replicas."""
+RUNS_OF_4 = {
+    **RUNS,
+    "fsdp_ep4": ("data_parallel=fsdp", "gang.ep_size=4"),
+    "hsdp_ep2": ("data_parallel=hsdp", "gang.dp_shard_size=2", "gang.ep_size=2"),
+    "fsdp_tp2": ("data_parallel=fsdp", "gang.tp_size=2"),
+    "fsdp_tp2_ep2": ("data_parallel=fsdp", "gang.tp_size=2", "gang.ep_size=2"),
+}
+"""``fsdp_ep4`` splits the experts over all 4 ranks; ``hsdp_ep2`` shards the dense layers within
+pairs of ranks and the experts over their replicas; under TP the experts stay whole on each TP
+rank (``fsdp_tp2``) or split over the 2 DP ranks (``fsdp_tp2_ep2``). A run's ``placements`` in
+the report: how its first experts are laid out."""
 """float32 throughout, so that EP must match the run without it within 1e-5."""
 RESUMES = {"ep2_from_ddp": ("ddp_ep2", "ddp"), "ddp_from_ep2": ("ddp", "ddp_ep2")}
 """A run in the layout of the first name, resumed (``reshard_on_resume``) from the last
 checkpoint of the second, for one more step."""
+RESUMES_OF_4 = {**RESUMES, "fsdp_ep2_from_ddp": ("fsdp_ep2", "ddp")}
+"""On 4 ranks, also into experts sharded over both their EP gang and their replicas."""
 
 
 def run_all(root: Gang, out: Path) -> dict[str, Any]:
@@ -50,30 +64,54 @@ def run_all(root: Gang, out: Path) -> dict[str, Any]:
         make_family_dir(FAMILY_BY_NAME["Qwen3-MoE"], model_dir)
         write_train(train)
     root.barrier()
-    report: dict[str, Any] = {"dispatch": check_dispatch(root, model_dir)}
+    report: dict[str, Any] = {
+        "dispatch": check_dispatch(root, transformers.AutoConfig.from_pretrained(model_dir)),
+        # Experts with biases and an interleaved, clamped gate.
+        "dispatch_gpt_oss": check_dispatch(root, FAMILY_BY_NAME["gpt-oss"].config(50)),
+    }
     runs = out / "runs"
-    for name, overrides in (RUNS if root.size == 2 else RUNS_OF_4).items():
-        train_run(root, run_config(model_dir, train, overrides, EP_STEPS), runs / name)
-    for name, (layout, source) in RESUMES.items():
+    report["placements"] = {
+        name: train_run(root, run_config(model_dir, train, overrides, EP_STEPS), runs / name)
+        for name, overrides in (RUNS if root.size == 2 else RUNS_OF_4).items()
+    }
+    for name, (layout, source) in (RESUMES if root.size == 2 else RESUMES_OF_4).items():
         config = run_config(model_dir, train, RUNS[layout], EP_STEPS + 1)
         config.trainer.reshard_on_resume = True
         train_run(root, config, runs / name, runs / source / "checkpoints" / f"step_{EP_STEPS}")
     report["refusals"] = refusals(root, model_dir)
+    aux_loss_gradients(root, out)
     return report
 
 
-def root_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+AUX_LOSS_COEFFICIENT = 1.0
+"""Large, so that the load-balancing loss's share of the gradients stands out."""
+
+
+def aux_loss_gradients(root: Gang, out: Path) -> None:
+    """The Trainer's gradients of one DDP step with one micro-batch a rank (see
+    ``test_the_aux_loss_is_normalized_like_the_main_loss_across_dp``), saved by rank 0."""
+    from tests.recipes.test_experts import aux_loss_micro_batches, trainer_gradients
+
+    gangs = setup_parallel_gangs(root)
+    grads = trainer_gradients(out, AUX_LOSS_COEFFICIENT, aux_loss_micro_batches(), gangs)
+    if root.rank == 0:
+        torch.save(grads, out / "aux_loss_grads.pt")
+
+
+def dp_size(overrides: tuple[str, ...]) -> int:
+    tp_size = next((int(o.split("=")[1]) for o in overrides if o.startswith("gang.tp_size=")), 1)
+    return int(os.environ.get("WORLD_SIZE", "1")) // tp_size
 
 
 def run_config(model_dir: Path, train: Path, overrides: tuple[str, ...], steps: int) -> LMConfig:
+    """Every layout reads the same 8 sequences a step."""
     return load_config(
         LMConfig,
         overrides=[
             f"model.hf_path={model_dir}",
             f"data.train={train}",
             "data.seq_len=32",
-            f"data.batch_size={8 // root_size()}",
+            f"data.batch_size={8 // dp_size(overrides)}",
             "data.num_workers=0",
             "optimizer.lr=0.01",
             "optimizer.warmup_steps=1",
@@ -86,19 +124,46 @@ def run_config(model_dir: Path, train: Path, overrides: tuple[str, ...], steps: 
     )
 
 
-def train_run(root: Gang, config: LMConfig, out: Path, resume_from: Path | None = None) -> None:
-    gangs = setup_parallel_gangs(root, ep_size=config.gang.ep_size)
+class _ExpertLayout(TrainerCallback):
+    """How the first experts' weight is laid out: its mesh dims, placements and local shape."""
+
+    def __init__(self) -> None:
+        self.layout: dict[str, Any] = {}
+
+    def on_before_optimizer_step(self, *, step_nr: int, model: torch.nn.Module) -> None:
+        from torch.distributed.tensor import DTensor
+
+        param = next(p for n, p in model.named_parameters() if "experts." in n)
+        if isinstance(param, DTensor):
+            self.layout = {
+                "mesh": list(param.device_mesh.mesh_dim_names or ()),
+                "placements": [
+                    f"{type(p).__name__}({getattr(p, 'dim', '')})" for p in param.placements
+                ],
+                "local_shape": list(param.to_local().shape),
+            }
+
+
+def train_run(
+    root: Gang, config: LMConfig, out: Path, resume_from: Path | None = None
+) -> dict[str, Any]:
+    gangs = setup_parallel_gangs(
+        root,
+        tp_size=config.gang.tp_size,
+        dp_shard_size=config.gang.dp_shard_size,
+        ep_size=config.gang.ep_size,
+    )
     trainer = build_trainer(config, out, gangs)
+    probe = _ExpertLayout()
+    trainer.add_callback(probe)
     trainer.resume_from = resume_from
     trainer.run()
     trainer.close()
+    return probe.layout
 
 
-def check_dispatch(root: Gang, model_dir: Path) -> dict[str, Any]:
+def check_dispatch(root: Gang, config: Any) -> dict[str, Any]:
     """EP outputs and gradients against every expert on one rank, for hard routings."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(model_dir)
     torch.manual_seed(0)
     reference = transformers.AutoModelForCausalLM.from_config(config).model.layers[0].mlp.experts
     with torch.device("meta"):
@@ -107,8 +172,9 @@ def check_dispatch(root: Gang, model_dir: Path) -> dict[str, Any]:
     apply_expert_parallel(sharded, gangs)
     experts = sharded.model.layers[0].mlp.experts
     experts.to_empty(device="cpu")
+    names = [name for name, _ in reference.named_parameters()]
     with torch.no_grad():
-        for name in ("gate_up_proj", "down_proj"):
+        for name in names:
             getattr(experts, name).to_local().copy_(
                 getattr(reference, name).chunk(2)[gangs.ep.rank]
             )
@@ -130,7 +196,7 @@ def check_dispatch(root: Gang, model_dir: Path) -> dict[str, Any]:
     (expected.square().sum()).backward()
     report: dict[str, Any] = {"output": float((out - expected).detach().abs().max())}
     report["syncs"] = detector.syncs
-    for name in ("gate_up_proj", "down_proj"):
+    for name in names:
         grad = getattr(experts, name).grad.to_local() * gangs.dp.size
         whole = getattr(reference, name).grad.clone()
         root.all_reduce(whole, ReduceOperation.SUM)
@@ -140,8 +206,6 @@ def check_dispatch(root: Gang, model_dir: Path) -> dict[str, Any]:
 
 
 def refusals(root: Gang, model_dir: Path) -> dict[str, str]:
-    import transformers
-
     found = {}
     try:
         setup_parallel_gangs(root, ep_size=3)

@@ -17,6 +17,7 @@ from runtime.parallel.sparse_embeddings import sparse_parameters
 from runtime.parallel.tying import retie, shared_parameters
 
 if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.tensor.parallel import ParallelStyle
 
 # FSDP2 and tensor parallelism import DTensor, which takes a second: each function imports what
@@ -88,9 +89,10 @@ def apply_data_parallel(
     API can make DDP leave them out: off the tested torch versions (:mod:`gangs.torch_versions`)
     a sparse embedding under DDP is a clear error.
 
-    ``expert_params``: parameters already sharded over the EP gang (expert parallelism), whose
-    gradients their own layer reduces; DDP and FSDP2 leave them alone (DDP through the same
-    private API as sparse embeddings).
+    ``expert_params``: parameters already sharded over the EP gang (expert parallelism). DDP
+    leaves them alone (through the same private API as sparse embeddings): their own layer
+    reduces their gradients over their replicas. FSDP2 and HSDP shard each module that holds
+    them over their replicas (``gangs.expert_mesh["ep_replicate"]``), where there are any.
     """
     if kind not in ("ddp", "fsdp", "hsdp"):
         raise ValueError(f"kind must be 'ddp', 'fsdp' or 'hsdp', but is '{kind}' instead.")
@@ -130,7 +132,7 @@ def apply_data_parallel(
 
         mesh = gangs.hsdp_mesh if kind == "hsdp" else gangs.dp_mesh
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        ignored = set(expert_params) or None
+        ignored = _shard_experts(model, gangs, expert_params, policy) or None
         for module in model.modules():
             if isinstance(module, fsdp_units):
                 fully_shard(module, mesh=mesh, mp_policy=policy, ignored_params=ignored)
@@ -139,6 +141,39 @@ def apply_data_parallel(
             _FSDP_PARAM_DTYPES[model] = param_dtype
         return model
     return _wrap_ddp(model, gangs, ddp_options, expert_params)
+
+
+def _shard_experts(
+    model: Module,
+    gangs: Gangs,
+    expert_params: Collection[Parameter],
+    policy: MixedPrecisionPolicy,
+) -> set[Parameter]:
+    """FSDP2 units of the modules that hold ``expert_params``, sharded over the experts'
+    replicas; the expert parameters the model's other units must leave alone (all of them when
+    each EP gang holds the only copy of its experts: nothing is left to shard them over).
+
+    FSDP2 shards them on dim 1: EP has split dim 0 (the experts) already, so each rank keeps
+    whole rows of its own experts and no strided sharding is needed."""
+    experts = set(expert_params)
+    if not experts or gangs.ep_replicas.size == 1:
+        return experts
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    mesh = gangs.expert_mesh["ep_replicate"]
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if not any(param in experts for param in own):
+            continue
+        if not all(param in experts for param in own):
+            raise ValueError(
+                f"{name} holds experts and other parameters, but FSDP2 shards the experts over "
+                "their replicas as a unit of their own. Keep the experts' weights in a module "
+                "of their own (as transformers' MoE layers do)."
+            )
+        fully_shard(module, mesh=mesh, mp_policy=policy, shard_placement_fn=lambda _: Shard(1))
+    return set()
 
 
 def _shards_alone(kind: DataParallelKind, gangs: Gangs) -> bool:
