@@ -282,7 +282,10 @@ def test_a_family_from_scratch_is_initialized_as_transformers_initializes_it(
             if name in dict(reference.named_buffers()):
                 assert torch.equal(tensor.detach().float(), want), (family.name, name)
                 continue
-            spread = 0.25 * float(want.std()) + 1e-3
+            # Two draws' spreads differ by sampling too: a sample's std strays by about
+            # std / sqrt(2 (numel - 1)), which a tensor of 4 (gpt-oss's sinks) makes wide.
+            sampling_std = 3 / math.sqrt(2 * max(want.numel() - 1, 1))
+            spread = (0.25 + sampling_std) * float(want.std()) + 1e-3
             assert abs(float(tensor.detach().float().std()) - float(want.std())) < spread, (
                 family.name,
                 name,
