@@ -159,8 +159,9 @@ def test_expert_parallel_on_four_processes_with_replicated_and_single_experts(
 ) -> None:
     """4 ranks: EP=2 (each expert on 2 ranks) under DDP (which sums the replicas' gradients),
     FSDP2 and HSDP (which shard the experts over the replicas too); EP=4 (one expert a rank);
-    TP=2 with the experts whole on each TP rank, and beside EP=2. All equal DDP without EP,
-    and a run resumes from DDP's checkpoint into experts sharded over EP and FSDP2."""
+    TP=2 with the experts whole on each TP rank, and beside EP=2; gpt-oss under FSDP2 x EP=2.
+    All equal the same run without EP, and a run resumes from DDP's checkpoint into experts
+    sharded over EP and FSDP2."""
     from tests.workers.expert_parallel import EP_STEPS, RESUMES_OF_4
 
     assert_ok(torchrun(4, "tests/workers/expert_parallel.py", str(tmp_path), timeout=900))
@@ -184,6 +185,7 @@ def test_expert_parallel_on_four_processes_with_replicated_and_single_experts(
     # of a micro-batch is not the sum of its halves': so TP with EP is held to TP without it,
     # and TP without it to DDP on the first step's cross entropy (the same weights and tokens).
     assert_equals_ddp(runs, "fsdp_tp2_ep2", reference_run="fsdp_tp2")
+    assert_equals_ddp(runs, "gpt_oss_fsdp_ep2", reference_run="gpt_oss_ddp")
     tp_first, ddp_first = (
         read_jsonl(runs / run / "metrics" / "train.jsonl")[0] for run in ("fsdp_tp2", "ddp")
     )

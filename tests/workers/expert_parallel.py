@@ -56,6 +56,8 @@ RESUMES = {"ep2_from_ddp": ("ddp_ep2", "ddp"), "ddp_from_ep2": ("ddp", "ddp_ep2"
 checkpoint of the second, for one more step."""
 RESUMES_OF_4 = {**RESUMES, "fsdp_ep2_from_ddp": ("fsdp_ep2", "ddp")}
 """On 4 ranks, also into experts sharded over both their EP gang and their replicas."""
+GPT_OSS_RUNS = {"gpt_oss_ddp": RUNS["ddp"], "gpt_oss_fsdp_ep2": RUNS["fsdp_ep2"]}
+"""On 4 ranks, gpt-oss's experts (biases, an interleaved gate) too."""
 
 
 def run_all(root: Gang, out: Path) -> dict[str, Any]:
@@ -78,8 +80,16 @@ def run_all(root: Gang, out: Path) -> dict[str, Any]:
         config = run_config(model_dir, train, RUNS[layout], EP_STEPS + 1)
         config.trainer.reshard_on_resume = True
         train_run(root, config, runs / name, runs / source / "checkpoints" / f"step_{EP_STEPS}")
+    if root.size == 4:
+        gpt_oss_dir = out / "gpt_oss"
+        if root.rank == 0:
+            make_family_dir(FAMILY_BY_NAME["gpt-oss"], gpt_oss_dir)
+        root.barrier()
+        for name, overrides in GPT_OSS_RUNS.items():
+            train_run(root, run_config(gpt_oss_dir, train, overrides, EP_STEPS), runs / name)
     report["refusals"] = refusals(root, model_dir)
-    aux_loss_gradients(root, out)
+    if root.size == 2:
+        aux_loss_gradients(root, out)
     return report
 
 
@@ -88,7 +98,7 @@ AUX_LOSS_COEFFICIENT = 1.0
 
 
 def aux_loss_gradients(root: Gang, out: Path) -> None:
-    """The Trainer's gradients of one DDP step with one micro-batch a rank (see
+    """The Trainer's gradients of one DDP step of 2 ranks with one micro-batch a rank (see
     ``test_the_aux_loss_is_normalized_like_the_main_loss_across_dp``), saved by rank 0."""
     from tests.recipes.test_experts import aux_loss_micro_batches, trainer_gradients
 
