@@ -156,11 +156,14 @@ def test_four_processes_ep_gangs_are_consecutive_dp_ranks_and_replicas_stride(
         assert report["ep_members"] == [float(start), float(start + 1)]
         assert report["ep_replicas_members"] == [float(rank % 2), float(rank % 2 + 2)]
         assert report["ep_mesh"] == [start, start + 1]
+        # One mesh holds both: FSDP2 shards the experts over ep_replicate beside ep.
+        assert report["expert_mesh"] == [["ep_replicate", "ep", "tp"], [[[0], [1]], [[2], [3]]]]
         assert report["dp_members"] == [0.0, 1.0, 2.0, 3.0]
     for rank, report in enumerate(four_process_reports(four_process_layouts, "ep_tp")):
         # DP ranks stride over TP (rank = dp_rank * 2 + tp_rank); EP takes both DP ranks.
         assert report["ep_members"] == [float(rank % 2), float(rank % 2 + 2)]
         assert "ep_replicas_members" in report and len(report["ep_replicas_members"]) == 1
+        assert report["expert_mesh"] == [["ep_replicate", "ep", "tp"], [[[0, 1], [2, 3]]]]
 
 
 def test_ep_size_must_divide_the_dp_size() -> None:

@@ -101,6 +101,8 @@ def check(gangs: Gangs) -> dict[str, object]:
             gang.all_gather(members, value)
             report[f"{gang_name}_members"] = members.flatten().tolist()
         report["ep_mesh"] = gangs.ep_mesh.mesh.tolist()
+        expert_mesh = gangs.expert_mesh
+        report["expert_mesh"] = [list(expert_mesh.mesh_dim_names or ()), expert_mesh.mesh.tolist()]
     everyone = root.make_gang(list(range(root.size)))
     report["timeouts"] = _timeouts(root, gangs.dp, gangs.tp, everyone, mesh)
     root.barrier()
