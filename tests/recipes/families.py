@@ -218,6 +218,7 @@ MOE_FAMILIES = (
         experts=True,
     ),
 )
+"""The mixtures of experts whose files hold one tensor per expert (merged at load, split at export)."""
 GPT_OSS = Family(
     "gpt-oss",
     _config(
@@ -235,7 +236,8 @@ GPT_OSS = Family(
     refused={"TP": NO_TP_PLAN, "FSDP2 x TP": NO_TP_PLAN},
     experts=True,
 )
-"""Its plan splits nothing but the embedding, which the recipe leaves whole."""
+"""A mixture of experts whose files hold its experts stacked, as the model does (no conversion);
+its plan splits nothing but the embedding, which the recipe leaves whole."""
 FAMILIES = (*FAMILIES, *MOE_FAMILIES, GPT_OSS)
 FAMILY_BY_NAME = {family.name: family for family in FAMILIES}
 

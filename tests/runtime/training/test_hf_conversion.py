@@ -12,7 +12,13 @@ from safetensors import safe_open
 from gangs import Gangs
 from runtime.training.hf_conversion import ConvertedCheckpoint, checkpoint_state
 from runtime.training.initial_weights import InitialWeightsError, load_initial_weights
-from tests.recipes.families import FAMILY_BY_NAME, MOE_FAMILIES, Family, make_family_dir
+from tests.recipes.families import (
+    FAMILY_BY_NAME,
+    GPT_OSS,
+    MOE_FAMILIES,
+    Family,
+    make_family_dir,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,6 +50,18 @@ def test_a_per_expert_directory_loads_as_from_pretrained_loads_it(
     assert not loaded.skipped_keys or all("rotary" in k for k in loaded.skipped_keys)
     reference = transformers.AutoModelForCausalLM.from_pretrained(directory)
     expected = reference.state_dict()
+    assert model.state_dict().keys() == expected.keys()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+
+
+def test_a_stacked_expert_directory_loads_as_from_pretrained_loads_it(tmp_path: Path) -> None:
+    """gpt-oss's files hold its experts stacked, with biases: they load as they are."""
+    directory = make_family_dir(GPT_OSS, tmp_path)
+    assert "model.layers.0.mlp.experts.gate_up_proj_bias" in saved_keys(directory)
+    model = meta_model(directory).to_empty(device="cpu")
+    load_initial_weights(model, directory, gangs=Gangs.single())
+    expected = transformers.AutoModelForCausalLM.from_pretrained(directory).state_dict()
     assert model.state_dict().keys() == expected.keys()
     for key, value in model.state_dict().items():
         assert torch.equal(value, expected[key]), key
