@@ -218,7 +218,8 @@ MOE_FAMILIES = (
         experts=True,
     ),
 )
-"""The mixtures of experts whose files hold one tensor per expert (merged at load, split at export)."""
+"""The mixtures of experts whose files hold one tensor per expert (merged at load, split again
+at export)."""
 GPT_OSS = Family(
     "gpt-oss",
     _config(
