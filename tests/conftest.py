@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -137,6 +138,33 @@ def run_python(
         timeout=timeout,
         check=False,
     )
+
+
+def main_in_process(
+    recipe: Callable[[Any, Path], Any], config_class: type[Any], argv: Sequence[str]
+) -> subprocess.CompletedProcess[str]:
+    """``runtime.main(recipe, config_class, argv)`` in this process: the exit status, stdout and
+    stderr a ``python -m`` of the recipe would give, without a process's start-up (most of it
+    importing torch). An exception other than ``SystemExit`` propagates.
+
+    It computes on one thread, as :func:`child_env` makes child processes do, so its weights
+    are bit-identical to those of the same run in a child process.
+    """
+    from runtime import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            main(recipe, config_class, list(argv))
+    except SystemExit as ex:
+        code = ex.code
+    else:
+        raise AssertionError("runtime.main returned instead of exiting")
+    finally:
+        torch.set_num_threads(num_threads)
+    return subprocess.CompletedProcess(list(argv), code, stdout.getvalue(), stderr.getvalue())
 
 
 def kill_9_after_first_checkpoint(
