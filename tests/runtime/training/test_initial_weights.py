@@ -1,5 +1,8 @@
 """Starting from weights (``init_from``): an export file or a checkpoint directory, any layout;
-key mismatches are clear; a resumed run ignores it. The runs are tests/workers/resume_toy.py."""
+key mismatches are clear; a resumed run ignores it. The runs are tests/workers/resume_toy.py:
+under torchrun for the sharded layouts, in this process for one (``runtime.main``, the path of
+the command line, without a process's start-up); exports go through ``python -m runtime``'s
+``main``, in this process too."""
 
 from __future__ import annotations
 
@@ -14,13 +17,17 @@ from torch import Tensor, nn
 
 from gangs import Gangs
 from runtime import InitialWeightsError, load_initial_weights
-from tests.conftest import assert_ok, run_python, torchrun
+from runtime.cli import tools
+from tests.conftest import assert_ok, main_in_process, torchrun
+from tests.workers.resume_toy import ResumeToyConfig, recipe
 
 WORKER = "tests/workers/resume_toy.py"
 
 
 def run_single(out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    return run_python(WORKER, str(out), "--config", "batch_size=8", *overrides, timeout=300)
+    return main_in_process(
+        recipe, ResumeToyConfig, [str(out), "--config", "batch_size=8", *overrides]
+    )
 
 
 def params(file: Path) -> dict[str, Tensor]:
@@ -42,8 +49,7 @@ def source_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def export(source: Path, destination: Path, *flags: str) -> None:
-    result = run_python("-m", "runtime", "export", str(source), str(destination), *flags)
-    assert result.returncode == 0, result.stderr
+    assert tools.main(["export", str(source), str(destination), *flags]) == 0
 
 
 @pytest.mark.distributed
