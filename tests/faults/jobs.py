@@ -15,7 +15,8 @@ from torch import Tensor
 
 from checkpoint import CheckpointManager
 from gangs import Gangs
-from tests.conftest import REPO_ROOT, child_env, run_python, torchrun, torchrun_command
+from tests.conftest import REPO_ROOT, child_env, main_in_process, torchrun, torchrun_command
+from tests.workers.resume_toy import ResumeToyConfig, recipe
 
 WORKER = "tests/workers/resume_toy.py"
 DP2 = ("batch_size=4",)
@@ -68,8 +69,11 @@ def run_job(out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
 
 
 def run_single(out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    """``python resume_toy.py OUT``: one process, no torchrun, 8 examples a step."""
-    return run_python(WORKER, str(out), "--config", "batch_size=8", *overrides, timeout=HANG_GUARD)
+    """``python resume_toy.py OUT`` without torchrun (8 examples a step), as
+    :func:`~tests.conftest.main_in_process` runs it: in this process."""
+    return main_in_process(
+        recipe, ResumeToyConfig, [str(out), "--config", "batch_size=8", *overrides]
+    )
 
 
 def children(pid: int) -> list[int]:

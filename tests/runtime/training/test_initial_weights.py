@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,16 +17,10 @@ from torch import Tensor, nn
 from gangs import Gangs
 from runtime import InitialWeightsError, load_initial_weights
 from runtime.cli import tools
-from tests.conftest import assert_ok, main_in_process, torchrun
-from tests.workers.resume_toy import ResumeToyConfig, recipe
+from tests.conftest import assert_ok, torchrun
+from tests.faults.jobs import run_single
 
 WORKER = "tests/workers/resume_toy.py"
-
-
-def run_single(out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    return main_in_process(
-        recipe, ResumeToyConfig, [str(out), "--config", "batch_size=8", *overrides]
-    )
 
 
 def params(file: Path) -> dict[str, Tensor]:
