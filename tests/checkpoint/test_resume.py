@@ -3,7 +3,9 @@
 Each scenario interrupts ``tests/workers/resume_toy.py`` (10 steps, 5 per data epoch, a checkpoint
 every 2 steps, metrics published every 2 steps) and checks that the rerun ends with exactly the
 parameters (``torch.equal``) and published train metrics of an uninterrupted run of the same
-layout, and that every committed checkpoint left behind verifies.
+layout, and that every committed checkpoint left behind verifies. A one-process run that no
+signal interrupts runs in this process (``runtime.main``, the command line's path, without a
+process's start-up).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from checkpoint import CheckpointManager
 from checkpoint.dcp_io import IO_ENV_VAR
 from gangs import Gangs
 from tests.conftest import REPO_ROOT, assert_ok, child_env, run_python, torchrun, torchrun_command
+from tests.faults.jobs import run_single
 
 pytestmark = pytest.mark.distributed
 
@@ -170,7 +173,7 @@ def resumed_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
     dp2 is stopped by SIGTERM to torchrun (all ranks get it); dp1 (one process, no torchrun)
     and dp2_tp2 by the last rank sending SIGTERM to itself (the others must follow it at the
-    same step).
+    same step). dp1's resume, which no signal interrupts, runs in this process.
     """
 
     def get(layout: str) -> ResumedRun:
@@ -178,7 +181,7 @@ def resumed_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
             out = tmp_path_factory.mktemp(f"resume_{layout}")
             if layout == "dp1":
                 first = launch_single_process(out, "sigterm_at_step=2", "reference_first=true")
-                second = launch_single_process(out)
+                second = run_single(out)
             elif layout == "dp2":
                 first = stop_by_sigterm_to_torchrun(layout, out)
                 second = launch(layout, out)
@@ -371,7 +374,7 @@ def test_damaged_last_checkpoint_falls_back_to_the_previous_one(
     leftover.mkdir(parents=True)
     (leftover / "__0_0.distcp").write_bytes(b"half written")
 
-    result = launch_single_process(tmp_path)
+    result = run_single(tmp_path)
     assert_ok(result)
     log_text = rank_log(tmp_path, 0)
     assert "Skipping the checkpoint of step 10, which is damaged" in log_text
@@ -391,7 +394,7 @@ def test_resume_with_another_world_size_fails_clearly(resumed_run: Any, tmp_path
     source = resumed_run("dp2").reference
     shutil.copytree(source / "checkpoints", tmp_path / "checkpoints")
 
-    result = launch_single_process(tmp_path)
+    result = run_single(tmp_path)
     assert result.returncode == 2, output(result)
     message = (
         "The checkpoint of step 10 in {} was saved by 2 processes (dp_size 2 x tp_size 1), but "
@@ -439,7 +442,7 @@ def test_reshard_on_resume_continues_the_data_and_the_math(
     shutil.copytree(source / "checkpoints" / "step_2", tmp_path / "checkpoints" / "step_2")
 
     if layout == "dp1":
-        result = launch_single_process(tmp_path, "reshard_on_resume=true")
+        result = run_single(tmp_path, "reshard_on_resume=true")
     else:
         result = launch(layout, tmp_path, "reshard_on_resume=true")
     assert_ok(result)
@@ -471,7 +474,7 @@ def test_hsdp_checkpoint_loads_into_ddp(resumed_run: Any, tmp_path: Path) -> Non
 
 
 def test_async_checkpoint_single_process_matches_sync(resumed_run: Any, tmp_path: Path) -> None:
-    result = launch_single_process(tmp_path, "async_checkpoint=true")
+    result = run_single(tmp_path, "async_checkpoint=true")
     assert_ok(result)
     assert "Checkpoint of step 2 staged; writing it in the background." in rank_log(tmp_path, 0)
     assert_identical_params(load_params(tmp_path), load_params(resumed_run("dp1").reference))
