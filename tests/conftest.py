@@ -140,31 +140,38 @@ def run_python(
     )
 
 
-def main_in_process(
-    recipe: Callable[[Any, Path], Any], config_class: type[Any], argv: Sequence[str]
+def in_process(
+    command: Callable[[Sequence[str]], int | None], argv: Sequence[str]
 ) -> subprocess.CompletedProcess[str]:
-    """``runtime.main(recipe, config_class, argv)`` in this process: the exit status, stdout and
-    stderr a ``python -m`` of the recipe would give, without a process's start-up (most of it
-    importing torch). An exception other than ``SystemExit`` propagates.
+    """``command(argv)``, a command line's main, in this process: the exit status (its return
+    value, or the code of the ``SystemExit`` it raised), stdout and stderr its process would
+    give, without the process's start-up (most of it importing torch). Any other exception
+    propagates.
 
     It computes on one thread, as :func:`child_env` makes child processes do, so its weights
     are bit-identical to those of the same run in a child process.
     """
-    from runtime import main
-
     stdout, stderr = io.StringIO(), io.StringIO()
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            main(recipe, config_class, list(argv))
+            code = command(list(argv))
     except SystemExit as ex:
-        code = ex.code
-    else:
-        raise AssertionError("runtime.main returned instead of exiting")
+        code = ex.code  # type: ignore[assignment]
     finally:
         torch.set_num_threads(num_threads)
-    return subprocess.CompletedProcess(list(argv), code, stdout.getvalue(), stderr.getvalue())
+    returncode = 0 if code is None else code
+    return subprocess.CompletedProcess(list(argv), returncode, stdout.getvalue(), stderr.getvalue())
+
+
+def main_in_process(
+    recipe: Callable[[Any, Path], Any], config_class: type[Any], argv: Sequence[str]
+) -> subprocess.CompletedProcess[str]:
+    """``python -m RECIPE ARGV``: ``runtime.main(recipe, config_class, argv)`` :func:`in_process`."""
+    from runtime import main
+
+    return in_process(lambda args: main(recipe, config_class, args), argv)
 
 
 def kill_9_after_first_checkpoint(
