@@ -227,6 +227,20 @@ def two_rank_checks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def preempted_dp2(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """One launch of ``tests/workers/resume_toy.py`` on two ranks of 4 examples: the run trained
+    to its end in ``OUT/reference``, then the same run stopped by SIGTERM to torchrun after step
+    2 in ``OUT``. test_resume resumes it; the fault suite compares its runs with the reference.
+    Returns ``OUT`` and the launch's result."""
+    from tests.faults.jobs import DP2, stop_by_sigterm_to_torchrun
+
+    out = tmp_path_factory.mktemp("preempted_dp2")
+    return out, stop_by_sigterm_to_torchrun(out, 2, *DP2)
+
+
 def rank_reports(out: Path, num_ranks: int) -> list[Any]:
     """What each rank of a worker wrote to ``out/rank_R.json``, by rank."""
     return [json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(num_ranks)]

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ from torch import Tensor
 from checkpoint import CheckpointManager
 from checkpoint.dcp_io import IO_ENV_VAR
 from gangs import Gangs
-from tests.conftest import REPO_ROOT, assert_ok, child_env, run_python, torchrun, torchrun_command
+from tests.conftest import assert_ok, run_python, torchrun
 from tests.faults.jobs import run_single
 
 pytestmark = pytest.mark.distributed
@@ -115,16 +113,6 @@ def assert_committed_checkpoints_verify(out: Path) -> list[int]:
     return steps
 
 
-def wait_for_files(paths: list[Path], process: subprocess.Popen[str], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(path.exists() for path in paths):
-        if process.poll() is not None:
-            raise AssertionError(f"torchrun exited ({process.returncode}) before the handshake.")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{paths} did not appear within {timeout} seconds.")
-        time.sleep(0.05)
-
-
 @dataclass
 class ResumedRun:
     """A run stopped after step 3 by SIGTERM, then resumed to the end; and its reference."""
@@ -136,42 +124,18 @@ class ResumedRun:
     nproc: int
 
 
-def stop_by_sigterm_to_torchrun(layout: str, out: Path) -> subprocess.CompletedProcess[str]:
-    """Preempt like a cluster does: SIGTERM to torchrun once every rank finished step 2.
-
-    The workers wait after step 2 until the signal torchrun forwards has arrived (a file
-    handshake, no sleeps), so the stop request is known to all of them at step 3.
-    """
-    nproc, layout_overrides = LAYOUTS[layout]
-    config = [*layout_overrides, "wait_for_sigterm_at_step=2", "reference_first=true"]
-    process = subprocess.Popen(
-        torchrun_command(nproc, [WORKER, str(out), "--config", *config]),
-        env=child_env(),
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        ready = [out / "ready" / f"rank_{rank}" for rank in range(nproc)]
-        wait_for_files(ready, process, timeout=120)
-        process.send_signal(signal.SIGTERM)
-        stdout, stderr = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-
-
 _resumed_runs: dict[str, ResumedRun] = {}
 
 
 @pytest.fixture(scope="module")
-def resumed_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def resumed_run(
+    tmp_path_factory: pytest.TempPathFactory,
+    preempted_dp2: tuple[Path, subprocess.CompletedProcess[str]],
+) -> Any:
     """``resumed_run(layout)``: one interrupted and resumed run per layout, shared by the tests.
 
-    dp2 is stopped by SIGTERM to torchrun (all ranks get it); dp1 (one process, no torchrun)
+    dp2 is stopped by SIGTERM to torchrun (all ranks get it; the session's ``preempted_dp2``,
+    whose reference the fault suite shares); dp1 (one process, no torchrun)
     and dp2_tp2 by the last rank sending SIGTERM to itself (the others must follow it at the
     same step). dp1's resume, which no signal interrupts, runs in this process.
     """
@@ -183,7 +147,7 @@ def resumed_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
                 first = launch_single_process(out, "sigterm_at_step=2", "reference_first=true")
                 second = run_single(out)
             elif layout == "dp2":
-                first = stop_by_sigterm_to_torchrun(layout, out)
+                out, first = preempted_dp2
                 second = launch(layout, out)
             else:
                 first = launch(layout, out, "sigterm_at_step=2", "reference_first=true")
