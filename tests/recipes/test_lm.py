@@ -339,9 +339,10 @@ def test_sft_trains_on_responses_only(tmp_path: Path) -> None:
 
 
 def kill_9_and_resume(out: Path, config: tuple[str, ...]) -> None:
-    """Run the recipe, kill -9 it and its data workers after its first checkpoint, rerun it."""
+    """Run the recipe, kill -9 it and its data workers after its first checkpoint, rerun it (in
+    this process: nothing kills the rerun)."""
     kill_9_after_first_checkpoint([sys.executable, *recipe_args(out, *config)], out, timeout=240)
-    assert_ok(run_python(*recipe_args(out, *config), timeout=300))
+    assert_ok(run_here(out, *config))
 
 
 def test_a_mixture_with_workers_resumes_exactly_after_kill_9(tmp_path: Path) -> None:
