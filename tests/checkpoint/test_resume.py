@@ -142,14 +142,15 @@ def resumed_run(
 
     def get(layout: str) -> ResumedRun:
         if layout not in _resumed_runs:
-            out = tmp_path_factory.mktemp(f"resume_{layout}")
-            if layout == "dp1":
-                first = launch_single_process(out, "sigterm_at_step=2", "reference_first=true")
-                second = run_single(out)
-            elif layout == "dp2":
+            if layout == "dp2":
                 out, first = preempted_dp2
                 second = launch(layout, out)
+            elif layout == "dp1":
+                out = tmp_path_factory.mktemp(f"resume_{layout}")
+                first = launch_single_process(out, "sigterm_at_step=2", "reference_first=true")
+                second = run_single(out)
             else:
+                out = tmp_path_factory.mktemp(f"resume_{layout}")
                 first = launch(layout, out, "sigterm_at_step=2", "reference_first=true")
                 second = launch(layout, out)
             _resumed_runs[layout] = ResumedRun(
