@@ -168,7 +168,8 @@ def in_process(
 def main_in_process(
     recipe: Callable[[Any, Path], Any], config_class: type[Any], argv: Sequence[str]
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m RECIPE ARGV``: ``runtime.main(recipe, config_class, argv)`` :func:`in_process`."""
+    """``python -m RECIPE ARGV`` as :func:`in_process` runs it: ``runtime.main(recipe,
+    config_class, argv)`` in this process."""
     from runtime import main
 
     return in_process(lambda args: main(recipe, config_class, args), argv)
