@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -139,6 +140,41 @@ def run_python(
     )
 
 
+def in_process(
+    command: Callable[[Sequence[str]], int | None], argv: Sequence[str]
+) -> subprocess.CompletedProcess[str]:
+    """``command(argv)``, a command line's main, in this process: the exit status (its return
+    value, or the code of the ``SystemExit`` it raised), stdout and stderr its process would
+    give, without the process's start-up (most of it importing torch). Any other exception
+    propagates.
+
+    It computes on one thread, as :func:`child_env` makes child processes do, so its weights
+    are bit-identical to those of the same run in a child process.
+    """
+    stdout, stderr = io.StringIO(), io.StringIO()
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = command(list(argv))
+    except SystemExit as ex:
+        code = ex.code  # type: ignore[assignment]
+    finally:
+        torch.set_num_threads(num_threads)
+    returncode = 0 if code is None else code
+    return subprocess.CompletedProcess(list(argv), returncode, stdout.getvalue(), stderr.getvalue())
+
+
+def main_in_process(
+    recipe: Callable[[Any, Path], Any], config_class: type[Any], argv: Sequence[str]
+) -> subprocess.CompletedProcess[str]:
+    """``python -m RECIPE ARGV`` as :func:`in_process` runs it: ``runtime.main(recipe,
+    config_class, argv)`` in this process."""
+    from runtime import main
+
+    return in_process(lambda args: main(recipe, config_class, args), argv)
+
+
 def kill_9_after_first_checkpoint(
     command: Sequence[str], out: Path, *, timeout: float = 300
 ) -> list[int]:
@@ -190,6 +226,20 @@ def two_rank_checks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("two_rank_checks")
     assert_ok(torchrun(2, "tests/workers/two_rank_checks.py", str(out)))
     return out
+
+
+@pytest.fixture(scope="session")
+def preempted_dp2(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """One launch of ``tests/workers/resume_toy.py`` on two ranks of 4 examples: the run trained
+    to its end in ``OUT/reference``, then the same run stopped by SIGTERM to torchrun after step
+    2 in ``OUT``. test_resume resumes it; the fault suite compares its runs with the reference.
+    Returns ``OUT`` and the launch's result."""
+    from tests.faults.jobs import DP2, stop_by_sigterm_to_torchrun
+
+    out = tmp_path_factory.mktemp("preempted_dp2")
+    return out, stop_by_sigterm_to_torchrun(out, 2, *DP2)
 
 
 def rank_reports(out: Path, num_ranks: int) -> list[Any]:

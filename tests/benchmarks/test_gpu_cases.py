@@ -3,18 +3,17 @@ without CUDA each is skipped with one line saying why, its contenders recorded a
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import sys
 
 import pytest
 import torch
 
+from benchmarks import gpu_worker
 from benchmarks.cases import CASE_KEYS, SuiteSettings, gpu_checkpoint, gpu_llama, gpu_overhead
 from benchmarks.report import format_value
 from benchmarks.workloads.llama import Llama, LlamaShape, random_tokens, summed_loss
-from tests.conftest import run_python
+from tests.benchmarks.conftest import GPU_KEYS, QuickRun
 
-GPU_KEYS = ("G1-paired", "G2-llama", "G2-checkpoint")
 NO_CUDA = "no CUDA device here (torch.cuda.is_available() is False)"
 no_cuda_only = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
 
@@ -37,37 +36,30 @@ def test_the_gpu_cases_are_registered() -> None:
 
 
 @no_cuda_only
-def test_without_cuda_the_gpu_cases_are_skipped_with_one_line_each(tmp_path: Path) -> None:
-    result = run_python(
-        "-m",
-        "benchmarks",
-        "--quick",
-        "--runs",
-        "1",
-        "--cases",
-        ",".join(GPU_KEYS),
-        "--output-dir",
-        str(tmp_path),
-    )
+def test_without_cuda_the_gpu_cases_are_skipped_with_one_line_each(quick_run: QuickRun) -> None:
+    result = quick_run.result
     assert result.returncode == 0, result.stderr
     for key in GPU_KEYS:
         assert result.stdout.count(f"  {key}: skipped: {NO_CUDA}\n") == 1
     assert "FAILED" not in result.stdout
-    comparisons = json.loads((tmp_path / "results.json").read_text())["comparisons"]
-    assert [c["key"] for c in comparisons] == list(GPU_KEYS)
-    for comparison in comparisons:
-        for contender in comparison["contenders"]:
+    assert [key for key in quick_run.cases if key in GPU_KEYS] == list(GPU_KEYS)
+    for key in GPU_KEYS:
+        for contender in quick_run.comparison(key)["contenders"]:
             assert contender["status"] == "skipped"
             assert contender["note"] == NO_CUDA
             assert contender["num_runs"] == 0
-    assert f"this project: skipped: {NO_CUDA}" in (tmp_path / "results.md").read_text()
+    table = (quick_run.output_dir / "results.md").read_text()
+    assert f"this project: skipped: {NO_CUDA}" in table
 
 
 @no_cuda_only
-def test_the_gpu_worker_says_it_needs_cuda() -> None:
-    result = run_python("-m", "benchmarks.gpu_worker", "--loop", "trainer", "--quick")
-    assert result.returncode == 1
-    assert "gpu_worker: no CUDA device here." in result.stderr
+def test_the_gpu_worker_says_it_needs_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its main in this process: the refusal comes before the worker builds anything.
+    monkeypatch.setattr(sys, "argv", ["gpu_worker", "--loop", "trainer", "--quick"])
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_worker.main()
+    # Exit status 1, the message on stderr.
+    assert exit_info.value.code == "gpu_worker: no CUDA device here."
 
 
 def test_the_llama_model_has_1b_parameters_and_trains() -> None:

@@ -7,19 +7,22 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.__main__ import main
 from benchmarks.cases.base import PAIRED, PAIRED_COUNTED
-from tests.conftest import assert_ok, run_python, run_quick_benchmark
+from tests.benchmarks.conftest import QuickRun
+from tests.conftest import assert_ok, run_quick_benchmark
 
 
-def test_quick_suite_writes_json_and_markdown(tmp_path: Path) -> None:
-    assert_ok(run_quick_benchmark("W1", tmp_path))
+def test_quick_suite_writes_json_and_markdown(quick_run: QuickRun) -> None:
+    assert_ok(quick_run.result)
 
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = json.loads((quick_run.output_dir / "results.json").read_text())
     assert results["suite"]["runs"] == 1
     assert results["suite"]["quick"] is True
     assert {"platform", "cpu_count", "python", "torch", "frameworks"} <= set(results["machine"])
-    [comparison] = results["comparisons"]
-    assert comparison["key"] == "W1"
+    # Every case asked for, in the order asked.
+    assert [c["key"] for c in results["comparisons"]] == list(quick_run.cases)
+    comparison = quick_run.comparison("W1")
     assert comparison["baseline"] == "hand-written"
     assert [m["key"] for m in comparison["metrics"]] == ["step_time_s", "max_rss_bytes"]
     contenders = {c["name"]: c for c in comparison["contenders"]}
@@ -44,7 +47,7 @@ def test_quick_suite_writes_json_and_markdown(tmp_path: Path) -> None:
         # A framework the environment lacks is skipped and says why, not a failure.
         assert contenders[name]["status"] in ("ok", "skipped"), contenders[name]["note"]
 
-    table = (tmp_path / "results.md").read_text()
+    table = (quick_run.output_dir / "results.md").read_text()
     assert "### W1: MLP 32-64-64-10, batch 32, 1 process" in table
     assert "| this project |" in table
     assert "vs hand-written" in table
@@ -59,11 +62,14 @@ def test_quick_suite_writes_json_and_markdown(tmp_path: Path) -> None:
     ],
 )
 def test_the_paired_case_reports_both_steps_their_difference_and_ratio(
-    tmp_path: Path, key: str, names: list[str]
+    request: pytest.FixtureRequest, tmp_path: Path, key: str, names: list[str]
 ) -> None:
-    assert_ok(run_quick_benchmark(key, tmp_path))
-    [comparison] = json.loads((tmp_path / "results.json").read_text())["comparisons"]
-    assert comparison["key"] == key
+    if key == "W1-paired":  # in the quick run the other tests share
+        run: QuickRun = request.getfixturevalue("quick_run")
+    else:
+        run = QuickRun(run_quick_benchmark(key, tmp_path), tmp_path, (key,))
+    assert_ok(run.result)
+    comparison = run.comparison(key)
     contenders = comparison["contenders"]
     assert [contender["name"] for contender in contenders] == names
     for contender in contenders:
@@ -74,14 +80,16 @@ def test_the_paired_case_reports_both_steps_their_difference_and_ratio(
         assert trainer > 0 and hand > 0
         # Medians of per-block figures: the ratio is near that of the medians, not a fixed one.
         assert 0.5 < figures["ratio"]["median"] / (trainer / hand) < 2
-    table = (tmp_path / "results.md").read_text()
+    table = (run.output_dir / "results.md").read_text()
     assert "| Trainer step / hand-written step (median) |" in table
 
 
-def test_bad_runs_is_a_usage_error() -> None:
-    result = run_python("-m", "benchmarks", "--runs", "0")
-    assert result.returncode == 2
-    assert "error: --runs must be at least 1, but is 0 instead." in result.stderr
+def test_bad_runs_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    # The suite's main in this process: the usage error comes before anything is imported or run.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--runs", "0"])
+    assert exit_info.value.code == 2
+    assert "error: --runs must be at least 1, but is 0 instead." in capsys.readouterr().err
 
 
 @pytest.mark.slow

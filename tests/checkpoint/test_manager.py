@@ -13,7 +13,8 @@ from torch import nn
 
 from checkpoint import CheckpointError, CheckpointManager, RetentionPolicy
 from gangs import Gangs
-from tests.conftest import REPO_ROOT, child_env
+from runtime.cli import tools
+from tests.conftest import in_process, run_python
 
 
 def make_model(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -194,14 +195,8 @@ def test_saving_a_step_twice_is_refused(manager: CheckpointManager) -> None:
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "runtime", *args],
-        env=child_env(),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    """``python -m runtime ARGS``, its main in this process."""
+    return in_process(tools.main, args)
 
 
 def test_cli_lists_checkpoints_with_their_state(tmp_path: Path) -> None:
@@ -250,7 +245,8 @@ def test_cli_exports_a_plain_state_dict(tmp_path: Path) -> None:
 
 
 def test_cli_errors_exit_2_with_one_line(tmp_path: Path) -> None:
-    result = run_cli("export", str(tmp_path), str(tmp_path / "m.pt"))
+    # A real process: the one line is all the terminal gets, and the status is the process's.
+    result = run_python("-m", "runtime", "export", str(tmp_path), str(tmp_path / "m.pt"))
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "no committed checkpoints" in result.stderr
 

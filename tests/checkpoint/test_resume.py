@@ -3,16 +3,16 @@
 Each scenario interrupts ``tests/workers/resume_toy.py`` (10 steps, 5 per data epoch, a checkpoint
 every 2 steps, metrics published every 2 steps) and checks that the rerun ends with exactly the
 parameters (``torch.equal``) and published train metrics of an uninterrupted run of the same
-layout, and that every committed checkpoint left behind verifies.
+layout, and that every committed checkpoint left behind verifies. A one-process run that no
+signal interrupts runs in this process (``runtime.main``, the command line's path, without a
+process's start-up).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,8 @@ from torch import Tensor
 from checkpoint import CheckpointManager
 from checkpoint.dcp_io import IO_ENV_VAR
 from gangs import Gangs
-from tests.conftest import REPO_ROOT, assert_ok, child_env, run_python, torchrun, torchrun_command
+from tests.conftest import assert_ok, run_python, torchrun
+from tests.faults.jobs import run_single
 
 pytestmark = pytest.mark.distributed
 
@@ -112,16 +113,6 @@ def assert_committed_checkpoints_verify(out: Path) -> list[int]:
     return steps
 
 
-def wait_for_files(paths: list[Path], process: subprocess.Popen[str], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not all(path.exists() for path in paths):
-        if process.poll() is not None:
-            raise AssertionError(f"torchrun exited ({process.returncode}) before the handshake.")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{paths} did not appear within {timeout} seconds.")
-        time.sleep(0.05)
-
-
 @dataclass
 class ResumedRun:
     """A run stopped after step 3 by SIGTERM, then resumed to the end; and its reference."""
@@ -133,56 +124,33 @@ class ResumedRun:
     nproc: int
 
 
-def stop_by_sigterm_to_torchrun(layout: str, out: Path) -> subprocess.CompletedProcess[str]:
-    """Preempt like a cluster does: SIGTERM to torchrun once every rank finished step 2.
-
-    The workers wait after step 2 until the signal torchrun forwards has arrived (a file
-    handshake, no sleeps), so the stop request is known to all of them at step 3.
-    """
-    nproc, layout_overrides = LAYOUTS[layout]
-    config = [*layout_overrides, "wait_for_sigterm_at_step=2", "reference_first=true"]
-    process = subprocess.Popen(
-        torchrun_command(nproc, [WORKER, str(out), "--config", *config]),
-        env=child_env(),
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        ready = [out / "ready" / f"rank_{rank}" for rank in range(nproc)]
-        wait_for_files(ready, process, timeout=120)
-        process.send_signal(signal.SIGTERM)
-        stdout, stderr = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-
-
 _resumed_runs: dict[str, ResumedRun] = {}
 
 
 @pytest.fixture(scope="module")
-def resumed_run(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def resumed_run(
+    tmp_path_factory: pytest.TempPathFactory,
+    preempted_dp2: tuple[Path, subprocess.CompletedProcess[str]],
+) -> Any:
     """``resumed_run(layout)``: one interrupted and resumed run per layout, shared by the tests.
 
-    dp2 is stopped by SIGTERM to torchrun (all ranks get it); dp1 (one process, no torchrun)
+    dp2 is stopped by SIGTERM to torchrun (all ranks get it; the session's ``preempted_dp2``,
+    whose reference the fault suite shares); dp1 (one process, no torchrun)
     and dp2_tp2 by the last rank sending SIGTERM to itself (the others must follow it at the
-    same step).
+    same step). dp1's resume, which no signal interrupts, runs in this process.
     """
 
     def get(layout: str) -> ResumedRun:
         if layout not in _resumed_runs:
-            out = tmp_path_factory.mktemp(f"resume_{layout}")
-            if layout == "dp1":
-                first = launch_single_process(out, "sigterm_at_step=2", "reference_first=true")
-                second = launch_single_process(out)
-            elif layout == "dp2":
-                first = stop_by_sigterm_to_torchrun(layout, out)
+            if layout == "dp2":
+                out, first = preempted_dp2
                 second = launch(layout, out)
+            elif layout == "dp1":
+                out = tmp_path_factory.mktemp(f"resume_{layout}")
+                first = launch_single_process(out, "sigterm_at_step=2", "reference_first=true")
+                second = run_single(out)
             else:
+                out = tmp_path_factory.mktemp(f"resume_{layout}")
                 first = launch(layout, out, "sigterm_at_step=2", "reference_first=true")
                 second = launch(layout, out)
             _resumed_runs[layout] = ResumedRun(
@@ -371,7 +339,7 @@ def test_damaged_last_checkpoint_falls_back_to_the_previous_one(
     leftover.mkdir(parents=True)
     (leftover / "__0_0.distcp").write_bytes(b"half written")
 
-    result = launch_single_process(tmp_path)
+    result = run_single(tmp_path)
     assert_ok(result)
     log_text = rank_log(tmp_path, 0)
     assert "Skipping the checkpoint of step 10, which is damaged" in log_text
@@ -391,7 +359,7 @@ def test_resume_with_another_world_size_fails_clearly(resumed_run: Any, tmp_path
     source = resumed_run("dp2").reference
     shutil.copytree(source / "checkpoints", tmp_path / "checkpoints")
 
-    result = launch_single_process(tmp_path)
+    result = run_single(tmp_path)
     assert result.returncode == 2, output(result)
     message = (
         "The checkpoint of step 10 in {} was saved by 2 processes (dp_size 2 x tp_size 1), but "
@@ -439,7 +407,7 @@ def test_reshard_on_resume_continues_the_data_and_the_math(
     shutil.copytree(source / "checkpoints" / "step_2", tmp_path / "checkpoints" / "step_2")
 
     if layout == "dp1":
-        result = launch_single_process(tmp_path, "reshard_on_resume=true")
+        result = run_single(tmp_path, "reshard_on_resume=true")
     else:
         result = launch(layout, tmp_path, "reshard_on_resume=true")
     assert_ok(result)
@@ -471,7 +439,7 @@ def test_hsdp_checkpoint_loads_into_ddp(resumed_run: Any, tmp_path: Path) -> Non
 
 
 def test_async_checkpoint_single_process_matches_sync(resumed_run: Any, tmp_path: Path) -> None:
-    result = launch_single_process(tmp_path, "async_checkpoint=true")
+    result = run_single(tmp_path, "async_checkpoint=true")
     assert_ok(result)
     assert "Checkpoint of step 2 staged; writing it in the background." in rank_log(tmp_path, 0)
     assert_identical_params(load_params(tmp_path), load_params(resumed_run("dp1").reference))

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from subprocess import CompletedProcess
 
 import pytest
 from torch import Tensor
 
-from tests.conftest import assert_ok
-from tests.faults.jobs import load_params, run_job
+from tests.faults.jobs import load_params
 
 
 @dataclass
@@ -57,11 +57,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tensor]:
-    """The final parameters of the uninterrupted dp2 run every trial must reproduce exactly."""
-    out = tmp_path_factory.mktemp("reference") / "run"
-    assert_ok(run_job(out))
-    return load_params(out)
+def reference(preempted_dp2: tuple[Path, CompletedProcess[str]]) -> dict[str, Tensor]:
+    """The final parameters of the uninterrupted dp2 run every trial must reproduce exactly: the
+    reference of the session's preempted dp2 launch (its config is :data:`DP2`'s, as every
+    trial's)."""
+    return load_params(preempted_dp2[0] / "reference")
 
 
 def trial_counts(default: int, slow: int) -> list[object]:

@@ -15,7 +15,8 @@ from torch import Tensor
 
 from checkpoint import CheckpointManager
 from gangs import Gangs
-from tests.conftest import REPO_ROOT, child_env, run_python, torchrun, torchrun_command
+from tests.conftest import REPO_ROOT, child_env, main_in_process, torchrun, torchrun_command
+from tests.workers.resume_toy import ResumeToyConfig, recipe
 
 WORKER = "tests/workers/resume_toy.py"
 DP2 = ("batch_size=4",)
@@ -68,8 +69,11 @@ def run_job(out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
 
 
 def run_single(out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    """``python resume_toy.py OUT``: one process, no torchrun, 8 examples a step."""
-    return run_python(WORKER, str(out), "--config", "batch_size=8", *overrides, timeout=HANG_GUARD)
+    """``python resume_toy.py OUT`` without torchrun (8 examples a step), as
+    :func:`~tests.conftest.main_in_process` runs it: in this process."""
+    return main_in_process(
+        recipe, ResumeToyConfig, [str(out), "--config", "batch_size=8", *overrides]
+    )
 
 
 def children(pid: int) -> list[int]:
@@ -148,3 +152,43 @@ def committed(out: Path) -> list[int]:
 def rank_log(out: Path, rank: int) -> str:
     path = out / "logs" / f"rank_{rank}.log"
     return path.read_text() if path.exists() else ""
+
+
+def wait_for_files(paths: list[Path], process: subprocess.Popen[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(path.exists() for path in paths):
+        if process.poll() is not None:
+            raise AssertionError(f"torchrun exited ({process.returncode}) before the handshake.")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{paths} did not appear within {timeout} seconds.")
+        time.sleep(0.05)
+
+
+def stop_by_sigterm_to_torchrun(
+    out: Path, nproc: int, *overrides: str
+) -> subprocess.CompletedProcess[str]:
+    """Preempt like a cluster does: SIGTERM to torchrun once every rank finished step 2.
+
+    The workers wait after step 2 until the signal torchrun forwards has arrived (a file
+    handshake, no sleeps), so the stop request is known to all of them at step 3. The launch
+    first trains the same run, uninterrupted, in ``out/reference`` (``reference_first``).
+    """
+    config = [*overrides, "wait_for_sigterm_at_step=2", "reference_first=true"]
+    process = subprocess.Popen(
+        torchrun_command(nproc, [WORKER, str(out), "--config", *config]),
+        env=child_env(),
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ready = [out / "ready" / f"rank_{rank}" for rank in range(nproc)]
+        wait_for_files(ready, process, timeout=120)
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)

@@ -138,6 +138,10 @@ def test_heads_must_split_over_tp() -> None:
         config.validate()
 
 
+# make test checks this error of the char-LM recipe in tests/faults/test_bad_config.py: in process
+# (tp_size_not_dividing_world) and on a real terminal under torchrun; and the one line of a
+# recipe's error on the terminal of one process in tests/runtime/cli/test_recipe_main.py.
+@pytest.mark.slow
 def test_tp_size_that_does_not_divide_the_world_exits_2_with_one_line(tmp_path: Path) -> None:
     result = run_python(
         "-m", "recipes.char_lm", str(tmp_path / "run"), "--config", "gang.tp_size=2"

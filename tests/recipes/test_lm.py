@@ -1,9 +1,13 @@
-"""recipes.lm: a Hugging Face Llama and the project's Llama on JSONL files, SFT, export to HF."""
+"""recipes.lm: a Hugging Face Llama and the project's Llama on JSONL files, SFT, export to HF.
+
+A one-process run that nothing kills runs in this process (``runtime.main``, the command
+line's path, without a process's start-up); kill -9 and torchrun need real processes."""
 
 from __future__ import annotations
 
 import json
 import random
+import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,7 +19,7 @@ from torch import nn
 from checkpoint import CheckpointManager
 from gangs import Gangs
 from recipes.llama import Llama, hf_config, llama_args
-from recipes.lm import LMConfig, build_readers, flops_per_token
+from recipes.lm import LMConfig, build_readers, flops_per_token, recipe
 from runtime.cli.config import load_config
 from runtime.data.text import (
     IGNORE_INDEX,
@@ -27,11 +31,13 @@ from runtime.data.text import (
     load_tokenizer,
     prepare_dataset,
 )
+from runtime.data.text.files import TextDataError
 from runtime.data.text.prepared import PreparedDataError
 from tests.conftest import (
     WORDS,
     assert_ok,
     kill_9_after_first_checkpoint,
+    main_in_process,
     make_tokenizer_dir,
     read_jsonl,
     run_python,
@@ -87,6 +93,11 @@ def make_hf_llama_dir(directory: Path, **overrides: object) -> Path:
 
 def recipe_args(out: Path, *config: str) -> list[str]:
     return ["-m", "recipes.lm", str(out), "--config", *config]
+
+
+def run_here(out: Path, *config: str) -> subprocess.CompletedProcess[str]:
+    """``python -m recipes.lm OUT --config CONFIG...`` in this process."""
+    return main_in_process(recipe, LMConfig, recipe_args(out, *config)[2:])
 
 
 TINY_TRAINING = (
@@ -264,19 +275,17 @@ def test_the_export_loads_with_from_pretrained_and_computes_the_same_logits(
     train = write_jsonl(tmp_path / "train.jsonl", [{"text": s} for s in sentences(200, seed=2)])
     out = tmp_path / "run"
     assert_ok(
-        run_python(
-            *recipe_args(
-                out,
-                "model.name=llama_debug",
-                f"tokenizer.path={tokenizer_dir}",
-                f"data.train={train}",
-                "trainer.max_num_steps=4",
-                "trainer.checkpoint_every_n_steps=4",
-                *TINY_TRAINING,
-            ),
-            timeout=300,
+        run_here(
+            out,
+            "model.name=llama_debug",
+            f"tokenizer.path={tokenizer_dir}",
+            f"data.train={train}",
+            "trainer.max_num_steps=4",
+            "trainer.checkpoint_every_n_steps=4",
+            *TINY_TRAINING,
         )
     )
+    # The export command in a process of its own: what it imports, it imports itself.
     destination = tmp_path / "exported"
     result = run_python("-m", "runtime", "export", str(out), str(destination), "--format", "hf")
     assert_ok(result)
@@ -311,18 +320,15 @@ def test_sft_trains_on_responses_only(tmp_path: Path) -> None:
     train = write_jsonl(tmp_path / "sft.jsonl", records)
     out = tmp_path / "run"
     assert_ok(
-        run_python(
-            *recipe_args(
-                out,
-                "task=sft",
-                "model.name=llama_debug",
-                f"tokenizer.path={tokenizer_dir}",
-                f"data.train={train}",
-                "trainer.max_num_steps=24",
-                "trainer.checkpoint_every_n_steps=1000",
-                *TINY_TRAINING,
-            ),
-            timeout=300,
+        run_here(
+            out,
+            "task=sft",
+            "model.name=llama_debug",
+            f"tokenizer.path={tokenizer_dir}",
+            f"data.train={train}",
+            "trainer.max_num_steps=24",
+            "trainer.checkpoint_every_n_steps=1000",
+            *TINY_TRAINING,
         )
     )
     records_out = read_jsonl(out / "metrics" / "train.jsonl")
@@ -333,9 +339,10 @@ def test_sft_trains_on_responses_only(tmp_path: Path) -> None:
 
 
 def kill_9_and_resume(out: Path, config: tuple[str, ...]) -> None:
-    """Run the recipe, kill -9 it and its data workers after its first checkpoint, rerun it."""
+    """Run the recipe, kill -9 it and its data workers after its first checkpoint, rerun it (in
+    this process: nothing kills the rerun)."""
     kill_9_after_first_checkpoint([sys.executable, *recipe_args(out, *config)], out, timeout=240)
-    assert_ok(run_python(*recipe_args(out, *config), timeout=300))
+    assert_ok(run_here(out, *config))
 
 
 def test_a_mixture_with_workers_resumes_exactly_after_kill_9(tmp_path: Path) -> None:
@@ -373,17 +380,13 @@ def test_skipped_bad_lines_are_counted_and_published(tmp_path: Path) -> None:
     train.write_text("\n".join(lines) + "\n")
     base = ("model.name=llama_debug", f"data.train={train}", "trainer.max_num_steps=3")
     out = tmp_path / "run"
-    # Two independent one-process runs, side by side.
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        strict = pool.submit(run_python, *recipe_args(tmp_path / "strict", *TINY_TRAINING, *base))
-        skipping = run_python(*recipe_args(out, *TINY_TRAINING, *base, "data.skip_bad_lines=true"))
-        refused = strict.result()
-    assert_ok(skipping)
+    assert_ok(run_here(out, *TINY_TRAINING, *base, "data.skip_bad_lines=true"))
     records = read_jsonl(out / "metrics" / "train.jsonl")
     assert records[-1]["num_bad_lines"] == 2
 
-    assert refused.returncode != 0
-    assert "train.jsonl: line 4: the line is not JSON" in refused.stderr
+    # Without skip_bad_lines the run fails (with a traceback, in a process) on the first one.
+    with pytest.raises(TextDataError, match=r"train\.jsonl: line 4: the line is not JSON"):
+        run_here(tmp_path / "strict", *TINY_TRAINING, *base)
 
 
 @pytest.mark.distributed
@@ -506,14 +509,12 @@ def test_prepared_data_trains_validates_and_is_refused_with_another_tokenizer(
         "trainer.max_num_steps=4",
     )
     out = tmp_path / "run"
-    run = run_python(
-        *recipe_args(
-            out,
-            *TINY_TRAINING,
-            *base,
-            f"tokenizer.path={tokenizer_dir}",
-            "trainer.validate_every_n_steps=2",
-        )
+    run = run_here(
+        out,
+        *TINY_TRAINING,
+        *base,
+        f"tokenizer.path={tokenizer_dir}",
+        "trainer.validate_every_n_steps=2",
     )
     assert_ok(run)
     assert len(losses(out)) == 4

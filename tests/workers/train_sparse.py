@@ -3,7 +3,9 @@ param groups, two LR schedulers), under ``torchrun`` or in-process.
 
 Usage: ``train_sparse.py OUTPUT_DIR JSON_OPTIONS``. Rank 0 writes the full parameters and each
 optimizer's state dict to ``OUTPUT_DIR/result.pt``. With ``sigkill_after_step`` the last rank
-SIGKILLs itself after that step (a checkpoint of an earlier step is on disk by then).
+SIGKILLs itself after that step (a checkpoint of an earlier step is on disk by then). With
+``reference_first`` the launch first trains the same run without the kill, to its end, in
+``OUTPUT_DIR/reference`` (one launch instead of two on a small machine).
 """
 
 from __future__ import annotations
@@ -159,13 +161,21 @@ def result_of(module: SparseModel, optimizers: list[torch.optim.Optimizer]) -> d
     }
 
 
-def main(output_dir: Path, options: dict[str, Any]) -> None:
-    gangs = setup_gangs()
+def train(output_dir: Path, options: dict[str, Any], gangs: Gangs) -> Trainer[SparseBatch]:
+    """One run to its end (or its kill); rank 0 writes ``output_dir/result.pt``."""
     trainer, module, optimizers = make_trainer(output_dir, options, gangs)
     trainer.run()
     if gangs.root.rank == 0:
         torch.save(result_of(module, optimizers), output_dir / "result.pt")
-    leave(gangs.root, trainer)
+    return trainer
+
+
+def main(output_dir: Path, options: dict[str, Any]) -> None:
+    gangs = setup_gangs()
+    if options.get("reference_first"):
+        reference = {k: v for k, v in options.items() if k != "sigkill_after_step"}
+        train(output_dir / "reference", reference, gangs).close()
+    leave(gangs.root, train(output_dir, options, gangs))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import pytest
 
 from runtime.cli.tools import main
 from runtime.data.text import ByteTokenizer, PreparedDataset, prepare_dataset
-from tests.conftest import child_env
+from tests.conftest import child_env, in_process, run_python
 from tests.runtime.data.test_prepared_writer import documents
 
 pytestmark = pytest.mark.distributed  # processes of their own
@@ -81,22 +81,19 @@ BAD_ARGUMENTS = {
 }
 
 
-def test_bad_arguments_exit_2_with_one_line(tmp_path: Path) -> None:
+def test_bad_arguments_exit_2_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     write_jsonl(tmp_path / "data.jsonl", 10)
-    # Side by side: each is a process start-up and nothing more.
-    jobs = {
-        message: subprocess.Popen(
-            [sys.executable, "-m", "runtime", "prepare", f"out{nr}", *arguments],
-            cwd=tmp_path,
-            env=child_env(),
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for nr, (message, arguments) in enumerate(BAD_ARGUMENTS.items())
-    }
-    for nr, (message, job) in enumerate(jobs.items()):
-        _, stderr = job.communicate(timeout=120)
-        assert job.returncode == 2
-        assert stderr.startswith(f"error: {message}"), stderr
-        assert len(stderr.strip().splitlines()) == 1
+    monkeypatch.chdir(tmp_path)
+    for nr, (message, arguments) in enumerate(BAD_ARGUMENTS.items()):
+        command = ["prepare", f"out{nr}", *arguments]
+        if nr == 0:
+            # One in a process of its own, to show the terminal gets the one line and no more.
+            result = run_python("-m", "runtime", *command, cwd=tmp_path)
+        else:
+            result = in_process(main, command)
+        assert result.returncode == 2
+        assert result.stderr.startswith(f"error: {message}"), result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
         assert not (tmp_path / f"out{nr}" / "manifest.json").exists()

@@ -1,4 +1,7 @@
-"""The recipe command line, run as real processes on ``tests/runtime/cli/cli_recipe.py``."""
+"""The recipe command line on ``tests/runtime/cli/cli_recipe.py``: most cases call ``runtime.main``
+in this process (the code path of the command line, without a process's start-up each); the
+cases about what only a process shows (the traceback, stray output around an error, torchrun's
+ranks) run real processes."""
 
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import REPO_ROOT, RunTorch, assert_ok, child_env
+from tests.conftest import REPO_ROOT, RunTorch, assert_ok, child_env, main_in_process
+from tests.runtime.cli.cli_recipe import CliRecipeConfig, recipe
 
 RECIPE_MODULE = "tests.runtime.cli.cli_recipe"
 RECIPE_SCRIPT = "tests/runtime/cli/cli_recipe.py"
@@ -76,67 +80,61 @@ ERROR_CASES: dict[str, tuple[list[str], str]] = {
 }
 
 
+def run_cli_recipe(argv: list[str]) -> Result:
+    return main_in_process(recipe, CliRecipeConfig, argv)
+
+
 @pytest.fixture(scope="module")
-def outputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Result]]:
+def processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Result]]:
+    """The cases that need a real process, side by side: a recipe error (nothing but its line
+    on the terminal) and an error inside ``run()`` (the interpreter's traceback)."""
     root = tmp_path_factory.mktemp("cli")
-    commands = {name: [str(root / name), *args] for name, (args, _) in ERROR_CASES.items()}
-    commands["missing_output_dir"] = []
-    commands["dump"] = [
-        str(root / "dump"),
-        "--config",
-        "max_num_steps=9",
-        "lr=1e-4",
-        "--config",
-        "betas=[0.8, 0.9]",
-        "--dump-config",
-    ]
-    (root / "base.yaml").write_text("max_num_steps: 5\nparallelism: fsdp\n", encoding="utf-8")
-    commands["run"] = [
-        str(root / "run"),
-        "--config-file",
-        str(root / "base.yaml"),
-        "--config",
-        "max_num_steps=7",
-    ]
-    commands["exit_code"] = [str(root / "exit_code"), "--config", "exit_code=3"]
-    commands["dump_without_output_dir"] = ["--dump-config", "--config", "lr=0.5"]
-    commands["fail_in_run"] = [str(root / "fail_in_run"), "--config", "fail_in_run=true"]
-    # A real recipe in the same batch: its --dump-config with no model and no data given.
-    runs = {name: [RECIPE_MODULE, *args] for name, args in commands.items()}
-    return root, run_modules({**runs, "lm_dump": ["recipes.lm", "--dump-config"]})
+    args = ERROR_CASES["recipe_value_error"][0]
+    return root, run_modules(
+        {
+            "recipe_value_error": [RECIPE_MODULE, str(root / "recipe_value_error"), *args],
+            "fail_in_run": [
+                RECIPE_MODULE,
+                str(root / "fail_in_run"),
+                "--config",
+                "fail_in_run=true",
+            ],
+        }
+    )
 
 
 @pytest.mark.parametrize("case", sorted(ERROR_CASES))
-def test_errors_print_one_line_and_exit_2(
-    outputs: tuple[Path, dict[str, Result]], case: str
-) -> None:
-    _, results = outputs
-    result = results[case]
+def test_errors_print_one_line_and_exit_2(tmp_path: Path, case: str) -> None:
+    args, expected = ERROR_CASES[case]
+    result = run_cli_recipe([str(tmp_path / case), *args])
 
     assert result.returncode == 2, result.stderr
-    assert result.stderr.splitlines() == [ERROR_CASES[case][1]]
+    assert result.stderr.splitlines() == [expected]
     assert result.stdout == ""
 
 
-def test_config_errors_create_no_output_dir(outputs: tuple[Path, dict[str, Result]]) -> None:
-    root, _ = outputs
-
+def test_config_errors_create_no_output_dir(tmp_path: Path) -> None:
     for case in ("unknown_key", "wrong_type", "bad_value", "missing_config_file"):
-        assert not (root / case).exists(), case
+        assert run_cli_recipe([str(tmp_path / case), *ERROR_CASES[case][0]]).returncode == 2
+        assert not (tmp_path / case).exists(), case
 
 
-def test_recipe_error_is_logged_to_the_rank_log(outputs: tuple[Path, dict[str, Result]]) -> None:
-    root, _ = outputs
+def test_a_recipe_error_in_a_process_is_one_line_and_logged_to_the_rank_log(
+    processes: tuple[Path, dict[str, Result]],
+) -> None:
+    root, results = processes
+    result = results["recipe_value_error"]
 
+    # Nothing else reaches the terminal: no warning, no traceback, no log line.
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [ERROR_CASES["recipe_value_error"][1]]
+    assert result.stdout == ""
     log = (root / "recipe_value_error" / "logs" / "rank_0.log").read_text(encoding="utf-8")
-
     assert "max_num_steps must be greater than zero, but is -3 instead." in log
 
 
-def test_missing_output_dir_is_a_one_line_usage_error(
-    outputs: tuple[Path, dict[str, Result]],
-) -> None:
-    result = outputs[1]["missing_output_dir"]
+def test_missing_output_dir_is_a_one_line_usage_error() -> None:
+    result = run_cli_recipe([])
 
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
@@ -145,11 +143,9 @@ def test_missing_output_dir_is_a_one_line_usage_error(
     ]
 
 
-def test_dump_config_prints_effective_yaml_and_creates_nothing(
-    outputs: tuple[Path, dict[str, Result]],
-) -> None:
-    root, results = outputs
-    result = results["dump"]
+def test_dump_config_prints_effective_yaml_and_creates_nothing(tmp_path: Path) -> None:
+    argv = ["--config", "max_num_steps=9", "lr=1e-4", "--config", "betas=[0.8, 0.9]"]
+    result = run_cli_recipe([str(tmp_path / "dump"), *argv, "--dump-config"])
 
     assert_ok(result)
     dumped = yaml.safe_load(result.stdout)
@@ -157,23 +153,21 @@ def test_dump_config_prints_effective_yaml_and_creates_nothing(
     assert dumped["lr"] == 1e-4
     assert dumped["betas"] == [0.8, 0.9]
     assert dumped["gang"] == {"tp_size": 1}
-    assert not (root / "dump").exists()
+    assert not (tmp_path / "dump").exists()
 
 
-def test_dump_config_needs_no_output_dir(outputs: tuple[Path, dict[str, Result]]) -> None:
-    result = outputs[1]["dump_without_output_dir"]
+def test_dump_config_needs_no_output_dir() -> None:
+    result = run_cli_recipe(["--dump-config", "--config", "lr=0.5"])
 
     assert_ok(result)
     assert yaml.safe_load(result.stdout)["lr"] == 0.5
 
 
-def test_lm_dump_config_shows_every_key_before_the_required_ones_are_given(
-    outputs: tuple[Path, dict[str, Result]],
-) -> None:
+def test_lm_dump_config_shows_every_key_before_the_required_ones_are_given() -> None:
     from recipes.lm import LMConfig
     from runtime.cli.config import config_keys, config_to_dict
 
-    result = outputs[1]["lm_dump"]
+    result = run_main("lm", ["--dump-config"])
 
     assert_ok(result)
     assert yaml.safe_load(result.stdout) == config_to_dict(LMConfig())
@@ -189,21 +183,14 @@ def recipe_config(recipe: str) -> tuple[Any, type[Any]]:
     return module.recipe, getattr(module, {"lm": "LMConfig", "char_lm": "CharLMConfig"}[recipe])
 
 
-def run_main(recipe: str, argv: list[str], capsys: pytest.CaptureFixture[str]) -> Result:
+def run_main(recipe: str, argv: list[str]) -> Result:
     """The recipe's ``main`` in this process: its exit status, stdout and stderr."""
-    from runtime import main
-
-    with pytest.raises(SystemExit) as exit_info:
-        main(*recipe_config(recipe), argv)
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, exit_info.value.code, out, err)
+    return main_in_process(*recipe_config(recipe), argv)
 
 
 @pytest.mark.parametrize("recipe", ["lm", "char_lm"])
-def test_recipe_help_lists_each_key_with_its_meaning(
-    recipe: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    result = run_main(recipe, ["--help"], capsys)
+def test_recipe_help_lists_each_key_with_its_meaning(recipe: str) -> None:
+    result = run_main(recipe, ["--help"])
 
     assert result.returncode == 0
     help_text = " ".join(result.stdout.split())
@@ -215,10 +202,8 @@ def test_recipe_help_lists_each_key_with_its_meaning(
         assert "model.num_heads Attention heads per block;" in help_text
 
 
-def test_a_missing_required_key_at_run_time_is_one_line_and_exit_2(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    result = run_main("lm", [str(tmp_path / "run")], capsys)
+def test_a_missing_required_key_at_run_time_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    result = run_main("lm", [str(tmp_path / "run")])
 
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
@@ -239,10 +224,12 @@ def test_every_key_of_the_recipes_has_a_meaning(recipe: str) -> None:
     assert [key.name for key in keys if not key.meaning and not key.is_section] == []
 
 
-def test_run_writes_config_and_rank_log(outputs: tuple[Path, dict[str, Result]]) -> None:
-    root, results = outputs
-    assert_ok(results["run"])
-    out = root / "run"
+def test_run_writes_config_and_rank_log(tmp_path: Path) -> None:
+    (tmp_path / "base.yaml").write_text("max_num_steps: 5\nparallelism: fsdp\n", encoding="utf-8")
+    out = tmp_path / "run"
+    argv = ["--config-file", str(tmp_path / "base.yaml"), "--config", "max_num_steps=7"]
+    result = run_cli_recipe([str(out), *argv])
+    assert_ok(result)
 
     written = yaml.safe_load((out / "config.yaml").read_text(encoding="utf-8"))
     log = (out / "logs" / "rank_0.log").read_text(encoding="utf-8")
@@ -255,18 +242,19 @@ def test_run_writes_config_and_rank_log(outputs: tuple[Path, dict[str, Result]])
     assert "Effective config:" in log
     assert "Fake training for 7 steps" in log
     # The console gets the recipe's own logging but not the config dump.
-    assert "Fake training for 7 steps" in results["run"].stderr
-    assert "Effective config:" not in results["run"].stderr
+    assert "Fake training for 7 steps" in result.stderr
+    assert "Effective config:" not in result.stderr
 
 
-def test_exit_status_comes_from_run(outputs: tuple[Path, dict[str, Result]]) -> None:
-    assert outputs[1]["exit_code"].returncode == 3
+def test_exit_status_comes_from_run(tmp_path: Path) -> None:
+    result = run_cli_recipe([str(tmp_path / "run"), "--config", "exit_code=3"])
+    assert result.returncode == 3
 
 
 def test_error_inside_run_propagates_with_traceback(
-    outputs: tuple[Path, dict[str, Result]],
+    processes: tuple[Path, dict[str, Result]],
 ) -> None:
-    root, results = outputs
+    root, results = processes
     result = results["fail_in_run"]
 
     assert result.returncode not in (0, 2)
@@ -302,7 +290,6 @@ def test_main_gives_the_root_logger_back_as_it_found_it(
 ) -> None:
     """A handler left on the root logger would write to a stream its caller has since closed."""
     from runtime import main
-    from tests.runtime.cli.cli_recipe import CliRecipeConfig, recipe
 
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level

@@ -1,11 +1,13 @@
 """Starting from weights (``init_from``): an export file or a checkpoint directory, any layout;
-key mismatches are clear; a resumed run ignores it. The runs are tests/workers/resume_toy.py."""
+key mismatches are clear; a resumed run ignores it. The runs are tests/workers/resume_toy.py:
+under torchrun for the sharded layouts, in this process for one (``runtime.main``, the path of
+the command line, without a process's start-up); exports go through ``python -m runtime``'s
+``main``, in this process too."""
 
 from __future__ import annotations
 
 import importlib.util
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,13 +16,11 @@ from torch import Tensor, nn
 
 from gangs import Gangs
 from runtime import InitialWeightsError, load_initial_weights
-from tests.conftest import assert_ok, run_python, torchrun
+from runtime.cli import tools
+from tests.conftest import assert_ok, torchrun
+from tests.faults.jobs import run_single
 
 WORKER = "tests/workers/resume_toy.py"
-
-
-def run_single(out: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
-    return run_python(WORKER, str(out), "--config", "batch_size=8", *overrides, timeout=300)
 
 
 def params(file: Path) -> dict[str, Tensor]:
@@ -42,8 +42,7 @@ def source_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def export(source: Path, destination: Path, *flags: str) -> None:
-    result = run_python("-m", "runtime", "export", str(source), str(destination), *flags)
-    assert result.returncode == 0, result.stderr
+    assert tools.main(["export", str(source), str(destination), *flags]) == 0
 
 
 @pytest.mark.distributed

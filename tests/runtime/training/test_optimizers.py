@@ -164,10 +164,18 @@ DP2_OPTIONS: dict[str, Any] = {"batch_size": 4, "max_num_steps": 6, "checkpoint_
 
 
 @pytest.fixture(scope="module")
-def dp2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def killed_dp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """One launch: the uninterrupted two-rank run in ``OUT/reference``, then the same run
+    SIGKILLed after step 5 in ``OUT``; returns ``OUT`` and the launch's result."""
     out = tmp_path_factory.mktemp("dp2")
-    train_dp2(torchrun, out, **DP2_OPTIONS)
-    return out
+    options = DP2_OPTIONS | {"sigkill_after_step": 5, "reference_first": True}
+    return out, torchrun(2, WORKER, str(out), json.dumps(options))
+
+
+@pytest.fixture(scope="module")
+def dp2_dir(killed_dp2: tuple[Path, Any]) -> Path:
+    """The uninterrupted two-rank run."""
+    return killed_dp2[0] / "reference"
 
 
 @pytest.fixture(scope="module")
@@ -184,17 +192,15 @@ def test_dp2_matches_dp1_with_doubled_batch(tmp_path: Path, dp2_reference: dict[
 
 @pytest.mark.distributed
 def test_kill_9_resumes_both_optimizers_bit_identically(
-    run_torchrun: RunTorch, tmp_path: Path, dp2_reference: dict[str, Any]
+    run_torchrun: RunTorch, killed_dp2: tuple[Path, Any], dp2_reference: dict[str, Any]
 ) -> None:
-    killed = run_torchrun(
-        2, WORKER, str(tmp_path), json.dumps(DP2_OPTIONS | {"sigkill_after_step": 5})
-    )
+    out, killed = killed_dp2
     assert killed.returncode != 0
-    assert not (tmp_path / "result.pt").exists()
-    assert (tmp_path / "checkpoints" / "step_4").is_dir()
-    resumed = train_dp2(run_torchrun, tmp_path, **DP2_OPTIONS)
+    assert not (out / "result.pt").exists()
+    assert (out / "checkpoints" / "step_4").is_dir()
+    resumed = train_dp2(run_torchrun, out, **DP2_OPTIONS)
     # The rerun went on from step 4's checkpoint, not from scratch.
-    steps = [r["step_nr"] for r in read_jsonl(tmp_path / "metrics" / "train.jsonl")]
+    steps = [r["step_nr"] for r in read_jsonl(out / "metrics" / "train.jsonl")]
     assert steps.count(1) == 1 and steps[-2:] == [5, 6], steps
     for name, value in dp2_reference["params"].items():
         assert torch.equal(resumed["params"][name], value), name

@@ -14,9 +14,10 @@ import torch
 from checkpoint import CheckpointDirectoryError, CheckpointManager
 from gangs import FakeGang, Gangs
 from runtime import PatienceEarlyStopper, Trainer
-from tests.conftest import RunTorch, assert_ok, make_toy_trainer, run_python
+from tests.conftest import RunTorch, assert_ok, main_in_process, make_toy_trainer
+from tests.workers import valid_toy
 from tests.workers.train_toy import ToyBatch, ToyModel
-from tests.workers.valid_toy import ToyEvalUnit, make_valid_reader
+from tests.workers.valid_toy import ToyEvalUnit, ValidToyConfig, make_valid_reader
 
 
 def make_trainer(output_dir: Path, *, model_seed: int = 0, **kwargs: Any) -> Trainer[ToyBatch]:
@@ -150,7 +151,9 @@ def test_resume_from_on_the_command_line_under_torchrun(
         assert torch.equal(original[name], resumed[name]), name
 
     # The second run has checkpoints of its own now: --resume-from again is a launch mistake.
-    again = run_python(*recipe, str(second), *config, "--resume-from", str(source))
+    again = main_in_process(
+        valid_toy.recipe, ValidToyConfig, [str(second), *config, "--resume-from", str(source)]
+    )
     assert again.returncode == 2, again.stderr
     lines = again.stderr.strip().splitlines()
     assert lines[-1].startswith("error: The run's checkpoint directory"), again.stderr
@@ -160,8 +163,8 @@ def test_resume_from_on_the_command_line_under_torchrun(
 
 def test_a_bad_resume_from_on_the_command_line_exits_2(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere" / "step_3"
-    result = run_python(
-        "-m", "tests.workers.valid_toy", str(tmp_path / "out"), "--resume-from", str(missing)
+    result = main_in_process(
+        valid_toy.recipe, ValidToyConfig, [str(tmp_path / "out"), "--resume-from", str(missing)]
     )
     assert result.returncode == 2, result.stderr
     assert f"error: resume_from is {missing}, which does not exist." in result.stderr

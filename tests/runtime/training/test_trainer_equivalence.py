@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from tests.conftest import RunTorch, assert_ok, rank_reports, torchrun
+from tests.conftest import RunTorch, assert_ok, in_process, rank_reports, torchrun
+from tests.workers import train_toy
 
 pytestmark = pytest.mark.distributed
 
@@ -75,7 +76,8 @@ RUNS: dict[int, dict[str, dict[str, Any]]] = {
 @pytest.fixture(scope="module")
 def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """``trained(nproc, run)``: the parameters of a run of :data:`RUNS`, each launch made once;
-    the two-process runs are made in the shared two-rank launch (tests/workers/two_rank_checks)."""
+    the two-process runs are made in the shared two-rank launch (tests/workers/two_rank_checks),
+    the one-process runs in this process (the worker's main, which needs no launcher for one)."""
     outs: dict[int, Path] = {}
 
     def get(nproc: int, run: str) -> dict[str, Tensor]:
@@ -83,7 +85,11 @@ def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             outs[nproc] = request.getfixturevalue("two_rank_checks") / "equivalence"
         if nproc not in outs:
             out = tmp_path_factory.mktemp(f"runs_{nproc}")
-            result = torchrun(nproc, WORKER, str(out), json.dumps({"runs": RUNS[nproc]}))
+            options = {"runs": RUNS[nproc]}
+            if nproc == 1:
+                result = in_process(lambda _: train_toy.main(out, options), [])
+            else:
+                result = torchrun(nproc, WORKER, str(out), json.dumps(options))
             assert_ok(result)
             outs[nproc] = out
         params: dict[str, Tensor] = torch.load(outs[nproc] / run / "params.pt", weights_only=True)
@@ -102,10 +108,8 @@ def single_process_reference(trained: Any) -> dict[str, Tensor]:
 def test_reference_run_moved_the_weights(
     single_process_reference: dict[str, Tensor],
 ) -> None:
-    from tests.workers.train_toy import ToyModel
-
     torch.manual_seed(0)
-    initial = ToyModel().state_dict()
+    initial = train_toy.ToyModel().state_dict()
     moved = [not torch.allclose(initial[k], single_process_reference[k]) for k in initial]
     assert all(moved)
 
