@@ -698,16 +698,8 @@ def test_a_failing_early_stopper_fails_every_rank(tmp_path: Path, run_torchrun: 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "num_ranks",
-    # make test-all only. make test keeps the score of a valid reader built like a training
-    # reader, on 2 ranks against one process, in test_uneven_validation's
-    # test_the_trainer_validates_and_evaluates_a_valid_set_smaller_than_a_train_step (and every
-    # valid set size on 2 ranks there); and the shards of 3 ranks covering the data once in
-    # test_readers' test_shards_of_all_ranks_are_disjoint_and_cover_the_data.
-    [
-        pytest.param(1, marks=pytest.mark.slow),
-        pytest.param(2, marks=pytest.mark.slow),
-        pytest.param(3, marks=pytest.mark.slow),
-    ],
+    # make test: 3 ranks; test_uneven_validation scores every size on 2 against one process.
+    [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 3],
 )
 def test_the_score_is_the_mean_over_the_whole_valid_set_at_any_dp_size(
     tmp_path: Path, num_ranks: int
