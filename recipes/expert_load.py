@@ -40,6 +40,10 @@ class ExpertTokens(Metric[Tensor]):
     """Tokens per expert of one MoE layer, summed over updates and ranks; computes one of
     ``min``, ``max``, ``cv`` and ``idle`` (experts with no token)."""
 
+    summed_states = ("counts",)
+    """A publish all-reduces the counts (:class:`units.MetricBag`): no per-rank cost in the DP
+    size."""
+
     def __init__(self, num_experts: int, stat: str, device: torch.device | None = None) -> None:
         super().__init__(device=device)
         if stat not in _STATS:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, final
 import torch
 from torch import Tensor
 
-from gangs import Gang
+from gangs import Gang, ReduceOperation
 
 if TYPE_CHECKING:
     # torcheval takes a third of a second to import; a bag only calls its metrics' methods.
@@ -23,6 +23,10 @@ class MetricBag:
 
     Updates are local to the process and cost no communication. :meth:`sync_and_compute` merges
     the states of every rank of a gang, which the Trainer does only when it publishes.
+
+    A metric whose class names its states in ``summed_states`` (states that merge by elementwise
+    sum, and all of its state) is merged by one all-reduce shared by every such metric, so its
+    cost per rank stays flat as the gang grows; the others' states are gathered from every rank.
     """
 
     def __init__(self) -> None:
@@ -125,13 +129,10 @@ class MetricBag:
         if gang.size == 1:
             merged: Mapping[str, Metric[Any]] = self._metrics
         else:
-            states = {name: _to_cpu(m.state_dict()) for name, m in self._metrics.items()}
-            all_states = gang.all_gather_objects(states)
-            merged = {
-                name: _merge(metric, [s[name] for r, s in enumerate(all_states) if r != gang.rank])
-                for name, metric in self._metrics.items()
-            }
-        return {name: _to_python(metric.compute()) for name, metric in merged.items()}
+            summed = {n: m for n, m in self._metrics.items() if hasattr(m, "summed_states")}
+            gathered = {n: m for n, m in self._metrics.items() if n not in summed}
+            merged = _summed_over(gang, summed) | _gathered_over(gang, gathered)
+        return {name: _to_python(merged[name].compute()) for name in self._metrics}
 
     def state_dict(self) -> dict[str, Any]:
         """The state of every metric, non-persistent ones included, so a resume is exact."""
@@ -148,6 +149,36 @@ class MetricBag:
             metric.load_state_dict(state)
             # A checkpoint's states come back on the CPU; keep the metric's device.
             metric.to(metric.device)
+
+
+def _summed_over(gang: Gang, metrics: Mapping[str, Metric[Any]]) -> dict[str, Metric[Any]]:
+    """Copies of ``metrics`` holding their states summed over ``gang``: one all-reduce of every
+    state, flattened together (in float64, which sums counts exactly)."""
+    if not metrics:
+        return {}
+    states = [(name, state) for name, m in metrics.items() for state in m.summed_states]  # type: ignore[attr-defined]
+    parts = [getattr(metrics[n], state).detach().reshape(-1) for n, state in states]
+    flat = torch.cat([part.to(gang.device, torch.float64) for part in parts])
+    gang.all_reduce(flat, ReduceOperation.SUM)
+    merged: dict[str, Metric[Any]] = {}
+    totals = torch.split(flat, [part.numel() for part in parts])
+    for (name, state), total in zip(states, totals, strict=True):
+        metric = merged.setdefault(name, copy.deepcopy(metrics[name]))
+        local = getattr(metric, state)
+        setattr(metric, state, total.view_as(local).to(local))
+    return merged
+
+
+def _gathered_over(gang: Gang, metrics: Mapping[str, Metric[Any]]) -> dict[str, Metric[Any]]:
+    """Copies of ``metrics`` merged with every other rank's states, gathered from ``gang``."""
+    if not metrics:
+        return {}
+    states = {name: _to_cpu(m.state_dict()) for name, m in metrics.items()}
+    all_states = gang.all_gather_objects(states)
+    return {
+        name: _merge(metric, [s[name] for r, s in enumerate(all_states) if r != gang.rank])
+        for name, metric in metrics.items()
+    }
 
 
 def _merge(metric: Metric[Any], other_states: list[dict[str, Any]]) -> Metric[Any]:

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torcheval.metrics import Mean, Sum
 
-from gangs import FakeGang
+from benchmarks.stand_in_gang import RankGang
+from gangs import FakeGang, ReduceOperation
 from units import MetricBag
 
 
@@ -125,3 +128,61 @@ def test_to_moves_every_metric_and_keeps_them_there() -> None:
     saved["later"] = Sum().state_dict()
     bag.load_state_dict(saved)
     assert _state_devices(bag) == {meta}
+
+
+class _SummedSum(Sum):
+    summed_states = ("weighted_sum",)
+
+
+class _TwoRanks(RankGang):
+    """Rank 0 of 2, the other rank's metrics given: sums add its states, a gather returns them
+    (``gathers`` counts the gathers)."""
+
+    def __init__(self, other: MetricBag) -> None:
+        super().__init__(rank=0, size=2)
+        self._other = other
+        self.gathers = 0
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOperation) -> None:
+        assert op is ReduceOperation.SUM
+        others = [
+            getattr(m, state).double().reshape(-1)
+            for m in self._other.metrics.values()
+            for state in getattr(m, "summed_states", ())
+        ]
+        tensor += torch.cat(others)
+
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        self.gathers += 1
+        return [obj, {name: m.state_dict() for name, m in self._other.metrics.items()}]
+
+
+def test_summed_metrics_merge_by_one_all_reduce_and_the_others_by_gathering() -> None:
+    """A metric whose states are sums (``summed_states``) is merged without gathering every
+    rank's states, so a publish costs a rank the same at any DP size; the totals are those of
+    gathering."""
+
+    def bag_of(values: list[float], loss: float) -> MetricBag:
+        bag = MetricBag()
+        bag.register_metric("tokens", _SummedSum())
+        bag.register_metric("nll_loss", Mean())
+        for value in values:
+            bag.tokens.update(torch.tensor(value))
+        bag.nll_loss.update(torch.tensor(loss))
+        return bag
+
+    mine, other = bag_of([1.0, 2.0], 3.0), bag_of([10.0], 5.0)
+    gang = _TwoRanks(other)
+    assert mine.sync_and_compute(gang) == {"tokens": 13.0, "nll_loss": 4.0}
+    assert gang.gathers == 1  # for the mean only
+    assert mine.tokens.compute().item() == 3.0  # the local state is left as it was
+
+    only_summed = MetricBag()
+    only_summed.register_metric("tokens", _SummedSum())
+    only_summed.tokens.update(torch.tensor(4.0))
+    other_summed = MetricBag()
+    other_summed.register_metric("tokens", _SummedSum())
+    other_summed.tokens.update(torch.tensor(6.0))
+    gang = _TwoRanks(other_summed)
+    assert only_summed.sync_and_compute(gang) == {"tokens": 10.0}
+    assert gang.gathers == 0
