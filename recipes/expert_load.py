@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torcheval.metrics import Metric
 
 from gangs import Gang, ReduceOperation
+from recipes.experts import tokens_per_expert
 from runtime import TrainerCallback
 from units import MetricBag
 
@@ -124,10 +125,7 @@ class ExpertLoad:
             index = self._pending.pop(layer, None)
             if index is None:
                 continue
-            flat = index.reshape(-1)
-            # scatter_add_, not bincount: bincount sizes its output on the host (a sync on CUDA).
-            counts = torch.zeros(num_experts, dtype=torch.float32, device=flat.device)
-            counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+            counts = tokens_per_expert(index, num_experts, torch.float32)
             for stat in _STATS:
                 getattr(self._metric_bag, _metric_name(stat, layer)).update(counts)
             if self.step_counts is not None:

@@ -140,6 +140,14 @@ def _layout_of(module: nn.Module) -> _StackedExperts | None:
     return layout if stacked else None
 
 
+def tokens_per_expert(index: Tensor, num_experts: int, dtype: torch.dtype) -> Tensor:
+    """How many of the routings ``index`` (expert numbers, any shape) go to each expert."""
+    flat = index.reshape(-1)
+    # scatter_add_, not bincount: bincount sizes its output on the host (a sync on CUDA).
+    counts = torch.zeros(num_experts, dtype=dtype, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=dtype))
+
+
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The stacked-experts modules of a ``transformers`` MoE model, by name: ``gate_up_proj``
     and ``down_proj`` of shape ``[experts, ...]``, with gpt-oss's biases or without any."""
@@ -201,9 +209,7 @@ def _dispatched_forward(
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # by expert, so by the rank that holds it
     token_of = order // num_per_token
-    # scatter_add_, not bincount: bincount sizes its output on the host (a sync on CUDA).
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    counts = tokens_per_expert(flat, num_experts, torch.int64)
     # received[s * num_local + j]: the rows rank s sends to this rank's j-th expert.
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)

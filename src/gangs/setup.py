@@ -301,7 +301,6 @@ def setup_parallel_gangs(
     ``ep_size`` (expert parallelism) takes runs of ``ep_size`` consecutive DP ranks as EP gangs
     (:attr:`Gangs.ep`); the DP ranks that hold the same experts are :attr:`Gangs.ep_replicas`.
     """
-    _check_ep_size(ep_size, root.size // tp_size if tp_size > 0 else 0)
     if tp_size <= 0:
         raise GangError(f"tp_size must be greater than zero, but is {tp_size} instead.")
     if root.size % tp_size != 0:
@@ -309,6 +308,11 @@ def setup_parallel_gangs(
             f"tp_size must divide the number of processes ({root.size}), but is {tp_size} instead."
         )
     dp_size = root.size // tp_size
+    if ep_size <= 0 or dp_size % ep_size != 0:
+        raise GangError(
+            f"ep_size must be greater than zero and divide the DP size ({dp_size}), but is "
+            f"{ep_size} instead."
+        )
     if dp_shard_size is not None and (dp_shard_size <= 0 or dp_size % dp_shard_size != 0):
         raise GangError(
             f"dp_shard_size must be greater than zero and divide the DP size ({dp_size} = "
@@ -360,14 +364,6 @@ def _gang_of(dim_mesh: DeviceMesh, root: Gang, timeout: timedelta | None) -> Gan
     group = dim_mesh.get_group()
     _set_timeout(group, timeout)
     return ProcessGroupGang(group, device=root.device, timeout=timeout)
-
-
-def _check_ep_size(ep_size: int, dp_size: int) -> None:
-    if ep_size <= 0 or (dp_size > 0 and dp_size % ep_size != 0):
-        raise GangError(
-            f"ep_size must be greater than zero and divide the DP size ({dp_size}), but is "
-            f"{ep_size} instead."
-        )
 
 
 def _expert_mesh(mesh: DeviceMesh, ep_size: int, timeout: timedelta | None) -> DeviceMesh:
