@@ -95,11 +95,6 @@ class ConvertedCheckpoint(Mapping[str, Tensor]):
                 self._targets.setdefault(name, _Target(converter, group=renamed))
         self._cached: tuple[str, dict[str, Tensor]] | None = None
 
-    @property
-    def converts(self) -> bool:
-        """Whether any key is merged, split or renamed (else the view is the checkpoint)."""
-        return any(t.template is not None or t.sources[0][0] != k for k, t in self._targets.items())
-
     def sources_of(self, key: str) -> list[str]:
         """The checkpoint keys that ``key`` is made of."""
         target = self._targets[key]
