@@ -210,8 +210,7 @@ class LMConfig:
             raise ValueError(
                 f"task={self.task} reads one dataset: give data.train, not data.mixture."
             )
-        if self.task in PREFERENCE_TASKS:
-            self.preference.check_task(self.task)
+        self.preference.check_task(self.task)
         prepared = [
             path
             for path in (self.data.train, self.data.valid)
@@ -764,9 +763,9 @@ def build_units(
     init_from: Path | None,
     *,
     precompute: PrecomputeContext | None = None,
-) -> tuple[TrainUnit[Any], EvalUnit[Any]]:
-    """The task's train unit and the eval unit of its valid set. ``precompute``: what
-    ``preference.precompute_reference`` needs."""
+) -> tuple[TrainUnit[Any], EvalUnit[Any] | None]:
+    """The task's train unit and the eval unit of its valid set (None when precomputed values
+    exist for no valid set). ``precompute``: what ``preference.precompute_reference`` needs."""
     if config.task not in PREFERENCE_TASKS:
         return LMTrainUnit(built.model), LMEvalUnit(built.model)
     if config.task != "dpo":
@@ -783,6 +782,9 @@ def build_units(
     else:
         reference = valid_reference = make_reference()
     unit = preference_unit(config.task, built.model, config.preference, reference)
+    if valid_reference is None:
+        # No valid set: nothing was precomputed for one, and no eval unit will run.
+        return unit, None
     valid_unit = preference_unit(config.task, built.model, config.preference, valid_reference)
     return unit, PreferenceEvalUnit(valid_unit)
 
@@ -918,7 +920,7 @@ def build_trainer(config: LMConfig, output_dir: Path, gangs: Gangs) -> Trainer[A
         data_reader=train_reader,
         optimizer=optimizer,
         lr_scheduler=lr_scheduler,
-        valid_units=[valid_unit] if valid_reader is not None else [],
+        valid_units=[valid_unit] if valid_unit is not None and valid_reader is not None else [],
         valid_data_readers=[valid_reader] if valid_reader is not None else [],
         **options,
     )

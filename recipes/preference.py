@@ -20,6 +20,7 @@ See docs/preference.md for the data, the options and the comparison with TRL.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -88,25 +89,34 @@ class PreferenceSection:
             )
 
     def check_task(self, task: str) -> None:
-        """Refuse options that ``task`` would ignore."""
-        if self.precompute_reference and task != "dpo":
-            raise ValueError(
-                f"preference.precompute_reference applies to task=dpo, which has a reference "
-                f"model, but the task is {task}. Leave it false."
-            )
-        if self.loss_type != "sigmoid" and task != "dpo":
-            raise ValueError(
-                f"preference.loss_type chooses DPO's loss, but the task is {task}. Leave it "
-                "sigmoid."
-            )
-        if self.label_smoothing and not (
-            task in ("simpo", "cpo") or (task == "dpo" and self.loss_type == "robust")
-        ):
+        """Refuse every option that ``task`` would ignore: one set away from its default."""
+        for option in dataclasses.fields(self):
+            value = getattr(self, option.name)
+            if value == option.default:
+                continue
+            tasks = _OPTION_TASKS.get(option.name, PREFERENCE_TASKS)
+            if task not in tasks:
+                raise ValueError(
+                    f"preference.{option.name} applies to task={'|'.join(tasks)}, but the task "
+                    f"is {task}, which ignores it. Leave it at its default ({option.default})."
+                )
+        if self.label_smoothing and task == "dpo" and self.loss_type != "robust":
             raise ValueError(
                 "preference.label_smoothing applies to task=dpo with loss_type=robust and to "
-                f"task=simpo and cpo, but the task is {task} (loss_type {self.loss_type}). Set "
-                "it to 0."
+                "task=simpo|cpo, but the task is dpo, which ignores it under loss_type "
+                f"{self.loss_type}. Set preference.loss_type=robust, or leave label_smoothing "
+                "at its default (0.0)."
             )
+
+
+# The tasks that read each option that not every preference task reads.
+_OPTION_TASKS: dict[str, tuple[PreferenceTask, ...]] = {
+    "loss_type": ("dpo",),
+    "precompute_reference": ("dpo",),
+    "label_smoothing": ("dpo", "simpo", "cpo"),
+    "simpo_gamma": ("simpo",),
+    "cpo_alpha": ("cpo",),
+}
 
 
 # ------------------------------------------------------------------------ reference

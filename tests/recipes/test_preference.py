@@ -31,6 +31,7 @@ from runtime.cli.config import config_from_dict
 from tests.conftest import (
     assert_ok,
     kill_9_after_first_checkpoint,
+    main_in_process,
     read_jsonl,
     torchrun,
     torchrun_command,
@@ -125,15 +126,15 @@ def test_a_dpo_run_starts_at_zero_rewards_checkpoints_the_policy_alone_and_expor
     assert any(not torch.equal(value, exported[key]) for key, value in base.state_dict().items())
 
 
+@pytest.mark.parametrize("with_valid", [True, False], ids=["valid", "no_valid"])
 def test_precomputed_reference_logps_give_the_same_steps_and_are_reused_on_resume(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, with_valid: bool
 ) -> None:
     import recipes.lm
 
     model_dir = make_hf_llama_dir(tmp_path / "model")
     train = write_pairs(tmp_path / "train.jsonl", 16, seed=1)
-    valid = write_pairs(tmp_path / "valid.jsonl", 5, seed=2)
-    data = {"valid": str(valid)}
+    data = {"valid": str(write_pairs(tmp_path / "valid.jsonl", 5, seed=2)) if with_valid else None}
     trainer = {"max_num_steps": 2, "validate_every_n_steps": 2, "checkpoint_every_n_steps": 2}
     config = preference_config(model_dir, train, data=data, trainer=trainer)
     run_in_process(config, tmp_path / "each_step")
@@ -142,10 +143,12 @@ def test_precomputed_reference_logps_give_the_same_steps_and_are_reused_on_resum
     )
     out = tmp_path / "precomputed"
     run_in_process(precomputed, out)
-    assert {p.name for p in (out / "reference_logps").iterdir()} == {"train.pt", "valid.pt"}
+    runs = ("train", "valid") if with_valid else ("train",)
+    assert {p.name for p in (out / "reference_logps").iterdir()} == {f"{r}.pt" for r in runs}
+    assert (out / "metrics" / "valid.jsonl").exists() == with_valid
 
     names = ["loss", *PAIR_METRICS]
-    for run in ("train", "valid"):
+    for run in runs:
         expected = read_jsonl(tmp_path / "each_step" / "metrics" / f"{run}.jsonl")
         for mine, theirs in zip(
             read_jsonl(out / "metrics" / f"{run}.jsonl"), expected, strict=True
@@ -411,7 +414,7 @@ def test_tp_and_fsdp2_on_two_ranks_take_the_dpo_steps_of_one_process(
             "precompute_reference applies to task=dpo",
         ),
         ({"preference": {"loss_type": "exo"}}, "loss_type"),
-        ({"task": "simpo", "preference": {"loss_type": "ipo"}}, "loss_type chooses DPO's loss"),
+        ({"task": "simpo", "preference": {"loss_type": "ipo"}}, "loss_type applies to task=dpo,"),
         (
             {"task": "simpo", "data": {"mixture": [{"path": "x", "weight": 1}], "train": None}},
             "task=simpo reads one dataset",
@@ -425,3 +428,44 @@ def test_a_preference_config_that_cannot_work_is_refused(
     config = preference_config(model_dir, tmp_path / "x", **sections)
     with pytest.raises(ValueError, match=message):
         config_from_dict(LMConfig, config)
+
+
+# Each preference option set away from its default, with the tasks that read it.
+_OPTIONS_AND_TASKS: dict[str, tuple[str, set[str]]] = {
+    "beta": ("0.2", {"dpo", "simpo", "orpo", "cpo"}),
+    "loss_type": ("hinge", {"dpo"}),
+    "label_smoothing": ("0.1", {"simpo", "cpo"}),
+    "simpo_gamma": ("0.3", {"simpo"}),
+    "cpo_alpha": ("0.5", {"cpo"}),
+    "precompute_reference": ("true", {"dpo"}),
+    "prompt_field": ("question", {"dpo", "simpo", "orpo", "cpo"}),
+    "chosen_field": ("good", {"dpo", "simpo", "orpo", "cpo"}),
+    "rejected_field": ("bad", {"dpo", "simpo", "orpo", "cpo"}),
+}
+
+
+@pytest.mark.parametrize(
+    ("task", "option"),
+    [
+        (task, option)
+        for option, (_, tasks) in _OPTIONS_AND_TASKS.items()
+        for task in ("pretrain", "sft", "dpo", "simpo", "orpo", "cpo")
+        if task not in tasks
+    ],
+)
+def test_an_option_the_task_ignores_is_refused_in_one_line_with_exit_2(
+    tmp_path: Path, task: str, option: str
+) -> None:
+    from recipes.lm import recipe
+
+    model_dir = make_hf_llama_dir(tmp_path / "model")
+    value = _OPTIONS_AND_TASKS[option][0]
+    args = (
+        str(tmp_path / "run"), "--config", f"task={task}", f"model.hf_path={model_dir}",
+        f"data.train={tmp_path / 'train.jsonl'}", f"preference.{option}={value}",
+    )  # fmt: skip
+    result = main_in_process(recipe, LMConfig, args)
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert f"preference.{option} applies to task=" in line
+    assert f"the task is {task}, which ignores it" in line
