@@ -21,8 +21,9 @@ import torch
 
 from benchmarks.probe import emit, exit_now, use_one_thread
 from gangs import setup_gangs
-from recipes.char_lm import CharLMConfig, build_model, summed_nll_loss
+from recipes.char_lm import CharLMConfig, build_model
 from runtime import compile_loss
+from units.lm import summed_nll_loss
 
 
 def rss_bytes() -> float:

@@ -5,7 +5,7 @@
 - ``--feed text``: the recipe's data path, ``TextDataReader`` tokenizing JSONL documents in two
   worker processes with a BPE tokenizer; ``--feed tensors``: the same number of tokens a step,
   already tokenized, sliced from a tensor by ``MapDataReader``.
-- ``--loop recipe``: the recipe's unit (``recipes.lm.LMTrainUnit``) in the Trainer; ``--loop
+- ``--loop recipe``: the recipe's unit (``units.lm.LMTrainUnit``) in the Trainer; ``--loop
   hand``: the loop a user writes over the same model and pre-tokenized batches.
 
 Prints ``BENCH_RESULT {"step_time_s": ...}``.
@@ -27,10 +27,9 @@ from benchmarks.loops.trainer_loop import StepClock
 from benchmarks.probe import StepTimer, emit, exit_now, use_one_thread
 from checkpoint import CheckpointManager
 from gangs import setup_gangs
-from recipes.common import summed_nll_loss
-from recipes.lm import LMTrainUnit
 from runtime import MapDataReader, Trainer
 from runtime.data.text import HuggingFaceTokenizer, TextBatch, TextDataReader
+from units.lm import LMTrainUnit, summed_nll_loss
 
 SEQ_LEN = 256
 BATCH_SIZE = 4

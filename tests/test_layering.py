@@ -1,8 +1,9 @@
 """The import arrows of ``src/`` run one way: no cycle between modules, and no arrow back up a floor.
 
 Packages, bottom to top: ``trainkit_utils`` (the standard library and torch only); ``gangs``;
-``units`` and ``checkpoint`` (beside each other, neither importing the other); ``runtime``. No
-package imports ``recipes``. Inside ``runtime``, top to bottom: the package itself
+``units`` and ``checkpoint`` (beside each other, neither importing the other); ``models`` (which
+may use ``units``, for the units of a model of its own); ``runtime``. No installed package
+imports ``recipes``, which may import them all and has no cycle of its own. Inside ``runtime``, top to bottom: the package itself
 (``runtime/__init__.py``, ``__main__.py``), ``cli``, ``training``, then ``metrics``, ``parallel``
 and ``data`` on one floor; ``runtime/errors.py`` is a leaf that any floor may import.
 
@@ -18,14 +19,16 @@ import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
 
 PACKAGES_BELOW: Mapping[str, frozenset[str]] = {
     "trainkit_utils": frozenset(),
     "gangs": frozenset({"trainkit_utils"}),
     "units": frozenset({"trainkit_utils", "gangs"}),
     "checkpoint": frozenset({"trainkit_utils", "gangs"}),
-    "runtime": frozenset({"trainkit_utils", "gangs", "units", "checkpoint"}),
+    "models": frozenset({"trainkit_utils", "gangs", "units"}),
+    "runtime": frozenset({"trainkit_utils", "gangs", "units", "checkpoint", "models"}),
 }
 """What each package may import, besides itself."""
 
@@ -190,6 +193,27 @@ def test_src_imports_only_down_the_floors() -> None:
     assert {m.split(".")[0] for m in graph} == set(PACKAGES_BELOW)
     wrong = wrong_arrows(graph)
     assert not wrong, "Arrows against the layering:\n" + "\n".join(wrong)
+
+
+def test_no_installed_package_imports_recipes() -> None:
+    found = [
+        f"{module} imports {name}"
+        for module, path in read_modules(SRC).items()
+        for name in imported_names(path, module)
+        if name.split(".")[0] == "recipes"
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_recipes_have_no_import_cycle() -> None:
+    graph = import_graph({**read_modules(SRC), **read_modules_under(ROOT, "recipes")})
+    assert {"recipes.lm.recipe", "recipes.char_lm.recipe"} <= set(graph)
+    cycles = find_cycles(graph)
+    assert not cycles, "Import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def read_modules_under(root: Path, package: str) -> dict[str, Path]:
+    return {module_name(path, root): path for path in sorted((root / package).rglob("*.py"))}
 
 
 def test_trainkit_utils_imports_only_the_standard_library_and_torch() -> None:

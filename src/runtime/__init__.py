@@ -39,15 +39,12 @@ if TYPE_CHECKING:
     )
     from runtime.parallel.compile import compile_blocks as compile_blocks
     from runtime.parallel.compile import compile_loss as compile_loss
-    from runtime.parallel.materialize import InitFn as InitFn
     from runtime.parallel.materialize import has_meta_tensors as has_meta_tensors
     from runtime.parallel.materialize import materialize_model as materialize_model
     from runtime.parallel.parallelize import parallelize_model as parallelize_model
     from runtime.parallel.wrapping import DataParallelKind as DataParallelKind
     from runtime.parallel.wrapping import apply_data_parallel as apply_data_parallel
     from runtime.parallel.wrapping import apply_tensor_parallel as apply_tensor_parallel
-    from runtime.parallel.wrapping import unwrap_model as unwrap_model
-    from runtime.training.callbacks import TrainerCallback as TrainerCallback
     from runtime.training.early_stop import EarlyStopper as EarlyStopper
     from runtime.training.early_stop import PatienceEarlyStopper as PatienceEarlyStopper
     from runtime.training.evaluation import Evaluator as Evaluator
@@ -68,6 +65,9 @@ if TYPE_CHECKING:
     from runtime.training.state import TrainState as TrainState
     from runtime.training.trainer import Trainer as Trainer
     from runtime.training.weight_reload import ReloadInitialWeights as ReloadInitialWeights
+    from trainkit_utils.modules import InitFn as InitFn
+    from trainkit_utils.modules import unwrap_model as unwrap_model
+    from units.callback import TrainerCallback as TrainerCallback
 
 
 @functools.cache

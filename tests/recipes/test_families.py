@@ -300,11 +300,11 @@ def test_a_family_from_scratch_is_initialized_as_transformers_initializes_it(
 
 
 def test_a_tp_plan_style_the_recipe_does_not_know_is_refused_by_name() -> None:
-    from recipes.lm import _hf_tensor_parallel_plan
+    from models.hf import hf_tensor_parallel_plan
 
     config = FAMILY_BY_NAME["Llama"].config(19)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     config.base_model_tp_plan = {"layers.*.mlp.gate_proj": "packed_colwise"}
     with pytest.raises(ValueError, match=r"mlp.gate_proj as 'packed_colwise'.*gang.tp_size=1"):
-        _hf_tensor_parallel_plan(model, config)
+        hf_tensor_parallel_plan(model, config)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import recipes.lm
+import recipes.lm.model
 from recipes.lm import LMConfig
 from runtime import main
 from runtime.parallel.wrapping import fsdp_param_dtype
@@ -49,9 +49,9 @@ def train_in_this_process(
         built.append(parallelize_model(*args, **kwargs))
         return built[-1]
 
-    parallelize_model = recipes.lm.parallelize_model
+    parallelize_model = recipes.lm.model.parallelize_model
     with monkeypatch.context() as patch:
-        patch.setattr(recipes.lm, "parallelize_model", spy)
+        patch.setattr(recipes.lm.model, "parallelize_model", spy)
         with pytest.raises(SystemExit) as exit_info:
             main(recipes.lm.recipe, LMConfig, [str(out), "--config", *config])
     assert exit_info.value.code == 0

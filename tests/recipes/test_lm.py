@@ -18,8 +18,9 @@ from torch import nn
 
 from checkpoint import CheckpointManager
 from gangs import Gangs
-from recipes.llama import Llama, hf_config, llama_args
-from recipes.lm import LMConfig, build_readers, flops_per_token, recipe
+from models.flops import flops_per_token
+from models.llama import Llama, hf_config, llama_args
+from recipes.lm import LMConfig, build_readers, recipe
 from runtime.cli.config import load_config
 from runtime.data.text import (
     IGNORE_INDEX,

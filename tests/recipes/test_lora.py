@@ -211,7 +211,7 @@ def test_a_lora_config_that_cannot_work_is_refused_with_the_fix(
 
 
 def test_target_modules_that_match_no_layer_name_the_linear_layers() -> None:
-    from recipes.lora import LoraSection, apply_lora
+    from models.lora import LoraSection, apply_lora
 
     config = transformers.LlamaConfig(
         vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -226,6 +226,7 @@ def test_target_modules_that_match_no_layer_name_the_linear_layers() -> None:
 def test_the_adapted_model_starts_as_its_base(tmp_path: Path) -> None:
     """Built on meta and materialized by the recipe, then the base loaded from init_from under
     the adapted names: B is zero and A is not, so the logits are the base model's."""
+    from recipes.lm.model import lora_trainer_options
     from runtime.cli.config import config_from_dict
     from runtime.training.initial_weights import load_initial_weights
 
@@ -237,7 +238,7 @@ def test_the_adapted_model_starts_as_its_base(tmp_path: Path) -> None:
     gangs = Gangs.single()
     built = build_model(config, gangs, load_recipe_tokenizer(config))
     assert built.lora is not None
-    source = built.lora.trainer_options(model_dir)["init_from"]
+    source = lora_trainer_options(built.lora, model_dir)["init_from"]
     loaded = load_initial_weights(built.model, source, gangs=gangs)
     assert sorted(loaded.skipped_keys) == sorted(
         name for name, param in built.model.named_parameters() if param.requires_grad

@@ -2,7 +2,7 @@
 reference model (frozen, sharded as the policy, the base under LoRA, never checkpointed), the
 metrics, export, and what DP=2 with accumulation and a kill -9 resume give.
 
-The numbers against TRL are in test_preference_trl.py."""
+The numbers against TRL are in tests/units/test_preference_trl.py."""
 
 from __future__ import annotations
 
@@ -18,15 +18,6 @@ import torch
 from checkpoint import CheckpointManager
 from gangs import Gangs
 from recipes.lm import LMConfig, build_model, build_trainer, build_units, load_recipe_tokenizer
-from recipes.preference import (
-    PAIR_METRICS,
-    AdapterBaseReference,
-    CpoTrainUnit,
-    DpoTrainUnit,
-    FrozenReference,
-    OrpoTrainUnit,
-    SimpoTrainUnit,
-)
 from runtime.cli.config import config_from_dict
 from tests.conftest import (
     assert_ok,
@@ -37,6 +28,8 @@ from tests.conftest import (
     torchrun_command,
 )
 from tests.recipes.test_lm import WORDS, last_model, make_hf_llama_dir, recipe_args
+from units.preference import PAIR_METRICS, CpoTrainUnit, DpoTrainUnit, OrpoTrainUnit, SimpoTrainUnit
+from units.reference import AdapterBaseReference, FrozenReference
 
 transformers = pytest.importorskip("transformers")
 
@@ -130,7 +123,7 @@ def test_a_dpo_run_starts_at_zero_rewards_checkpoints_the_policy_alone_and_expor
 def test_precomputed_reference_logps_give_the_same_steps_and_are_reused_on_resume(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, with_valid: bool
 ) -> None:
-    import recipes.lm
+    import recipes.lm.units
 
     model_dir = make_hf_llama_dir(tmp_path / "model")
     train = write_pairs(tmp_path / "train.jsonl", 16, seed=1)
@@ -160,7 +153,7 @@ def test_precomputed_reference_logps_give_the_same_steps_and_are_reused_on_resum
     def no_reference(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the resumed run built a reference model")
 
-    monkeypatch.setattr(recipes.lm, "build_reference", no_reference)
+    monkeypatch.setattr(recipes.lm.units, "build_reference", no_reference)
     precomputed["trainer"] |= {"max_num_steps": 3}
     run_in_process(precomputed, out)
     assert train_records(out)[-1]["step_nr"] == 3
@@ -201,7 +194,7 @@ def test_the_dpo_reference_is_a_frozen_model_with_the_policys_weights_and_placem
 def test_simpo_orpo_and_cpo_build_no_reference(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, task: str, unit_type: type
 ) -> None:
-    import recipes.lm
+    import recipes.lm.units
 
     model_dir = make_hf_llama_dir(tmp_path / "model")
     config = config_from_dict(LMConfig, preference_config(model_dir, tmp_path / "x", task=task))
@@ -211,7 +204,7 @@ def test_simpo_orpo_and_cpo_build_no_reference(
     def no_second_model(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError(f"task={task} built a second model")
 
-    monkeypatch.setattr(recipes.lm, "build_model", no_second_model)
+    monkeypatch.setattr(recipes.lm.units, "build_model", no_second_model)
     unit, valid_unit = build_units(config, Gangs.single(), tokenizer, built, model_dir)
     assert type(unit) is unit_type and not hasattr(unit, "reference")
     assert valid_unit.model is built.model
@@ -244,6 +237,7 @@ def test_fsdp2_with_bf16_parameters_shards_the_reference_as_the_policy(
 
 def test_under_lora_the_reference_is_the_base_with_the_adapters_disabled(tmp_path: Path) -> None:
     pytest.importorskip("peft")
+    from recipes.lm.model import lora_trainer_options
     from runtime.cli.tools import main as runtime_main
     from runtime.data.text import PreferenceBatch
     from runtime.training.initial_weights import load_initial_weights
@@ -255,7 +249,7 @@ def test_under_lora_the_reference_is_the_base_with_the_adapters_disabled(tmp_pat
     assert isinstance(unit.reference, AdapterBaseReference)
     assert unit.reference.model is built.model  # no second copy
     load_initial_weights(
-        built.model, built.lora.trainer_options(model_dir)["init_from"], gangs=Gangs.single()
+        built.model, lora_trainer_options(built.lora, model_dir)["init_from"], gangs=Gangs.single()
     )
     with torch.no_grad():  # trained adapters: the policy is no longer its base
         for name, param in built.model.named_parameters():

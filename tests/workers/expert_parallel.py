@@ -1,4 +1,4 @@
-"""Expert parallelism on 2 ranks, for tests/recipes/test_experts.py: run as the check
+"""Expert parallelism on 2 ranks, for tests/models/moe/test_experts.py: run as the check
 ``expert_parallel`` of ``two_rank_checks.py`` (or alone: ``expert_parallel.py OUT``).
 
 1. The dispatch alone, on routings chosen to be hard: rank 0 sends every token to one expert
@@ -23,7 +23,7 @@ import torch
 import transformers
 
 from gangs import Gang, GangError, ReduceOperation, setup_parallel_gangs, setup_root_gang
-from recipes.experts import apply_expert_parallel
+from models.moe import apply_expert_parallel
 from recipes.lm import LMConfig, build_trainer
 from runtime import TrainerCallback
 from runtime.cli.config import load_config
@@ -100,7 +100,7 @@ AUX_LOSS_COEFFICIENT = 1.0
 def aux_loss_gradients(root: Gang, out: Path) -> None:
     """The Trainer's gradients of one DDP step of 2 ranks with one micro-batch a rank (see
     ``test_the_aux_loss_is_normalized_like_the_main_loss_across_dp``), saved by rank 0."""
-    from tests.recipes.test_experts import aux_loss_micro_batches, trainer_gradients
+    from tests.models.moe.test_experts import aux_loss_micro_batches, trainer_gradients
 
     gangs = setup_parallel_gangs(root)
     grads = trainer_gradients(out, AUX_LOSS_COEFFICIENT, aux_loss_micro_batches(), gangs)

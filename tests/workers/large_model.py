@@ -31,9 +31,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from gangs import Gang, Gangs, setup_parallel_gangs, setup_root_gang
-from recipes.char_lm import Block, CharLMConfig, build_model, summed_nll_loss
+from recipes.char_lm import Block, CharLMConfig, build_model
 from runtime import apply_activation_checkpointing, compile_loss
 from tests.workers.leave import leave
+from units.lm import summed_nll_loss
 
 SEQ_LEN = 16
 

@@ -14,8 +14,8 @@ from torch import Tensor
 from checkpoint import CheckpointChoice, CheckpointError, CheckpointManager
 from checkpoint.health import unhealthy_reason
 from gangs import Gangs
-from runtime.cli.hf_export import write_hf_directory
-from runtime.cli.peft_export import is_lora_run, merged_state, write_peft_directory
+from models.hf.export import write_hf_directory
+from models.lora.export import base_model_path, is_lora_run, merged_state, write_peft_directory
 from runtime.cli.prepare_command import add_prepare_command, run_prepare, run_verify
 
 
@@ -81,8 +81,8 @@ def export_model(
     When the ``safetensors`` package is importable, a ``.safetensors`` file (the format other
     tools read) is written beside it; a ``destination`` ending in ``.safetensors`` gets only
     that. With ``format="hf"``, ``destination`` is a Hugging Face model directory instead (see
-    :mod:`runtime.cli.hf_export`; a LoRA run's adapters merged into its base), and with
-    ``format="peft"`` the adapters of a LoRA run (see :mod:`runtime.cli.peft_export`). Returns
+    :mod:`models.hf.export`; a LoRA run's adapters merged into its base), and with
+    ``format="peft"`` the adapters of a LoRA run (see :mod:`models.lora.export`). Returns
     the step exported (``step_nr``, the best scored one, or by default the last) and the files
     written.
     """
@@ -94,7 +94,10 @@ def export_model(
         return step_nr, write_peft_directory(state, output_dir, destination)
     if format == "hf":
         if is_lora_run(output_dir):
-            state = merged_state(state, output_dir)
+            from runtime.training.initial_weights import read_weights
+
+            base = read_weights(base_model_path(output_dir))
+            state = merged_state(state, output_dir, base)
         return step_nr, write_hf_directory(state, output_dir, destination)
     destination.parent.mkdir(parents=True, exist_ok=True)
     save_file = _safetensors_writer(required=destination.suffix == ".safetensors")

@@ -21,7 +21,7 @@ training and avoids any communication.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from itertools import chain
 
 import torch
@@ -30,13 +30,7 @@ from torch.nn import Module, Parameter
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from runtime.parallel.tying import retie, shared_parameters
-
-InitFn = Callable[[str, Module], None]
-"""``init_fn(qualified_name, module)``: initializes ``module``'s own tensors in place.
-
-Called with ``module``'s tensors swapped for full-size CPU tensors, under ``torch.no_grad()`` and
-a CPU RNG already seeded for this module, so it may use ``torch.nn.init`` freely.
-"""
+from trainkit_utils.modules import InitFn
 
 # Wrappers that torch inserts into qualified names; the seed must not depend on them.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")

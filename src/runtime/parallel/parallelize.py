@@ -12,8 +12,9 @@ from torch.nn import Module, Parameter
 from gangs import Gangs
 from runtime.parallel.activation_recompute import apply_activation_checkpointing
 from runtime.parallel.compile import compile_blocks
-from runtime.parallel.materialize import InitFn, materialize_model
+from runtime.parallel.materialize import materialize_model
 from runtime.parallel.wrapping import DataParallelKind, apply_data_parallel, apply_tensor_parallel
+from trainkit_utils.modules import InitFn
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle

@@ -256,8 +256,3 @@ def _leave_sparse_out_of_ddp(
     with torch.no_grad():
         for param in sparse.values():
             gangs.dp.broadcast(param.data, source_rank=0)
-
-
-def unwrap_model(model: Module) -> Module:
-    """The user's module inside a DDP wrapper (FSDP2 and TP modify the module in place)."""
-    return model.module if isinstance(model, DDP) else model

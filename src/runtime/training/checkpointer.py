@@ -21,8 +21,8 @@ from checkpoint.exclusion import check_patterns
 from checkpoint.manifest import resolve_step_dir
 from checkpoint.storage import get_model_state
 from gangs import Gangs
-from runtime.training.callbacks import TrainerCallback
 from runtime.training.validation import Scoring
+from units.callback import TrainerCallback
 
 if TYPE_CHECKING:
     from runtime.training.initial_weights import InitFrom

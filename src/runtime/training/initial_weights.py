@@ -32,14 +32,14 @@ from torch.nn import Module
 
 from checkpoint import CheckpointError, CheckpointManager
 from gangs import Gangs
-from runtime.parallel.materialize import canonical_name, copy_own_slice
-from runtime.parallel.tying import shared_parameters
-from runtime.parallel.wrapping import unwrap_model
-from runtime.training.hf_conversion import (
+from models.hf.conversion import (
     ConversionError,
     ConvertedCheckpoint,
     weight_conversions,
 )
+from runtime.parallel.materialize import canonical_name, copy_own_slice
+from runtime.parallel.tying import shared_parameters
+from trainkit_utils.modules import unwrap_model
 
 log = logging.getLogger(__name__)
 

@@ -26,13 +26,13 @@ from runtime.metrics.tracing import (
 )
 from runtime.metrics.train_metrics import StepOutput
 from runtime.parallel.sparse_embeddings import check_sparse_outside_ddp
-from runtime.training.callbacks import TrainerCallback
 from runtime.training.gradients import Gradients, gradient_sync_switch
 from runtime.training.loss_scale import LossScaler
 from runtime.training.non_finite import NanPolicy, NonFiniteGuard
 from runtime.training.step_totals import StepTotals
 from trainkit_utils.arguments import check_positive
 from units import TrainUnit
+from units.callback import TrainerCallback
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from runtime.metrics.progress import make_progress_display
 from runtime.metrics.recorders import MetricRecorder, RecorderOptions, make_recorder
 from runtime.metrics.train_metrics import Throughput, TrainMetrics
 from runtime.parallel.placement import check_model_device
-from runtime.training.callbacks import CallbackList, TrainerCallback
+from runtime.training.callbacks import CallbackList
 from runtime.training.checkpointer import Checkpointer, CheckpointOptions
 from runtime.training.early_stop import EarlyStopper
 from runtime.training.limits import Limits
@@ -48,6 +48,7 @@ from runtime.training.state import Stateful, StopReason
 from runtime.training.step import Precision, TrainStep
 from runtime.training.validation import Scoring, Validator
 from units import EvalUnit, TrainUnit
+from units.callback import TrainerCallback
 
 log = logging.getLogger(__name__)
 

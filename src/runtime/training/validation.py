@@ -16,13 +16,13 @@ from runtime.data import DataReader
 from runtime.errors import TrainerError
 from runtime.metrics.recorders import MetricRecorder
 from runtime.metrics.tracing import VALIDATION, trace_ranges
-from runtime.training.callbacks import TrainerCallback
 from runtime.training.early_stop import EarlyStopper
 from runtime.training.evaluation import AutocastFactory, Evaluator, combine_scores
 from runtime.training.state import Stateful
 from trainkit_utils.arguments import check_positive, check_same_length
 from trainkit_utils.scores import is_better_score
 from units import EvalUnit
+from units.callback import TrainerCallback
 
 log = logging.getLogger(__name__)
 

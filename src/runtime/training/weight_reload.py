@@ -19,7 +19,6 @@ from torch.nn import Module
 
 from gangs import Gangs
 from runtime.metrics.recorders import MetricRecorder
-from runtime.training.callbacks import TrainerCallback
 from runtime.training.initial_weights import (
     InitFrom,
     InitialWeightsError,
@@ -29,6 +28,7 @@ from runtime.training.initial_weights import (
     load_initial_weights,
 )
 from trainkit_utils.arguments import check_positive
+from units.callback import TrainerCallback
 
 log = logging.getLogger(__name__)
 

@@ -28,11 +28,9 @@ from torch import Tensor
 from runtime.data.text.files import TextDataError, find_files
 from runtime.data.text.tokenizer import HuggingFaceTokenizer, Tokenizer
 from trainkit_utils.arguments import check_positive
+from units.lm import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
-
-IGNORE_INDEX = -100
-"""The target of a position that is not trained on (prompt, padding); ``cross_entropy``'s default."""
 
 
 @final

@@ -1,0 +1,36 @@
+"""``recipes.lm``: train or fine-tune a causal language model on your files; see
+:mod:`recipes.lm.recipe` and docs/lm-recipe.md. ``python -m recipes.lm OUTPUT_DIR`` runs it."""
+
+from __future__ import annotations
+
+from recipes.lm.config import (
+    DataSection,
+    LMConfig,
+    LMGangSection,
+    ModelSection,
+    PreferenceSection,
+    TokenizerSection,
+)
+from recipes.lm.data import build_readers, load_recipe_tokenizer, packed_valid_set
+from recipes.lm.model import BuiltModel, bias_update, build_model
+from recipes.lm.recipe import build_trainer, recipe
+from recipes.lm.units import build_reference, build_units
+
+__all__ = [
+    "BuiltModel",
+    "DataSection",
+    "LMConfig",
+    "LMGangSection",
+    "ModelSection",
+    "PreferenceSection",
+    "TokenizerSection",
+    "bias_update",
+    "build_model",
+    "build_readers",
+    "build_reference",
+    "build_trainer",
+    "build_units",
+    "load_recipe_tokenizer",
+    "packed_valid_set",
+    "recipe",
+]

@@ -1,0 +1,77 @@
+"""The steps that turn a model built on ``meta`` into a trainable one, in the one order they
+compose in: TP, activation checkpointing, FSDP2/HSDP, materialize, DDP, compile."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING
+
+import torch
+from torch.nn import Module, Parameter
+
+from gangs import Gangs
+from runtime.parallel.activation_recompute import apply_activation_checkpointing
+from runtime.parallel.compile import compile_blocks
+from runtime.parallel.materialize import materialize_model
+from runtime.parallel.wrapping import DataParallelKind, apply_data_parallel, apply_tensor_parallel
+from trainkit_utils.modules import InitFn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+
+def parallelize_model(
+    model: Module,
+    gangs: Gangs,
+    *,
+    kind: DataParallelKind,
+    block_types: tuple[type[Module], ...],
+    seed: int,
+    tp_plan: Mapping[str, ParallelStyle] | None = None,
+    init_fn: InitFn | None = None,
+    activation_checkpointing_every_n: int | None = None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    compile: bool = False,
+    expert_params: Collection[Parameter] = (),
+) -> Module:
+    """Shard, wrap and initialize ``model`` (built under ``torch.device("meta")``) for ``gangs``.
+
+    1. ``tp_plan`` shards its submodules over the TP gang (:func:`apply_tensor_parallel`);
+    2. every ``activation_checkpointing_every_n``-th block is checkpointed (None: none);
+    3. with ``kind`` "fsdp" or "hsdp", each ``block_types`` module becomes an FSDP2 unit, then
+       the whole model (:func:`apply_data_parallel`, with ``param_dtype`` and ``reduce_dtype``);
+    4. this rank's shards are allocated on ``gangs.root.device`` and initialized from ``seed``
+       (:func:`materialize_model`, with ``init_fn``); parameters that several modules share,
+       such as tied input and output embeddings, stay one parameter;
+    5. with ``kind="ddp"``, DDP wraps the model, unless no parameter requires a gradient;
+    6. with ``compile``, each block is compiled (:func:`compile_blocks`).
+
+    ``expert_params`` (already sharded over the EP gang) are left alone by DDP and FSDP2.
+
+    Returns the model to train: the DDP wrapper under DDP, else ``model`` itself.
+    """
+    model = apply_tensor_parallel(model, gangs, tp_plan or {})
+    if activation_checkpointing_every_n is not None:
+        apply_activation_checkpointing(
+            model, block_types=block_types, every_n=activation_checkpointing_every_n
+        )
+    if kind != "ddp":
+        # FSDP2 shards the meta parameters, so each rank allocates only its shards below.
+        model = apply_data_parallel(
+            model,
+            gangs,
+            kind=kind,
+            fsdp_units=block_types,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            expert_params=expert_params,
+        )
+    materialize_model(model, device=gangs.root.device, seed=seed, init_fn=init_fn)
+    # A frozen model (a reference to compare against) has no gradient to synchronize: DDP,
+    # which would refuse it, leaves it whole on each rank.
+    if kind == "ddp" and any(param.requires_grad for param in model.parameters()):
+        model = apply_data_parallel(model, gangs, kind="ddp", expert_params=expert_params)
+    if compile:
+        compile_blocks(model, block_types=block_types)
+    return model

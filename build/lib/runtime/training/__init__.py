@@ -1,0 +1,1 @@
+"""The Trainer and its loop: the step, its schedule, validation, checkpoints, guards and state."""

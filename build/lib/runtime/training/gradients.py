@@ -1,0 +1,266 @@
+"""Gradients across DP and TP: deferring their sync, normalizing them, their norm, clipping.
+
+DDP, FSDP2 and DTensor are imported only where a process group exists: without one nothing can
+be any of them, and a single-process run spares importing them (seconds).
+
+Two paths, chosen by :func:`gangs.torch_versions.private_apis_supported`: on the tested torch
+versions, torch's private foreach kernels (``_amp_foreach_non_finite_check_and_unscale_``,
+``_foreach_mul_``) do a group of gradients per op; on any other torch (or with
+``TRAINKIT_TORCH_PRIVATE_APIS=public``), public per-tensor ops do the same arithmetic, one op
+per gradient. Both make the same bits (see :func:`_scale_and_check`), and neither waits on the
+device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Final, final
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+from typing_extensions import TypeIs
+
+from gangs import Gang
+from gangs.torch_versions import private_apis_supported
+from runtime.parallel.process_group import process_group_exists
+from runtime.parallel.sparse_embeddings import sparse_parameters
+from runtime.training.sparse_gradients import SparseGradients
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+
+def _is_dtensor(tensor: object) -> TypeIs[DTensor]:
+    if not process_group_exists():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def gradient_sync_switch(model: Module) -> Callable[[bool], None] | None:
+    """A switch for DP gradient reduction in ``model``'s next backwards: off while micro-batches
+    accumulate, on for the last. None for a model that reduces nothing (neither DDP nor FSDP2).
+
+    A switch, not a context manager: FSDP2 offers only the switch
+    (``set_requires_gradient_sync``), so DDP gets one too (the flag its ``no_sync()`` sets).
+    """
+    if not process_group_exists():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+
+        def switch_ddp(enabled: bool) -> None:
+            model.require_backward_grad_sync = enabled
+
+        return switch_ddp
+    if isinstance(model, FSDPModule):
+        switch_fsdp: Callable[[bool], None] = model.set_requires_gradient_sync
+        return switch_fsdp
+    return None
+
+
+def _parameter_groups(model: Module, sparse: list[Tensor]) -> list[list[torch.nn.Parameter]]:
+    """The trainable parameters of ``model`` but the ``sparse`` ones, grouped so that each group
+    lives on one device mesh.
+
+    DTensor ops need operands on one mesh: with FSDP2 x TP, TP-sharded parameters live on the
+    2-D mesh and the others on the DP mesh, and with TP alone, plain tensors sit beside DTensors.
+    """
+    groups: dict[object, list[torch.nn.Parameter]] = {}
+    sparse_ids = {id(p) for p in sparse}
+    for param in model.parameters():
+        if param.requires_grad and id(param) not in sparse_ids:
+            mesh = param.device_mesh if _is_dtensor(param) else None
+            groups.setdefault(mesh, []).append(param)
+    return list(groups.values())
+
+
+def _is_plain(group: list[torch.nn.Parameter]) -> bool:
+    """Whether ``group`` is plain tensors of one device and dtype; autograd gives a gradient the
+    device and dtype of its parameter, so their gradients are too."""
+    first = group[0]
+    return not _is_dtensor(first) and all(
+        p.device == first.device and p.dtype == first.dtype for p in group
+    )
+
+
+def clip_gradient_norm(model: Module, max_norm: float | None) -> Tensor:
+    """Return the total gradient norm of ``model`` and clip to ``max_norm`` if given.
+
+    Works for plain, DDP, FSDP2 and TP parameters alike: sharded (DTensor) gradients are reduced
+    to their full norm, replicated ones count once. The norm stays on the device (no host sync).
+    """
+    gradients = Gradients(model)
+    total_norm = gradients.norm()
+    if max_norm is not None:
+        gradients.clip(max_norm, total_norm)
+    return total_norm
+
+
+# The gradient dtypes the fused unscale kernel takes: it multiplies in float32 by a float32 factor
+# and rounds once. For float32 those are the bits of ``_foreach_mul_`` with a Python float; for
+# bfloat16 and float16 more exact ones (``_foreach_mul_`` rounds the factor to their dtype first).
+# Float64 would lose the factor's precision, so it takes ``mul_`` with the Python float.
+_FUSED_DTYPES: Final = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@final
+class Gradients:
+    """The gradients of a model's parameters, grouped by device mesh once: normalized, measured
+    and clipped.
+
+    The groups are found on the first step and kept: a step only collects the ``.grad`` of each
+    group's parameters, without walking the module tree. The sparse gradients of embeddings
+    with ``sparse=True`` are handled apart (:mod:`runtime.training.sparse_gradients`), reduced
+    over ``dp_gang`` on :meth:`normalize`, and counted in the norm and clipping like the others.
+    """
+
+    def __init__(self, model: Module, *, dp_gang: Gang | None = None) -> None:
+        self._model = model
+        self._private = private_apis_supported()
+        self._sparse = SparseGradients(dp_gang)
+        self._sparse_params: list[Tensor] = []
+        # Each group's parameters, whether the group is plain, and whether its local tensors
+        # take the fused unscale kernel: found on the first step.
+        self._groups: list[tuple[list[torch.nn.Parameter], bool, bool]] | None = None
+        self._device: torch.device | None = None
+        self._non_finite: Tensor | None = None
+        self._inverse: Tensor | None = None
+        self._factor = 1.0
+
+    def _grads(self) -> list[tuple[list[Tensor], bool, bool]]:
+        """Each group's gradients (groups without any left out), whether the group is plain, and
+        whether its local tensors take the fused unscale kernel."""
+        if self._groups is None:
+            self._sparse_params = [
+                p for p in sparse_parameters(self._model).values() if p.requires_grad
+            ]
+            groups = _parameter_groups(self._model, self._sparse_params)
+            firsts = [group[0] for group in groups] + self._sparse_params
+            self._device = _local(firsts[0]).device if firsts else None
+            self._groups = [
+                (group, _is_plain(group), self._private and _is_fusable(group, self._device))
+                for group in groups
+            ]
+        grouped = []
+        for group, plain, fused in self._groups:
+            grads = [grad for p in group if (grad := p.grad) is not None]
+            if grads:
+                grouped.append((grads, plain, fused))
+        return grouped
+
+    def _sparse_grads(self) -> list[Tensor]:
+        """The sparse parameters that have a gradient this step (after :meth:`_grads`)."""
+        return [p for p in self._sparse_params if p.grad is not None]
+
+    def normalize(self, factor: float) -> Tensor | None:
+        """Multiply the gradients by ``factor``; return this rank's non-finite flag (None if
+        there are no gradients).
+
+        The flag is one tensor for the whole run, on the device: it turns non-zero at the first
+        NaN or infinite gradient and stays so, and nothing here waits for it. Every gradient is
+        read once, where it can be in one fused kernel that multiplies and checks together (the
+        one fp16 loss scaling unscales with): a step costs that kernel, plus a fill when the
+        factor changed, where ``_foreach_mul_`` and a norm would dispatch once per tensor each.
+        """
+        grouped = self._grads()
+        sparse = self._sparse_grads()
+        if not grouped and not sparse:
+            return None
+        if self._non_finite is None or self._inverse is None:
+            # float32 whatever the default dtype: the fused kernel takes nothing else.
+            self._non_finite = torch.zeros((), dtype=torch.float32, device=self._device)
+            self._inverse = torch.full((), factor, dtype=torch.float32, device=self._device)
+        elif factor != self._factor:
+            self._inverse.fill_(factor)
+        self._factor = factor
+        for grads, plain, fused in grouped:
+            local = grads if plain else [_local(g) for g in grads]
+            if fused:
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    local, self._non_finite, self._inverse
+                )
+            else:
+                _scale_and_check(local, factor, self._inverse, self._non_finite)
+        if sparse:
+            self._sparse.normalize(sparse, factor, self._non_finite)
+        return self._non_finite
+
+    def clear_non_finite(self) -> None:
+        """Lower the non-finite flag: the weights it warned of were replaced (a rollback)."""
+        if self._non_finite is not None:
+            self._non_finite.zero_()
+
+    def norm(self) -> Tensor:
+        """The total 2-norm of the gradients, in float32 or wider (a collective for sharded
+        gradients, none for plain and DDP ones)."""
+        grouped = self._grads()
+        norms = [_group_norm(grads) for grads, _, _ in grouped]
+        norms += self._sparse.norms(self._sparse_grads())
+        if not norms:
+            return torch.zeros((), dtype=torch.float32)
+        # With one group, sqrt(norm ** 2) is norm exactly (binary floating point), so skip the ops.
+        if len(norms) == 1:
+            return norms[0]
+        return torch.stack([n**2 for n in norms]).sum().sqrt()
+
+    def clip(self, max_norm: float, total_norm: Tensor) -> None:
+        """Scale the gradients down so that their norm, ``total_norm`` now, is at most
+        ``max_norm``."""
+        clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        for grads, _, _ in self._grads():
+            coef = clip_coef.to(grads[0].dtype)
+            if self._private:
+                torch._foreach_mul_(grads, coef)
+                continue
+            # The local shard: scaling it scales the DTensor, without DTensor's dispatch per op.
+            for grad in grads:
+                _local(grad).mul_(coef)
+        self._sparse.clip(self._sparse_grads(), clip_coef)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """The tensor this rank holds: a DTensor's local shard, a plain tensor itself."""
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
+
+
+def _scale_and_check(
+    tensors: list[Tensor], factor: float, inverse: Tensor, non_finite: Tensor
+) -> None:
+    """Multiply each of ``tensors`` by ``factor`` and count a non-finite one into ``non_finite``,
+    one tensor at a time: the public path, and the rare layouts (float64, or mixed devices) on
+    the private one.
+
+    A tensor the fused kernel would take is multiplied as it does, in float32 by ``inverse``
+    (``factor`` in float32) and rounded once: the same bits. The check reads the product, so a
+    finite gradient that a factor above 1 overflows counts too, where the fused kernel checks
+    its input; with a factor of at most 1 the flags agree. The flag only grows on the device.
+    """
+    for tensor in tensors:
+        if factor == 1.0:
+            pass
+        elif tensor.device != inverse.device or tensor.dtype not in _FUSED_DTYPES:
+            tensor.mul_(factor)
+        elif tensor.dtype == torch.float32:
+            tensor.mul_(inverse)
+        else:
+            tensor.copy_(tensor.float().mul_(inverse))
+        bad = torch.isfinite(tensor).logical_not().any()
+        non_finite.add_(bad.to(non_finite.device, torch.float32))
+
+
+def _is_fusable(group: list[torch.nn.Parameter], device: torch.device | None) -> bool:
+    """Whether the fused unscale kernel takes the local gradients of ``group``: all on ``device``
+    (the flag's), and of the ``_FUSED_DTYPES``."""
+    return all(_local(p).device == device and p.dtype in _FUSED_DTYPES for p in group)
+
+
+def _group_norm(grads: list[Tensor]) -> Tensor:
+    """The 2-norm of one group's gradients, in float32."""
+    norm = torch.nn.utils.get_total_norm(grads)
+    full: Tensor = norm.full_tensor() if _is_dtensor(norm) else norm
+    return full.float()
