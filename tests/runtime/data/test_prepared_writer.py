@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 from typing_extensions import override
 
+import runtime.data.text.prepared.format as prepared_format
 import runtime.data.text.prepared.writer as writer
 from gangs import Gangs
 from runtime.data.text import (
@@ -231,6 +234,120 @@ def test_a_finished_dataset_is_kept_and_another_is_refused_in_its_directory(
     with pytest.raises(PreparedDataError, match=r"not empty and holds no prepared dataset"):
         prepare_dataset(tmp_path / "mine", corpus, tokenizer=ByteTokenizer(), num_workers=0)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+class Killed(BaseException):
+    """The process dies here: nothing of the writer runs after it (no except, no cleanup)."""
+
+
+# The writer's steps on disk: each directory made, file saved or renamed, entry removed, and each
+# chunk read back while joining. A kill can land before any one of them.
+DISK_STEPS: list[tuple[Any, str]] = [
+    (os, "mkdir"),
+    (os, "replace"),
+    (os, "unlink"),
+    (os, "remove"),
+    (os, "rmdir"),
+    (writer, "write_json_durably"),
+    (prepared_format, "write_json_durably"),
+    (writer, "_save_piece"),
+    (np, "load"),
+]
+
+
+@contextmanager
+def kill_at(kill: Callable[[int], bool]) -> Iterator[list[str]]:
+    """Raise Killed before the first disk step ``nr`` for which ``kill(nr)``; yields the names of
+    the steps taken."""
+    taken: list[str] = []
+
+    def killable(run: Callable[..., Any], name: str) -> Callable[..., Any]:
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if kill(len(taken)):
+                raise Killed(name)
+            taken.append(name)
+            return run(*args, **kwargs)
+
+        return step
+
+    with pytest.MonkeyPatch.context() as patch:
+        for owner, name in DISK_STEPS:
+            patch.setattr(owner, name, killable(getattr(owner, name), name))
+        yield taken
+
+
+DATASET_FILES = ["documents.bin", "manifest.json", "tokens.bin"]
+
+
+def small_corpus(directory: Path) -> list[Path]:
+    directory.mkdir()
+    paths = [directory / "a.jsonl", directory / "b.jsonl"]
+    for seed, path in enumerate(paths):
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in documents(12, seed)))
+    return paths
+
+
+def prepare_small(out: Path, inputs: Sequence[Path]) -> PreparedDataset:
+    return prepare_dataset(out, inputs, tokenizer=ByteTokenizer(), num_workers=0, chunk_bytes=1024)
+
+
+def test_a_kill_before_any_step_on_disk_leaves_a_directory_the_same_command_finishes(
+    tmp_path: Path,
+) -> None:
+    inputs = small_corpus(tmp_path / "corpus")
+    with kill_at(lambda nr: False) as steps:
+        prepare_small(tmp_path / "whole", inputs)
+    expected = {name: (tmp_path / "whole" / name).read_bytes() for name in DATASET_FILES}
+    assert {"_save_piece", "load", "replace", "write_json_durably", "rmdir"} <= set(steps)
+
+    for nr, step in enumerate(steps):
+        out = tmp_path / f"killed_before_step_{nr}"
+        with pytest.raises(Killed), kill_at(lambda taken, nr=nr: taken == nr):
+            prepare_small(out, inputs)
+        if (out / "manifest.json").is_file():
+            PreparedDataset(out).verify()  # past the commit point: a whole dataset
+        else:
+            with pytest.raises(PreparedDataError, match=r"unfinished|not a prepared dataset"):
+                PreparedDataset(out)
+
+        prepare_small(out, inputs).verify()
+        where = f"killed before step {nr} ({step})"
+        assert sorted(entry.name for entry in out.iterdir()) == DATASET_FILES, where
+        assert {name: (out / name).read_bytes() for name in DATASET_FILES} == expected, where
+
+
+def test_an_unfinished_preparation_is_started_over_for_other_inputs_and_foreign_files_refused(
+    tmp_path: Path,
+) -> None:
+    inputs = small_corpus(tmp_path / "corpus")
+    out = tmp_path / "out"
+    # Killed once the dataset's files are in place, before it has a manifest.
+    with pytest.raises(Killed), kill_at(lambda nr: (out / "documents.bin").is_file()):
+        prepare_small(out, inputs)
+    assert not (out / "manifest.json").exists()
+
+    lines: list[str] = []
+    dataset = prepare_dataset(
+        out,
+        inputs[:1],
+        tokenizer=ByteTokenizer(),
+        num_workers=0,
+        chunk_bytes=1024,
+        report=lines.append,
+    )
+    assert lines[0].startswith(f"Discarding the unfinished preparation in {out / '.prepare'}")
+    fresh = prepare_small(tmp_path / "fresh", inputs[:1])
+    assert dataset.manifest == fresh.manifest
+    assert sorted(entry.name for entry in out.iterdir()) == DATASET_FILES
+
+    # The writer's own files are known by name; anything else beside them is the user's.
+    mine = tmp_path / "mine"
+    with pytest.raises(Killed), kill_at(lambda nr: (mine / "documents.bin").is_file()):
+        prepare_small(mine, inputs)
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(PreparedDataError, match=r"not empty and holds no prepared dataset .*notes"):
+        prepare_small(mine, inputs)
+    assert (mine / "notes.txt").read_text() == "keep me"
 
 
 def test_a_dataset_that_does_not_match_its_manifest_is_refused_in_one_line(
