@@ -350,6 +350,47 @@ def test_an_unfinished_preparation_is_started_over_for_other_inputs_and_foreign_
     assert (mine / "notes.txt").read_text() == "keep me"
 
 
+def test_the_same_inputs_named_another_way_are_the_same_dataset(
+    tmp_path: Path, corpus: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(corpus[0].parent)
+    out = tmp_path / "out"
+    first = prepare_dataset(out, ["a.jsonl", "b.txt"], tokenizer=ByteTokenizer(), num_workers=0)
+    (tmp_path / "link.txt").symlink_to(corpus[1])
+    for spelling in (["./a.jsonl", "b.txt"], [corpus[0], tmp_path / "link.txt"]):
+        lines: list[str] = []
+        again = prepare_dataset(
+            out, spelling, tokenizer=ByteTokenizer(), report=lines.append, num_workers=0
+        )
+        assert again.fingerprint == first.fingerprint
+        assert lines == [f"{out} already holds this dataset, prepared from the same inputs."]
+
+    # Sources that really differ are still refused: another order, or other bytes.
+    with pytest.raises(PreparedDataError, match=r"other inputs or settings \(the sources differ"):
+        prepare_dataset(out, ["b.txt", "./a.jsonl"], tokenizer=ByteTokenizer(), num_workers=0)
+    corpus[1].write_text("other words\n")
+    with pytest.raises(PreparedDataError, match=r"other inputs or settings \(the sources differ"):
+        prepare_dataset(out, ["./a.jsonl", "b.txt"], tokenizer=ByteTokenizer(), num_workers=0)
+    PreparedDataset(out).verify()
+
+    # Work a kill left unfinished goes on under another spelling too.
+    unfinished, chunks = tmp_path / "unfinished", tmp_path / "unfinished" / ".prepare" / "chunks"
+    with pytest.raises(Killed), kill_at(lambda nr: len(list(chunks.glob("*.npz"))) == 2):
+        prepare_dataset(
+            unfinished, ["a.jsonl"], tokenizer=ByteTokenizer(), chunk_bytes=4096, num_workers=0
+        )
+    lines = []
+    prepare_dataset(
+        unfinished,
+        ["./a.jsonl"],
+        tokenizer=ByteTokenizer(),
+        chunk_bytes=4096,
+        num_workers=0,
+        report=lines.append,
+    )
+    assert lines[0].startswith("Going on with ")
+
+
 def test_a_dataset_that_does_not_match_its_manifest_is_refused_in_one_line(
     tmp_path: Path, corpus: list[Path], tokenizer: HuggingFaceTokenizer
 ) -> None:

@@ -88,9 +88,10 @@ def prepare_dataset(
 
     The documents, their fields and bad lines are read as :class:`TextDataReader` reads them.
     ``num_workers`` processes tokenize (default: one per core; 0: this process). ``report``
-    gets a progress line every few seconds. A directory that already holds this dataset is
-    opened as it is; one that an earlier run left unfinished is finished; one holding another
-    dataset, or files of its own, is refused.
+    gets a progress line every few seconds. A directory that already holds this dataset (the
+    same inputs by their bytes, however their paths are spelled) is opened as it is; one that an
+    earlier run left unfinished is finished; one holding another dataset, or files of its own,
+    is refused.
     """
     check_not_negative("num_workers", num_workers or 0)
     check_positive("chunk_bytes", chunk_bytes)
@@ -166,7 +167,19 @@ def _unique_files(inputs: Sequence[str | Path]) -> list[DataFile]:
 def _differences(recorded: Mapping[str, Any], plan: Mapping[str, Any]) -> list[str]:
     """The entries of ``plan`` that ``recorded`` (a manifest, or unfinished work's plan) has
     otherwise."""
-    return [key for key in plan if recorded.get(key) != plan[key]]
+    return [key for key in plan if _decisive(key, recorded.get(key)) != _decisive(key, plan[key])]
+
+
+def _decisive(key: str, value: Any) -> Any:
+    """What of a plan's entry decides the dataset. Sources count by their bytes (size and digest,
+    in order), not by their paths: ``a.jsonl``, ``./a.jsonl``, its absolute path or a link to it
+    are one input and make the same tokens, while a file whose bytes changed is another."""
+    if key != "sources" or not isinstance(value, list):
+        return value
+    return [
+        (source.get("size"), source.get("digest")) if isinstance(source, dict) else source
+        for source in value
+    ]
 
 
 def _finished_with(output_dir: Path, plan: dict[str, Any]) -> bool:
