@@ -316,34 +316,51 @@ def test_a_kill_before_any_step_on_disk_leaves_a_directory_the_same_command_fini
         assert {name: (out / name).read_bytes() for name in DATASET_FILES} == expected, where
 
 
+def killed_with_the_files_in_place(out: Path, inputs: Sequence[Path]) -> None:
+    """Kill a preparation once the dataset's files are in ``out``, before it has a manifest."""
+    with pytest.raises(Killed), kill_at(lambda nr: (out / "documents.bin").is_file()):
+        prepare_small(out, inputs)
+    assert not (out / "manifest.json").exists()
+
+
 def test_an_unfinished_preparation_is_started_over_for_other_inputs_and_foreign_files_refused(
     tmp_path: Path,
 ) -> None:
     inputs = small_corpus(tmp_path / "corpus")
     out = tmp_path / "out"
-    # Killed once the dataset's files are in place, before it has a manifest.
-    with pytest.raises(Killed), kill_at(lambda nr: (out / "documents.bin").is_file()):
-        prepare_small(out, inputs)
-    assert not (out / "manifest.json").exists()
-
+    killed_with_the_files_in_place(out, inputs)
     lines: list[str] = []
-    dataset = prepare_dataset(
-        out,
-        inputs[:1],
-        tokenizer=ByteTokenizer(),
-        num_workers=0,
-        chunk_bytes=1024,
-        report=lines.append,
+    with kill_at(lambda nr: False) as steps:
+        prepare_dataset(
+            out,
+            inputs[:1],
+            tokenizer=ByteTokenizer(),
+            num_workers=0,
+            chunk_bytes=1024,
+            report=lines.append,
+        )
+    assert lines[0] == (
+        f"Discarding the unfinished preparation in {out / '.prepare'}: it had other inputs or "
+        "settings."
     )
-    assert lines[0].startswith(f"Discarding the unfinished preparation in {out / '.prepare'}")
-    fresh = prepare_small(tmp_path / "fresh", inputs[:1])
-    assert dataset.manifest == fresh.manifest
-    assert sorted(entry.name for entry in out.iterdir()) == DATASET_FILES
+    prepare_small(tmp_path / "fresh", inputs[:1])
+    expected = {name: (tmp_path / "fresh" / name).read_bytes() for name in DATASET_FILES}
+    assert {name: (out / name).read_bytes() for name in DATASET_FILES} == expected
+
+    # A kill while discarding, or anywhere after, and the rerun still gives the fresh dataset.
+    for nr, step in enumerate(steps):
+        again = tmp_path / f"killed_again_before_step_{nr}"
+        killed_with_the_files_in_place(again, inputs)
+        with pytest.raises(Killed), kill_at(lambda taken, nr=nr: taken == nr):
+            prepare_small(again, inputs[:1])
+        prepare_small(again, inputs[:1])
+        where = f"killed again before step {nr} ({step})"
+        assert sorted(entry.name for entry in again.iterdir()) == DATASET_FILES, where
+        assert {name: (again / name).read_bytes() for name in DATASET_FILES} == expected, where
 
     # The writer's own files are known by name; anything else beside them is the user's.
     mine = tmp_path / "mine"
-    with pytest.raises(Killed), kill_at(lambda nr: (mine / "documents.bin").is_file()):
-        prepare_small(mine, inputs)
+    killed_with_the_files_in_place(mine, inputs)
     (mine / "notes.txt").write_text("keep me")
     with pytest.raises(PreparedDataError, match=r"not empty and holds no prepared dataset .*notes"):
         prepare_small(mine, inputs)
