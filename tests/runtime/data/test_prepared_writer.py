@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 from typing_extensions import override
 
+import runtime.data.text.prepared.format as prepared_format
 import runtime.data.text.prepared.writer as writer
 from gangs import Gangs
 from runtime.data.text import (
@@ -231,6 +234,178 @@ def test_a_finished_dataset_is_kept_and_another_is_refused_in_its_directory(
     with pytest.raises(PreparedDataError, match=r"not empty and holds no prepared dataset"):
         prepare_dataset(tmp_path / "mine", corpus, tokenizer=ByteTokenizer(), num_workers=0)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+class Killed(BaseException):
+    """The process dies here: nothing of the writer runs after it (no except, no cleanup)."""
+
+
+# The writer's steps on disk: each directory made, file saved or renamed, entry removed, and each
+# chunk read back while joining. A kill can land before any one of them.
+DISK_STEPS: list[tuple[Any, str]] = [
+    (os, "mkdir"),
+    (os, "replace"),
+    (os, "unlink"),
+    (os, "remove"),
+    (os, "rmdir"),
+    (writer, "write_json_durably"),
+    (prepared_format, "write_json_durably"),
+    (writer, "_save_piece"),
+    (np, "load"),
+]
+
+
+@contextmanager
+def kill_at(kill: Callable[[int], bool]) -> Iterator[list[str]]:
+    """Raise Killed before the first disk step ``nr`` for which ``kill(nr)``; yields the names of
+    the steps taken."""
+    taken: list[str] = []
+
+    def killable(run: Callable[..., Any], name: str) -> Callable[..., Any]:
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if kill(len(taken)):
+                raise Killed(name)
+            taken.append(name)
+            return run(*args, **kwargs)
+
+        return step
+
+    with pytest.MonkeyPatch.context() as patch:
+        for owner, name in DISK_STEPS:
+            patch.setattr(owner, name, killable(getattr(owner, name), name))
+        yield taken
+
+
+DATASET_FILES = ["documents.bin", "manifest.json", "tokens.bin"]
+
+
+def small_corpus(directory: Path) -> list[Path]:
+    directory.mkdir()
+    paths = [directory / "a.jsonl", directory / "b.jsonl"]
+    for seed, path in enumerate(paths):
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in documents(12, seed)))
+    return paths
+
+
+def prepare_small(out: Path, inputs: Sequence[Path]) -> PreparedDataset:
+    return prepare_dataset(out, inputs, tokenizer=ByteTokenizer(), num_workers=0, chunk_bytes=1024)
+
+
+def test_a_kill_before_any_step_on_disk_leaves_a_directory_the_same_command_finishes(
+    tmp_path: Path,
+) -> None:
+    inputs = small_corpus(tmp_path / "corpus")
+    with kill_at(lambda nr: False) as steps:
+        prepare_small(tmp_path / "whole", inputs)
+    expected = {name: (tmp_path / "whole" / name).read_bytes() for name in DATASET_FILES}
+    assert {"_save_piece", "load", "replace", "write_json_durably", "rmdir"} <= set(steps)
+
+    for nr, step in enumerate(steps):
+        out = tmp_path / f"killed_before_step_{nr}"
+        with pytest.raises(Killed), kill_at(lambda taken, nr=nr: taken == nr):
+            prepare_small(out, inputs)
+        if (out / "manifest.json").is_file():
+            PreparedDataset(out).verify()  # past the commit point: a whole dataset
+        else:
+            with pytest.raises(PreparedDataError, match=r"unfinished|not a prepared dataset"):
+                PreparedDataset(out)
+
+        prepare_small(out, inputs).verify()
+        where = f"killed before step {nr} ({step})"
+        assert sorted(entry.name for entry in out.iterdir()) == DATASET_FILES, where
+        assert {name: (out / name).read_bytes() for name in DATASET_FILES} == expected, where
+
+
+def killed_with_the_files_in_place(out: Path, inputs: Sequence[Path]) -> None:
+    """Kill a preparation once the dataset's files are in ``out``, before it has a manifest."""
+    with pytest.raises(Killed), kill_at(lambda nr: (out / "documents.bin").is_file()):
+        prepare_small(out, inputs)
+    assert not (out / "manifest.json").exists()
+
+
+def test_an_unfinished_preparation_is_started_over_for_other_inputs_and_foreign_files_refused(
+    tmp_path: Path,
+) -> None:
+    inputs = small_corpus(tmp_path / "corpus")
+    out = tmp_path / "out"
+    killed_with_the_files_in_place(out, inputs)
+    lines: list[str] = []
+    with kill_at(lambda nr: False) as steps:
+        prepare_dataset(
+            out,
+            inputs[:1],
+            tokenizer=ByteTokenizer(),
+            num_workers=0,
+            chunk_bytes=1024,
+            report=lines.append,
+        )
+    assert lines[0] == (
+        f"Discarding the unfinished preparation in {out / '.prepare'}: it had other inputs or "
+        "settings."
+    )
+    prepare_small(tmp_path / "fresh", inputs[:1])
+    expected = {name: (tmp_path / "fresh" / name).read_bytes() for name in DATASET_FILES}
+    assert {name: (out / name).read_bytes() for name in DATASET_FILES} == expected
+
+    # A kill while discarding, or anywhere after, and the rerun still gives the fresh dataset.
+    for nr, step in enumerate(steps):
+        again = tmp_path / f"killed_again_before_step_{nr}"
+        killed_with_the_files_in_place(again, inputs)
+        with pytest.raises(Killed), kill_at(lambda taken, nr=nr: taken == nr):
+            prepare_small(again, inputs[:1])
+        prepare_small(again, inputs[:1])
+        where = f"killed again before step {nr} ({step})"
+        assert sorted(entry.name for entry in again.iterdir()) == DATASET_FILES, where
+        assert {name: (again / name).read_bytes() for name in DATASET_FILES} == expected, where
+
+    # The writer's own files are known by name; anything else beside them is the user's.
+    mine = tmp_path / "mine"
+    killed_with_the_files_in_place(mine, inputs)
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(PreparedDataError, match=r"not empty and holds no prepared dataset .*notes"):
+        prepare_small(mine, inputs)
+    assert (mine / "notes.txt").read_text() == "keep me"
+
+
+def test_the_same_inputs_named_another_way_are_the_same_dataset(
+    tmp_path: Path, corpus: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(corpus[0].parent)
+    out = tmp_path / "out"
+    first = prepare_dataset(out, ["a.jsonl", "b.txt"], tokenizer=ByteTokenizer(), num_workers=0)
+    (tmp_path / "link.txt").symlink_to(corpus[1])
+    for spelling in (["./a.jsonl", "b.txt"], [corpus[0], tmp_path / "link.txt"]):
+        lines: list[str] = []
+        again = prepare_dataset(
+            out, spelling, tokenizer=ByteTokenizer(), report=lines.append, num_workers=0
+        )
+        assert again.fingerprint == first.fingerprint
+        assert lines == [f"{out} already holds this dataset, prepared from the same inputs."]
+
+    # Sources that really differ are still refused: another order, or other bytes.
+    with pytest.raises(PreparedDataError, match=r"other inputs or settings \(the sources differ"):
+        prepare_dataset(out, ["b.txt", "./a.jsonl"], tokenizer=ByteTokenizer(), num_workers=0)
+    corpus[1].write_text("other words\n")
+    with pytest.raises(PreparedDataError, match=r"other inputs or settings \(the sources differ"):
+        prepare_dataset(out, ["./a.jsonl", "b.txt"], tokenizer=ByteTokenizer(), num_workers=0)
+    PreparedDataset(out).verify()
+
+    # Work a kill left unfinished goes on under another spelling too.
+    unfinished, chunks = tmp_path / "unfinished", tmp_path / "unfinished" / ".prepare" / "chunks"
+    with pytest.raises(Killed), kill_at(lambda nr: len(list(chunks.glob("*.npz"))) == 2):
+        prepare_dataset(
+            unfinished, ["a.jsonl"], tokenizer=ByteTokenizer(), chunk_bytes=4096, num_workers=0
+        )
+    lines = []
+    prepare_dataset(
+        unfinished,
+        ["./a.jsonl"],
+        tokenizer=ByteTokenizer(),
+        chunk_bytes=4096,
+        num_workers=0,
+        report=lines.append,
+    )
+    assert lines[0].startswith("Going on with ")
 
 
 def test_a_dataset_that_does_not_match_its_manifest_is_refused_in_one_line(

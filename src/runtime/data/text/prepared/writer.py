@@ -1,11 +1,21 @@
 """Preparing a text dataset: tokenize the files once, in worker processes, into token files.
 
 The files are cut into the chunks the text reader reads (see :mod:`runtime.data.text.files`).
-Each finished chunk is saved in ``DIR/.prepare/`` beside the plan (sources with their digests,
-the tokenizer, the options), so a preparation that was killed or ran out of disk goes on from
-its finished chunks when the same command runs again. Once all are done, the chunks are joined
-in file order into ``tokens.bin`` and ``documents.bin``, and the manifest is written last: a
-directory reads as a dataset only once everything it names is on disk.
+All unfinished work lives in ``DIR/.prepare/``, made before anything else, so that a rerun knows
+the writer's own files from a user's. The steps, any of which a kill can cut short:
+
+1. ``.prepare/plan.json``: the sources with their digests, the tokenizer and the options.
+2. ``.prepare/chunks/``: each finished chunk, saved under a ``.partial`` name and renamed.
+3. ``.prepare/tokens.bin`` and ``documents.bin``, the chunks joined in file order, then
+   ``.prepare/manifest.json``, which marks the join done.
+4. ``tokens.bin`` and ``documents.bin`` renamed into ``DIR``, then ``manifest.json``. Its rename
+   is the one commit point: a directory reads as a dataset only once everything it names is there.
+5. ``.prepare/`` removed.
+
+The same command run again finishes from wherever it stopped: past step 4 it finds the dataset
+and removes what is left of ``.prepare/``; with the join done it redoes only the renames it
+missed; before that it tokenizes the chunks not yet saved. Work planned for other inputs or
+settings is discarded, with the files it had moved into ``DIR``, and the preparation starts over.
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ import os
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, final
@@ -46,6 +56,7 @@ log = logging.getLogger(__name__)
 
 _PLAN_FILE = "plan.json"
 _PIECES_DIR = "chunks"
+_JOINED_FILES = (TOKENS_FILE, DOCUMENTS_FILE)
 
 
 @final
@@ -77,8 +88,10 @@ def prepare_dataset(
 
     The documents, their fields and bad lines are read as :class:`TextDataReader` reads them.
     ``num_workers`` processes tokenize (default: one per core; 0: this process). ``report``
-    gets a progress line every few seconds. A directory that already holds this dataset is
-    opened as it is; one holding another dataset, or files of its own, is refused.
+    gets a progress line every few seconds. A directory that already holds this dataset (the
+    same inputs by their bytes, however their paths are spelled) is opened as it is; one that an
+    earlier run left unfinished is finished; one holding another dataset, or files of its own,
+    is refused.
     """
     check_not_negative("num_workers", num_workers or 0)
     check_positive("chunk_bytes", chunk_bytes)
@@ -91,28 +104,14 @@ def prepare_dataset(
         chunk_bytes=chunk_bytes,
     )
     files = _unique_files(inputs)
-    plan = {
-        "sources": [
-            {
-                "path": file.path,
-                "size": os.path.getsize(file.path),
-                "digest": file_digest(Path(file.path)),
-            }
-            for file in files
-        ],
-        "tokenizer": tokenizer_entry(tokenizer),
-        "text_field": text_field,
-        "skip_bad_lines": skip_bad_lines,
-        "add_bos": add_bos,
-        "dtype": token_dtype(tokenizer.vocab_size).name,
-    }
+    plan = _plan(files, options)
     if _finished_with(output_dir, plan):
         if report is not None:
             report(f"{output_dir} already holds this dataset, prepared from the same inputs.")
         return PreparedDataset(output_dir, tokenizer=tokenizer)
 
     work = output_dir / WORK_DIR
-    _start_work(work, plan, report)
+    _start_work(output_dir, plan, report)
     tasks = _tasks(files, options)
     todo = [task for task in tasks if not (work / _PIECES_DIR / task.name).is_file()]
     if report is not None and len(todo) < len(tasks):
@@ -123,12 +122,34 @@ def prepare_dataset(
         done_bytes=sum(task.num_bytes for task in tasks) - sum(task.num_bytes for task in todo),
         report=report,
     )
-    _tokenize(todo, options, work / _PIECES_DIR, num_workers=workers, progress=progress)
-    manifest = _join(work, tasks, plan, output_dir)
-    shutil.rmtree(work)
+    if not (work / MANIFEST_FILE).is_file():  # else the chunks are joined already
+        _tokenize(todo, options, work / _PIECES_DIR, num_workers=workers, progress=progress)
+        _join(work, tasks, plan)
+    manifest = _publish(work, output_dir)
+    _remove_work(output_dir)
     if report is not None:
         progress.finish(manifest, output_dir)
     return PreparedDataset(output_dir, tokenizer=tokenizer)
+
+
+def _plan(files: Sequence[DataFile], options: ReadOptions) -> dict[str, Any]:
+    """What the manifest records of how the dataset is made: the sources (path, size and
+    digest), the tokenizer, the options and the token dtype."""
+    return {
+        "sources": [
+            {
+                "path": file.path,
+                "size": os.path.getsize(file.path),
+                "digest": file_digest(Path(file.path)),
+            }
+            for file in files
+        ],
+        "tokenizer": tokenizer_entry(options.tokenizer),
+        "text_field": options.text_field,
+        "skip_bad_lines": options.skip_bad_lines,
+        "add_bos": options.add_bos,
+        "dtype": token_dtype(options.tokenizer.vocab_size).name,
+    }
 
 
 def _unique_files(inputs: Sequence[str | Path]) -> list[DataFile]:
@@ -143,44 +164,94 @@ def _unique_files(inputs: Sequence[str | Path]) -> list[DataFile]:
     return list(found.values())
 
 
+def _differences(recorded: Mapping[str, Any], plan: Mapping[str, Any]) -> list[str]:
+    """The entries of ``plan`` that ``recorded`` (a manifest, or unfinished work's plan) has
+    otherwise."""
+    return [key for key in plan if _decisive(key, recorded.get(key)) != _decisive(key, plan[key])]
+
+
+def _decisive(key: str, value: Any) -> Any:
+    """What of a plan's entry decides the dataset. Sources count by their bytes (size and digest,
+    in order), not by their paths: ``a.jsonl``, ``./a.jsonl``, its absolute path or a link to it
+    are one input and make the same tokens, while a file whose bytes changed is another."""
+    if key != "sources" or not isinstance(value, list):
+        return value
+    return [
+        (source.get("size"), source.get("digest")) if isinstance(source, dict) else source
+        for source in value
+    ]
+
+
 def _finished_with(output_dir: Path, plan: dict[str, Any]) -> bool:
     """Whether ``output_dir`` holds this very dataset; refuses one that holds something else."""
     if not output_dir.exists():
         return False
     if not output_dir.is_dir():
         raise PreparedDataError(f"The output {output_dir} is a file. Give a directory.")
+    work = output_dir / WORK_DIR
     if (output_dir / MANIFEST_FILE).is_file():
-        recorded = {key: read_manifest(output_dir).get(key) for key in plan}
-        if recorded == plan:
-            return True
-        differ = ", ".join(key for key in plan if recorded[key] != plan[key])
-        raise PreparedDataError(
-            f"{output_dir} already holds a prepared dataset of other inputs or settings (the "
-            f"{differ} differ). Give another output directory, or delete this one first."
-        )
-    foreign = [entry.name for entry in output_dir.iterdir() if entry.name != WORK_DIR]
+        differ = _differences(read_manifest(output_dir), plan)
+        if differ:
+            raise PreparedDataError(
+                f"{output_dir} already holds a prepared dataset of other inputs or settings (the "
+                f"{', '.join(differ)} differ). Give another output directory, or delete this one "
+                "first."
+            )
+        _remove_work(output_dir)  # a kill after the commit point can leave some of it
+        return True
+    # Beside its work directory, the files the writer moves out of it are its own; the rest is not.
+    own = {WORK_DIR, *_JOINED_FILES} if work.is_dir() else set()
+    foreign = sorted(entry.name for entry in output_dir.iterdir() if entry.name not in own)
     if foreign:
         raise PreparedDataError(
-            f"{output_dir} is not empty and holds no prepared dataset (it has {sorted(foreign)[:3]}). "
+            f"{output_dir} is not empty and holds no prepared dataset (it has {foreign[:3]}). "
             "Give a new or empty output directory."
         )
     return False
 
 
-def _start_work(work: Path, plan: dict[str, Any], report: Callable[[str], None] | None) -> None:
-    """Keep the finished chunks of the same plan; start over from any other."""
-    plan_file = work / _PLAN_FILE
-    if plan_file.is_file():
-        try:
-            if json.loads(plan_file.read_text(encoding="utf-8")) == plan:
-                return
-        except (OSError, ValueError):
-            pass
+def _start_work(
+    output_dir: Path, plan: dict[str, Any], report: Callable[[str], None] | None
+) -> None:
+    """Keep the unfinished work of the same plan; discard any other and start over."""
+    work = output_dir / WORK_DIR
+    if work.is_dir():
+        problem = _why_not_resumable(output_dir, plan)
+        if problem is None:
+            return
         if report is not None:
-            report(f"Discarding the unfinished preparation in {work}: it had other inputs.")
-        shutil.rmtree(work)
+            report(f"Discarding the unfinished preparation in {work}: {problem}.")
+        _remove_work(output_dir, with_moved_files=True)
     (work / _PIECES_DIR).mkdir(parents=True, exist_ok=True)
-    write_json_durably(plan, plan_file)
+    write_json_durably(plan, work / _PLAN_FILE)
+
+
+def _why_not_resumable(output_dir: Path, plan: dict[str, Any]) -> str | None:
+    """Why the unfinished work in ``output_dir`` cannot be finished for ``plan``; None if it can."""
+    work = output_dir / WORK_DIR
+    try:
+        recorded = json.loads((work / _PLAN_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "it has no plan (it was stopped as it began, or while being removed)"
+    if not isinstance(recorded, dict) or _differences(recorded, plan):
+        return "it had other inputs or settings"
+    joined = (work / MANIFEST_FILE).is_file()
+    if joined and not all(
+        (work / n).is_file() or (output_dir / n).is_file() for n in _JOINED_FILES
+    ):
+        return "its joined files are missing"
+    return None
+
+
+def _remove_work(output_dir: Path, *, with_moved_files: bool = False) -> None:
+    """Remove the unfinished work, and with ``with_moved_files`` the files it had moved into
+    ``output_dir``: those first, so that a kill in between leaves them beside the work that marks
+    them as the writer's."""
+    if with_moved_files:
+        for name in _JOINED_FILES:
+            (output_dir / name).unlink(missing_ok=True)
+    if (output_dir / WORK_DIR).exists():
+        shutil.rmtree(output_dir / WORK_DIR)
 
 
 def _tasks(files: Sequence[DataFile], options: ReadOptions) -> list[_Task]:
@@ -204,6 +275,8 @@ def _tokenize(
     progress: _Progress,
 ) -> None:
     """Tokenize the chunks, ``2 * num_workers`` in flight, saving each one as it is done."""
+    if not tasks:
+        return  # no worker processes for nothing
     dtype = token_dtype(options.tokenizer.vocab_size)
     reader = make_chunk_reader(options, num_workers=num_workers)
     try:
@@ -246,10 +319,9 @@ def _save_piece(path: Path, **arrays: Any) -> None:
     os.replace(partial, path)
 
 
-def _join(
-    work: Path, tasks: Sequence[_Task], plan: dict[str, Any], output_dir: Path
-) -> dict[str, Any]:
-    """Join the chunks in order into the dataset's files and write its manifest last."""
+def _join(work: Path, tasks: Sequence[_Task], plan: dict[str, Any]) -> None:
+    """Join the chunks in order into the dataset's files in ``work``, then write their manifest
+    there: it marks the join done."""
     import xxhash
 
     digests = {TOKENS_FILE: xxhash.xxh3_128(), DOCUMENTS_FILE: xxhash.xxh3_128()}
@@ -282,18 +354,26 @@ def _join(
         )
     itemsize = np.dtype(plan["dtype"]).itemsize
     sizes = {TOKENS_FILE: num_tokens * itemsize, DOCUMENTS_FILE: num_documents * 8}
-    for name in sizes:
-        os.replace(work / name, output_dir / name)
-    fsync_dir(output_dir)
-    manifest = write_manifest(
-        output_dir,
+    write_manifest(
+        work,
         plan,
         num_tokens=num_tokens,
         num_documents=num_documents,
         num_bad_lines=num_bad_lines,
         files={name: {"size": sizes[name], "digest": digests[name].hexdigest()} for name in sizes},
     )
-    return manifest
+
+
+def _publish(work: Path, output_dir: Path) -> dict[str, Any]:
+    """Move the joined files into ``output_dir``, and their manifest last: its rename is the
+    commit point. A move done before a kill is not redone, so a rerun finishes from any point."""
+    for name in _JOINED_FILES:
+        if (work / name).is_file():
+            os.replace(work / name, output_dir / name)
+    fsync_dir(output_dir)  # the files are in place on disk before a manifest names them
+    os.replace(work / MANIFEST_FILE, output_dir / MANIFEST_FILE)
+    fsync_dir(output_dir)
+    return read_manifest(output_dir)
 
 
 @final
