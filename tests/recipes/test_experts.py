@@ -15,7 +15,7 @@ from recipes.experts import router_aux_loss_coefficient
 from recipes.lm import LMTrainUnit
 from runtime import MapDataReader, Trainer, TrainerCallback, apply_data_parallel, unwrap_model
 from runtime.data.text import TextBatch
-from tests.conftest import assert_ok, rank_reports, read_jsonl, run_python, torchrun
+from tests.conftest import assert_ok, assert_published_norms_are_exact, rank_reports, read_jsonl, run_python, torchrun
 from tests.recipes.families import FAMILY_BY_NAME
 from tests.recipes.test_lm import last_model
 
@@ -145,6 +145,9 @@ def assert_equals_ddp(runs: Path, run: str, reference_run: str = "ddp") -> None:
         # Clipping at 0.5 bites: the norm counts every expert once.
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], abs=EP_TOLERANCE)
         assert want["grad_norm"] > 0.5
+    # Each layout publishes the float64 norm of its gradients, every expert counted once.
+    for name in (run, reference_run):
+        assert_published_norms_are_exact(runs / name, max_norm=0.5)
     weights = last_model(runs / run)
     assert weights.keys() == reference.keys()
     assert weights["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
