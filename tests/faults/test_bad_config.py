@@ -78,7 +78,7 @@ OVERRIDE_CASES: dict[str, tuple[list[str], str]] = {
     "zero_tp_size": (["--config", "gang.tp_size=0"], "gang.tp_size must be greater than zero"),
     "tp_size_not_dividing_world": (
         ["--config", "gang.tp_size=2"],
-        "tp_size must divide the number of processes (1)",
+        "gang.tp_size is 2, but must divide the number of processes (1). Use one of 1.",
     ),
     "zero_valid_every_nth_file": (
         ["--config", "data.valid_every_nth_file=0"],
