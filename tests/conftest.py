@@ -438,3 +438,22 @@ class TwinRanksGang(Gang):
     def broadcast(self, tensor: Tensor, source_rank: int = 0) -> None: ...
     def broadcast_objects(self, objects: list[Any], source_rank: int = 0) -> None: ...
     def all_gather_objects(self, obj: Any) -> list[Any]: ...
+
+
+def assert_published_norms_are_exact(run_dir: Path, max_norm: float | None = None) -> None:
+    """Each step's published ``grad_norm`` of the run in ``run_dir`` is within 1e-6 relative of
+    the float64 norm of the same gradients (``reference_norms.json``, written by
+    ``tests.workers.train_toy.ReferenceNorms``, one record published a step).
+
+    With clipping at ``max_norm`` the reference saw the clipped gradients: they are divided by
+    the factor the step applied, computed as it computes it (in float32, from the published
+    norm)."""
+    references = json.loads((run_dir / "reference_norms.json").read_text())
+    records = read_jsonl(run_dir / "metrics" / "train.jsonl")
+    assert [r["step_nr"] for r in records] == [int(step) for step in references]
+    for record in records:
+        published, reference = record["grad_norm"], references[str(record["step_nr"])]
+        if max_norm is not None:
+            norm = torch.tensor(published, dtype=torch.float32)
+            reference /= float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        assert published == pytest.approx(reference, rel=1e-6, abs=0), record["step_nr"]

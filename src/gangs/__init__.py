@@ -13,12 +13,20 @@ from gangs.gang import (
     is_collective_timeout,
 )
 from gangs.launch import LaunchBarrier, LaunchRefused
-from gangs.setup import Gangs, default_device, setup_gangs, setup_parallel_gangs, setup_root_gang
+from gangs.setup import (
+    Gangs,
+    GangSizeError,
+    default_device,
+    setup_gangs,
+    setup_parallel_gangs,
+    setup_root_gang,
+)
 
 __all__ = [
     "FakeGang",
     "Gang",
     "GangError",
+    "GangSizeError",
     "Gangs",
     "LaunchBarrier",
     "LaunchRefused",

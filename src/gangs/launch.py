@@ -25,12 +25,15 @@ _POLL_INTERVAL: Final = 0.05
 
 
 class LaunchRefused(Exception):
-    """Another rank of the launch failed during start-up; :attr:`reason` says which and why."""
+    """Another rank of the launch failed during start-up; :attr:`reason` says which and why,
+    :attr:`cause` why in that rank's own words."""
 
-    def __init__(self, reason: str, exit_code: int) -> None:
-        super().__init__(reason)
-        self.reason = reason
+    def __init__(self, cause: str, exit_code: int, rank: int) -> None:
+        self.reason = f"rank {rank}: {cause}"
+        super().__init__(self.reason)
+        self.cause = cause
         self.exit_code = exit_code
+        self.rank = rank
 
 
 @final
@@ -79,7 +82,7 @@ class LaunchBarrier:
 
     def fail(self, reason: str, *, exit_code: int) -> None:
         """Tell the other ranks that this one cannot start, and why (the first reason stays)."""
-        value = f"{exit_code}|rank {self._rank}: {reason}"
+        value = f"{exit_code}|{self._rank}|{reason}"
         # When the launcher is gone, its store is too; the watchdog then ends the other ranks.
         with contextlib.suppress(RuntimeError):
             self._store.compare_set(self._failed_key, "", value)
@@ -89,10 +92,10 @@ class LaunchBarrier:
         try:
             if not self._store.check([self._failed_key]):
                 return None
-            exit_code, reason = self._store.get(self._failed_key).decode().split("|", 1)
+            exit_code, rank, cause = self._store.get(self._failed_key).decode().split("|", 2)
         except RuntimeError:
             return None
-        return LaunchRefused(reason, int(exit_code))
+        return LaunchRefused(cause, int(exit_code), int(rank))
 
     def wait(self, stage: str, timeout: timedelta) -> None:
         """Return once every rank arrived at ``stage``; raise :class:`LaunchRefused` once one

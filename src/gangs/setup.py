@@ -16,8 +16,9 @@ cut from one root mesh.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import final
+from typing import Final, final
 
 import torch
 import torch.distributed as dist
@@ -301,23 +302,12 @@ def setup_parallel_gangs(
     ``ep_size`` (expert parallelism) takes runs of ``ep_size`` consecutive DP ranks as EP gangs
     (:attr:`Gangs.ep`); the DP ranks that hold the same experts are :attr:`Gangs.ep_replicas`.
     """
-    if tp_size <= 0:
-        raise GangError(f"tp_size must be greater than zero, but is {tp_size} instead.")
-    if root.size % tp_size != 0:
-        raise GangError(
-            f"tp_size must divide the number of processes ({root.size}), but is {tp_size} instead."
-        )
+    _check_divides("tp_size", tp_size, root.size, f"the number of processes ({root.size})")
     dp_size = root.size // tp_size
-    if ep_size <= 0 or dp_size % ep_size != 0:
-        raise GangError(
-            f"ep_size must be greater than zero and divide the DP size ({dp_size}), but is "
-            f"{ep_size} instead."
-        )
-    if dp_shard_size is not None and (dp_shard_size <= 0 or dp_size % dp_shard_size != 0):
-        raise GangError(
-            f"dp_shard_size must be greater than zero and divide the DP size ({dp_size} = "
-            f"{root.size} processes / tp_size {tp_size}), but is {dp_shard_size} instead."
-        )
+    the_dp_size = f"the DP size ({dp_size} = {root.size} processes / {{tp_size}} {tp_size})"
+    _check_divides("ep_size", ep_size, dp_size, the_dp_size)
+    if dp_shard_size is not None:
+        _check_divides("dp_shard_size", dp_shard_size, dp_size, the_dp_size)
     if root.size == 1 and not isinstance(root, ProcessGroupGang):
         return Gangs(root=root, dp=root, tp=root)
 
@@ -355,6 +345,37 @@ def setup_parallel_gangs(
         ),
         expert_mesh=expert_mesh,
     )
+
+
+class GangSizeError(GangError):
+    """A gang size that does not fit the processes, with the sizes that would.
+
+    The message names the sizes as :func:`setup_parallel_gangs`' arguments; a caller that took
+    them from its own settings gets the message naming those with :meth:`naming` (the recipes'
+    command line: ``gang.ep_size``).
+    """
+
+    def __init__(self, template: str) -> None:
+        self.template = template
+        super().__init__(self.naming({}))
+
+    def naming(self, names: Mapping[str, str]) -> str:
+        """The message with each size argument called by its name in ``names`` (by default its
+        own name)."""
+        return self.template.format_map({arg: names.get(arg, arg) for arg in GANG_SIZE_ARGUMENTS})
+
+
+GANG_SIZE_ARGUMENTS: Final = ("tp_size", "dp_shard_size", "ep_size")
+"""The arguments of :func:`setup_parallel_gangs` a :class:`GangSizeError` may name."""
+
+
+def _check_divides(argument: str, size: int, total: int, what: str) -> None:
+    """``size`` (the value of ``argument``) must be a positive divisor of ``total``, described by
+    ``what``; the error lists the divisors."""
+    if size > 0 and total % size == 0:
+        return
+    divisors = ", ".join(str(n) for n in range(1, total + 1) if total % n == 0)
+    raise GangSizeError(f"{{{argument}}} is {size}, but must divide {what}. Use one of {divisors}.")
 
 
 def _gang_of(dim_mesh: DeviceMesh, root: Gang, timeout: timedelta | None) -> Gang:

@@ -78,7 +78,7 @@ OVERRIDE_CASES: dict[str, tuple[list[str], str]] = {
     "zero_tp_size": (["--config", "gang.tp_size=0"], "gang.tp_size must be greater than zero"),
     "tp_size_not_dividing_world": (
         ["--config", "gang.tp_size=2"],
-        "tp_size must divide the number of processes (1)",
+        "gang.tp_size is 2, but must divide the number of processes (1). Use one of 1.",
     ),
     "zero_valid_every_nth_file": (
         ["--config", "data.valid_every_nth_file=0"],
@@ -153,19 +153,48 @@ def test_bad_config_files_and_output_dirs(
     tally.check()
 
 
+def rank_stderr_lines(log_dir: Path) -> list[list[str]]:
+    """Each rank's stderr lines, from torchrun's ``--log-dir`` with ``--redirects 2``."""
+    files = sorted(log_dir.glob("*/attempt_0/*/stderr.log"), key=lambda f: int(f.parent.name))
+    return [f.read_text().splitlines() for f in files]
+
+
 @pytest.mark.distributed
-def test_tp_size_not_dividing_the_world_under_torchrun(tmp_path: Path, tally: Tally) -> None:
-    out = tmp_path / "run"
-    args = [str(out), "--config", *SMALL, "gang.tp_size=4"]
-    result = torchrun(2, "-m", "recipes.char_lm", *args, timeout=300)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    ok = (
-        result.returncode != 0
-        and errors
-        and all("tp_size must divide the number of processes (2), but is 4" in e for e in errors)
-        # The workers' output comes before torchrun's own report (which has a traceback).
-        and "Traceback" not in result.stderr.split("torch/distributed/elastic")[0]
-        and sorted(p.name for p in out.iterdir()) == ["logs"]
-    )
-    tally.add(survived=bool(ok), detail=result.stderr[-3000:])
-    tally.check()
+@pytest.mark.parametrize(
+    ("sizes", "expected"),
+    [
+        (
+            "gang.ep_size=4",
+            "error: gang.ep_size is 4, but must divide the DP size (2 = 2 processes / "
+            "gang.tp_size 1). Use one of 1, 2.",
+        ),
+        (
+            "gang.ep_size=2",
+            "error: gang.ep_size is 2, but LlamaForCausalLM has no stacked experts to split. "
+            "Use gang.ep_size=1 for a dense model.",
+        ),
+    ],
+)
+def test_a_gang_size_refused_under_torchrun_reads_the_same_on_every_rank(
+    tmp_path: Path, sizes: str, expected: str
+) -> None:
+    """An EP size that does not divide the DP size (refused as the gangs are made) and one for
+    a dense model (refused as the model is built): every rank prints the same single line,
+    naming the key, and exits 2, with nothing left but the logs."""
+    from tests.recipes.families import FAMILY_BY_NAME, make_family_dir, write_train
+
+    model_dir, train = make_family_dir(FAMILY_BY_NAME["Llama"], tmp_path / "model"), tmp_path / "t"
+    write_train(train)
+    out, logs = tmp_path / "run", tmp_path / "torchrun_logs"
+    args = [f"model.hf_path={model_dir}", f"data.train={train}", "data.num_workers=0", sizes]
+    result = torchrun(
+        2, "--log-dir", str(logs), "--redirects", "2", "-m", "recipes.lm", str(out),
+        "--config", *args, timeout=300,
+    )  # fmt: skip
+    per_rank = rank_stderr_lines(logs)
+    assert len(per_rank) == 2, result.stderr[-3000:]
+    for lines in per_rank:
+        assert [line for line in lines if line.startswith("error: ")] == [expected], lines
+        assert not any("Traceback" in line for line in lines), lines
+    assert "exitcode  : 2" in result.stderr, result.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["logs"]

@@ -167,7 +167,9 @@ def test_four_processes_ep_gangs_are_consecutive_dp_ranks_and_replicas_stride(
 
 
 def test_ep_size_must_divide_the_dp_size() -> None:
-    with pytest.raises(GangError, match=r"ep_size must .* divide the DP size \(1\), but is 2"):
+    with pytest.raises(
+        GangError, match=r"ep_size is 2, but must divide the DP size \(1 = .*\)\. Use one of 1\."
+    ):
         setup_parallel_gangs(FakeGang(), ep_size=2)
     assert Gangs.single().ep.size == 1
     assert Gangs.single().ep_replicas.size == 1
@@ -176,8 +178,8 @@ def test_ep_size_must_divide_the_dp_size() -> None:
 def test_dp_shard_size_must_divide_the_dp_size() -> None:
     with pytest.raises(
         GangError,
-        match=r"dp_shard_size must be greater than zero and divide the DP size \(1 = 1 processes "
-        r"/ tp_size 1\), but is 3 instead.",
+        match=r"^dp_shard_size is 3, but must divide the DP size \(1 = 1 processes / tp_size 1\)\. "
+        r"Use one of 1\.$",
     ):
         setup_parallel_gangs(FakeGang(), dp_shard_size=3)
 
@@ -208,10 +210,10 @@ def test_fake_gang_has_no_process_group() -> None:
 def test_tp_size_must_divide_world() -> None:
     fake = FakeGang()
     with pytest.raises(
-        GangError, match=r"tp_size must divide the number of processes \(1\), but is 2"
+        GangError, match=r"tp_size is 2, but must divide the number of processes \(1\)\. Use one"
     ):
         setup_parallel_gangs(fake, tp_size=2)
-    with pytest.raises(GangError, match="greater than zero, but is 0"):
+    with pytest.raises(GangError, match=r"tp_size is 0, but must divide"):
         setup_parallel_gangs(fake, tp_size=0)
 
 
@@ -269,7 +271,7 @@ def test_a_forced_process_group_is_destroyed_when_its_gangs_cannot_be_made(
     import torch.distributed as dist
 
     monkeypatch.setenv("WORLD_SIZE", "1")
-    with pytest.raises(GangError, match=r"tp_size must divide the number of processes \(1\)"):
+    with pytest.raises(GangError, match=r"tp_size is 2, but must divide the number of processes"):
         setup_gangs(device=torch.device("cpu"), tp_size=2, force_process_group=True)
     assert not dist.is_initialized()
 

@@ -36,6 +36,7 @@ def test_a_failure_reaches_the_waiting_ranks_with_its_reason_and_status() -> Non
     with pytest.raises(LaunchRefused) as caught:
         first.wait("recipe", timedelta(seconds=5))
     assert caught.value.reason == "rank 1: the directory is in use."
+    assert (caught.value.cause, caught.value.rank) == ("the directory is in use.", 1)
     assert caught.value.exit_code == 2
 
 

@@ -148,7 +148,7 @@ def test_tp_size_that_does_not_divide_the_world_exits_2_with_one_line(tmp_path: 
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "error: tp_size must divide the number of processes (1), but is 2 instead."
+        "error: gang.tp_size is 2, but must divide the number of processes (1). Use one of 1."
     ]
 
 

@@ -30,6 +30,7 @@ from runtime.cli.config import load_config
 from tests.recipes.families import FAMILY_BY_NAME, make_family_dir, write_train
 from tests.sync_detector import HostSyncDetector
 from tests.workers.leave import leave
+from tests.workers.train_toy import ReferenceNorms
 
 EP_STEPS = 3
 RUNS: dict[str, tuple[str, ...]] = {
@@ -166,6 +167,8 @@ def train_run(
     trainer = build_trainer(config, out, gangs)
     probe = _ExpertLayout()
     trainer.add_callback(probe)
+    # The float64 norm of each step's (clipped) gradients, to hold the published norm to.
+    trainer.add_callback(ReferenceNorms(root.rank, out))
     trainer.resume_from = resume_from
     trainer.run()
     trainer.close()

@@ -164,6 +164,35 @@ class ParamSnapshots(TrainerCallback):
             torch.save(self._by_step, self._file)
 
 
+def float64_gradient_norm(model: nn.Module) -> float:
+    """The 2-norm of ``model``'s gradients summed in float64, each parameter counted once at its
+    full shape (a DTensor's gathered from its shards): the reference a published norm meets."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0.0
+    for param in model.parameters():
+        grad = param.grad
+        if grad is not None:
+            full = grad.full_tensor() if isinstance(grad, DTensor) else grad
+            total += float(full.double().pow(2).sum())
+    return total**0.5
+
+
+class ReferenceNorms(TrainerCallback):
+    """Rank 0 writes the :func:`float64_gradient_norm` of each step's gradients, as the optimizer
+    gets them, to ``OUTPUT_DIR/reference_norms.json`` (``{step: norm}``)."""
+
+    def __init__(self, rank: int, output_dir: Path) -> None:
+        self._rank = rank
+        self._file = output_dir / "reference_norms.json"
+        self._by_step: dict[int, float] = {}
+
+    def on_before_optimizer_step(self, *, step_nr: int, model: nn.Module) -> None:
+        self._by_step[step_nr] = float64_gradient_norm(model)  # a collective: every rank
+        if self._rank == 0:
+            self._file.write_text(json.dumps(self._by_step))
+
+
 def make_unit(model: nn.Module, options: dict[str, Any], rank: int) -> ToyUnit:
     poison = options.get("poison")
     if poison is None:
@@ -188,7 +217,7 @@ def train(root: Gang, output_dir: Path, options: dict[str, Any]) -> Trainer[ToyB
         root, tp_size=options.get("tp_size", 1), dp_shard_size=options.get("dp_shard_size")
     )
     torch.manual_seed(0)
-    model: nn.Module = ToyModel()
+    model: nn.Module = ToyModel(hidden_size=options.get("hidden_size", 16))
     model = apply_tensor_parallel(
         model, gangs, {"up": ColwiseParallel(), "down": RowwiseParallel()}
     )
@@ -205,6 +234,8 @@ def train(root: Gang, output_dir: Path, options: dict[str, Any]) -> Trainer[ToyB
     callbacks = []
     if options.get("snapshots"):
         callbacks.append(ParamSnapshots(model, gangs.root.rank, output_dir))
+    if options.get("reference_norms"):
+        callbacks.append(ReferenceNorms(gangs.root.rank, output_dir))
     trainer = Trainer(
         unit=make_unit(model, options, gangs.root.rank),
         data_reader=reader,

@@ -4,8 +4,8 @@ start-up: each check runs in turn over the same gangs and each rank writes
 
 Usage: ``torchrun --nproc-per-node 2 tests/workers/two_rank_checks.py OUT``. The checks: every
 two-rank mode of ``checkpoint_check.py`` (by its name), ``agreement`` (``agreement_check.py``),
-``readers`` (``tests/runtime/data/data_worker.py``), ``equivalence`` and ``good_runs`` (runs of
-``train_toy.py``), ``collectives`` (``collective_count.py`` under DDP and FSDP2), ``host_sync``
+``readers`` (``tests/runtime/data/data_worker.py``), ``equivalence``, ``good_runs`` and ``norm_runs`` (runs
+of ``train_toy.py``), ``collectives`` (``collective_count.py`` under DDP and FSDP2), ``host_sync``
 (make test's layouts), ``large_model`` (cases of ``large_model.py``), ``preference_dp`` (a DPO
 run of ``recipes.lm``), ``expert_parallel`` and ``ddp_options``. The runs
 and cases are those the tests define. A check that writes its own files returns None.
@@ -24,6 +24,7 @@ from gangs import Gangs, setup_gangs
 from tests.runtime.data import data_worker
 from tests.runtime.parallel.test_large_models import TWO_PROCESS_CASES
 from tests.runtime.parallel.test_wrapping import DDP_CASES
+from tests.runtime.training.test_gradients import NORM_RUNS
 from tests.runtime.training.test_host_sync_distributed import FAST_LAYOUTS
 from tests.runtime.training.test_non_finite import GOOD_RUNS
 from tests.runtime.training.test_trainer_equivalence import RUNS
@@ -46,6 +47,7 @@ CHECKS: dict[str, Callable[[Path, Gangs], Any]] = {
     "readers": lambda _, gangs: data_worker.check(gangs.dp),
     "equivalence": lambda out, gangs: train_toy.run_all(gangs.root, out, RUNS[2]),
     "good_runs": lambda out, gangs: train_toy.run_all(gangs.root, out, GOOD_RUNS),
+    "norm_runs": lambda out, gangs: train_toy.run_all(gangs.root, out, NORM_RUNS),
     "collectives": lambda out, gangs: collective_count.count_kinds(gangs, out, ["ddp", "fsdp"]),
     "host_sync": lambda out, gangs: host_sync.run_all(gangs.root, out, FAST_LAYOUTS),
     "large_model": lambda out, gangs: large_model.run_all(gangs.root, out, TWO_PROCESS_CASES),

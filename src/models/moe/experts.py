@@ -172,10 +172,10 @@ def apply_expert_parallel(model: nn.Module, gangs: Gangs) -> list[nn.Parameter]:
     counts = {int(module.gate_up_proj.shape[0]) for module in modules}
     if any(count % gangs.ep.size for count in counts):
         count = max(counts)
-        divisors = [str(n) for n in range(1, count + 1) if count % n == 0]
+        fits = [str(n) for n in range(1, count + 1) if count % n == 0 and gangs.dp.size % n == 0]
         raise ValueError(
-            f"gang.ep_size ({gangs.ep.size}) must divide the number of experts of every MoE "
-            f"layer ({count}); use one of {', '.join(divisors)} that divides the DP size."
+            f"gang.ep_size is {gangs.ep.size}, but must divide the number of experts of every "
+            f"MoE layer ({count}) and the DP size ({gangs.dp.size}). Use one of {', '.join(fits)}."
         )
     params = []
     for module in modules:

@@ -635,6 +635,18 @@ def config_keys(config_class: type[object], prefix: str = "") -> list[ConfigKey]
     return keys
 
 
+def keys_named(config_class: type[object], names: Sequence[str]) -> dict[str, str]:
+    """The dotted key of each of ``names`` that is the name of exactly one (non-section) key of
+    ``config_class``, e.g. ``{"ep_size": "gang.ep_size"}``: how a user spells a setting that the
+    recipe hands on as a keyword argument of that name."""
+    found: dict[str, list[str]] = {name: [] for name in names}
+    for key in config_keys(config_class):
+        leaf = key.name.rpartition(".")[2]
+        if leaf in found and not key.is_section:
+            found[leaf].append(key.name)
+    return {name: keys[0] for name, keys in found.items() if len(keys) == 1}
+
+
 def config_help(config_class: type[object], *, width: int = 80) -> str:
     """The keys of ``config_class`` with their meanings, for a command's ``--help``."""
     lines = textwrap.wrap(

@@ -36,17 +36,20 @@ from checkpoint import (
 from checkpoint.errors import exception_chain
 from gangs import (
     GangError,
+    GangSizeError,
     LaunchBarrier,
     LaunchRefused,
     ProcessGroupGang,
     is_collective_timeout,
 )
+from gangs.setup import GANG_SIZE_ARGUMENTS
 from runtime.cli.config import (
     ConfigError,
     config_changes,
     config_help,
     describe_config,
     dump_config,
+    keys_named,
     load_config,
 )
 from runtime.cli.run_lock import LauncherWatchdog, RunLock, RunLockError
@@ -244,21 +247,34 @@ class _Run:
         try:
             runnable = recipe(self._config, self._output_dir)
         except Exception as ex:
+            refusal = self._refusal(ex)
             # A peer that could not start ends this rank's collectives with a closed connection;
-            # its own reason is the one to show.
+            # its own reason is the one to show. A peer that refused in the same words refused
+            # the config, as this rank did: then every rank prints the same line, without a rank.
             peer_failure = None if self._launch is None else self._launch.failure()
-            if peer_failure is not None:
+            if peer_failure is not None and peer_failure.cause != refusal:
                 raise peer_failure from ex
-            if not isinstance(ex, ValueError | GangError):
+            if refusal is None:
                 raise
-            # Bad values the config types cannot express (e.g. a negative step count, a tp_size
-            # that does not divide the world) surface here; the traceback goes to the rank log in
-            # case the error is a bug, not a bad value.
+            # The traceback goes to the rank log in case the error is a bug, not a bad value.
             self._logs.attach()
-            log.exception("The recipe rejected the config: %s", ex, extra=_FILE_ONLY)
-            _fail(str(ex))
+            log.exception("The recipe rejected the config: %s", refusal, extra=_FILE_ONLY)
+            _fail(refusal)
         self._logs.attach()
         return runnable
+
+    def _refusal(self, ex: Exception) -> str | None:
+        """The ``error:`` line of a config the recipe rejected while building (a bad value the
+        config types cannot express, e.g. a negative step count, a tp_size that does not divide
+        the world), None for an error that is no refusal.
+
+        A gang size is named as the config key the user set (``gang.ep_size``), not as the
+        ``setup_gangs`` argument the recipe passed it to."""
+        if isinstance(ex, GangSizeError):
+            return ex.naming(keys_named(type(self._config), GANG_SIZE_ARGUMENTS))
+        if isinstance(ex, ValueError | GangError):
+            return str(ex)
+        return None
 
     def train(self, runnable: Runnable) -> int:
         config_file = self._output_dir / "config.yaml"

@@ -196,17 +196,19 @@ class Gradients:
             self._non_finite.zero_()
 
     def norm(self) -> Tensor:
-        """The total 2-norm of the gradients, in float32 or wider (a collective for sharded
-        gradients, none for plain and DDP ones)."""
+        """The total 2-norm of the gradients, in float32 (a collective for sharded gradients,
+        none for plain and DDP ones), within 1e-6 of the float64 norm in every layout.
+
+        Squares are summed in float64 (see :func:`_group_norm`); only the result is rounded to
+        float32, the dtype clipping, the loss scaler and the metrics take."""
         grouped = self._grads()
-        norms = [_group_norm(grads) for grads, _, _ in grouped]
+        norms = [_group_norm(grads, self._private and plain) for grads, plain, _ in grouped]
         norms += self._sparse.norms(self._sparse_grads())
         if not norms:
             return torch.zeros((), dtype=torch.float32)
         # With one group, sqrt(norm ** 2) is norm exactly (binary floating point), so skip the ops.
-        if len(norms) == 1:
-            return norms[0]
-        return torch.stack([n**2 for n in norms]).sum().sqrt()
+        total = norms[0] if len(norms) == 1 else torch.stack([n**2 for n in norms]).sum().sqrt()
+        return total.float()
 
     def clip(self, max_norm: float, total_norm: Tensor) -> None:
         """Scale the gradients down so that their norm, ``total_norm`` now, is at most
@@ -259,8 +261,20 @@ def _is_fusable(group: list[torch.nn.Parameter], device: torch.device | None) ->
     return all(_local(p).device == device and p.dtype in _FUSED_DTYPES for p in group)
 
 
-def _group_norm(grads: list[Tensor]) -> Tensor:
-    """The 2-norm of one group's gradients, in float32."""
-    norm = torch.nn.utils.get_total_norm(grads)
+def _group_norm(grads: list[Tensor], foreach: bool) -> Tensor:
+    """The 2-norm of one group's gradients, in float64; ``foreach``: the group is plain and the
+    private ``_foreach_norm`` may take it in one call.
+
+    Each tensor's squares are summed in float64: a float32 sum over a 4096 x 64 gradient loses
+    some 3.5e-5 of its norm (``torch.nn.utils.get_total_norm``'s), so layouts that sum different
+    shards would publish, and clip with, norms that differ by that much. A DTensor's norm is
+    Partial over the mesh dims it is sharded on and Replicate over the others, so
+    ``full_tensor()`` adds each shard once and a replica never twice, in float64 too.
+    """
+    if foreach:
+        norms = list(torch._foreach_norm(grads, 2.0, dtype=torch.float64))
+    else:
+        norms = [torch.linalg.vector_norm(grad, 2.0, dtype=torch.float64) for grad in grads]
+    norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
     full: Tensor = norm.full_tensor() if _is_dtensor(norm) else norm
-    return full.float()
+    return full

@@ -82,12 +82,12 @@ class SparseGradients:
 
     @staticmethod
     def norms(params: list[Tensor]) -> list[Tensor]:
-        """The 2-norm of each (coalesced) sparse gradient, in float32 or wider."""
+        """The 2-norm of each (coalesced) sparse gradient, its squares summed in float64 as the
+        dense ones' are (``runtime.training.gradients._group_norm``)."""
         norms = []
         for param in params:
             assert param.grad is not None
-            norm = torch.linalg.vector_norm(param.grad.values(), 2.0)
-            norms.append(norm if norm.dtype == torch.float64 else norm.float())
+            norms.append(torch.linalg.vector_norm(param.grad.values(), 2.0, dtype=torch.float64))
         return norms
 
     @staticmethod

@@ -14,7 +14,14 @@ from gangs import Gangs
 from models.moe import MoeLMTrainUnit, router_aux_loss_coefficient
 from runtime import MapDataReader, Trainer, TrainerCallback, apply_data_parallel, unwrap_model
 from runtime.data.text import TextBatch
-from tests.conftest import assert_ok, rank_reports, read_jsonl, run_python, torchrun
+from tests.conftest import (
+    assert_ok,
+    assert_published_norms_are_exact,
+    rank_reports,
+    read_jsonl,
+    run_python,
+    torchrun,
+)
 from tests.recipes.families import FAMILY_BY_NAME
 from tests.recipes.test_lm import last_model
 
@@ -144,6 +151,9 @@ def assert_equals_ddp(runs: Path, run: str, reference_run: str = "ddp") -> None:
         # Clipping at 0.5 bites: the norm counts every expert once.
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], abs=EP_TOLERANCE)
         assert want["grad_norm"] > 0.5
+    # Each layout publishes the float64 norm of its gradients, every expert counted once.
+    for name in (run, reference_run):
+        assert_published_norms_are_exact(runs / name, max_norm=0.5)
     weights = last_model(runs / run)
     assert weights.keys() == reference.keys()
     assert weights["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 4
@@ -204,8 +214,14 @@ def test_an_expert_parallel_size_that_does_not_fit_is_refused_in_one_line(
 ) -> None:
     for report in rank_reports(two_rank_checks / "expert_parallel", 2):
         refusals = report["refusals"]
-        assert "ep_size must be greater than zero and divide the DP size (2)" in refusals["ep_size"]
-        assert "must divide the number of experts of every MoE layer (3)" in refusals["experts"]
+        assert refusals["ep_size"] == (
+            "ep_size is 3, but must divide the DP size (2 = 2 processes / tp_size 1). "
+            "Use one of 1, 2."
+        )
+        assert refusals["experts"] == (
+            "gang.ep_size is 2, but must divide the number of experts of every MoE layer (3) "
+            "and the DP size (2). Use one of 1."
+        )
         assert all("\n" not in line for line in refusals.values())
 
 

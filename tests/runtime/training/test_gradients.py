@@ -13,11 +13,24 @@ from torch import nn
 from gangs.torch_versions import PRIVATE_APIS_ENV_VAR
 from runtime import clip_gradient_norm
 from runtime.training.gradients import Gradients
-from tests.conftest import make_toy_trainer
+from tests.conftest import assert_published_norms_are_exact, make_toy_trainer
 from tests.workers.train_toy import PoisonedToyUnit, ToyModel
 
 # The tests of Gradients run on torch's private foreach kernels and on their public fallback.
 on_both_paths = pytest.mark.usefixtures("torch_private_apis")
+
+
+LARGE = {"hidden_size": 131072, "max_num_steps": 2, "publish_every": 1, "reference_norms": True}
+"""A toy model whose layers have 1M and 0.5M weights: a float32 norm of their gradients is some
+2e-6 short, as a model's largest gradients make it."""
+NORM_RUNS: dict[str, dict[str, Any]] = {
+    "ddp": {"batch_size": 4, **LARGE},
+    "fsdp2": {"batch_size": 4, "kind": "fsdp", **LARGE},
+    "hsdp": {"batch_size": 4, "kind": "hsdp", "dp_shard_size": 1, **LARGE},
+    "tp2": {"batch_size": 8, "tp_size": 2, **LARGE},
+}
+"""The two-rank layouts of ``norm_runs`` in tests/workers/two_rank_checks.py: DDP, FSDP2,
+HSDP (2 replicas of 1 shard: the replicas count once) and TP."""
 
 
 def model_with_grads(dtype: torch.dtype, *, seed: int = 0) -> nn.Sequential:
@@ -217,3 +230,25 @@ def test_both_paths_train_the_same_bits(
     for private, public in zip(trained["private"], trained["public"], strict=True):
         assert torch.isfinite(private).all()
         assert private.dtype == public.dtype and torch.equal(private, public)
+
+
+@on_both_paths
+def test_the_norm_is_the_float64_norm_of_a_large_gradient() -> None:
+    """A float32 norm of these 262144 equal values is 3.5e-5 short."""
+    model = nn.Linear(64, 4096, bias=False)
+    model.weight.grad = torch.full((4096, 64), 1e-3)
+    extra = nn.Linear(3, 3, bias=False)  # a second tensor, so the per-tensor norms are combined too
+    extra.weight.grad = torch.full((3, 3), 0.5)
+    both = nn.ModuleList([model, extra])
+    expected = torch.cat([p.grad.double().flatten() for p in both.parameters()]).norm()
+    norm = Gradients(both).norm()
+    assert norm.dtype == torch.float32
+    assert float(norm) == pytest.approx(float(expected), rel=1e-6, abs=0)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("run", list(NORM_RUNS))
+def test_every_layout_publishes_the_float64_norm_of_its_gradients(
+    two_rank_checks: Path, run: str
+) -> None:
+    assert_published_norms_are_exact(two_rank_checks / "norm_runs" / run)
