@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from models.moe.experts import expert_modules
+from models.moe.experts import expert_modules, num_experts
 
 
 def flops_per_token(model: nn.Module, hf: Mapping[str, Any], seq_len: int) -> float:
@@ -26,8 +26,8 @@ def flops_per_token(model: nn.Module, hf: Mapping[str, Any], seq_len: int) -> fl
     num_params = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
     # A token meets only the experts it is routed to: top-k of each layer's experts.
     for _, experts in expert_modules(model):
-        share = getattr(sizes, "num_experts_per_tok", 1) / experts.gate_up_proj.shape[0]
-        stacked = experts.gate_up_proj.numel() + experts.down_proj.numel()
+        share = getattr(sizes, "num_experts_per_tok", 1) / num_experts(experts)
+        stacked = sum(getattr(experts, name).numel() for name in ("gate_up_proj", "down_proj"))
         num_params -= round(stacked * (1 - share))
     attention = 12.0 * sizes.num_hidden_layers * sizes.hidden_size * seq_len
-    return 6.0 * num_params + attention
+    return float(6.0 * num_params + attention)

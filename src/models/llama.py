@@ -120,7 +120,8 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        result: Tensor = self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        return result
 
 
 class FeedForward(nn.Module):
@@ -133,7 +134,8 @@ class FeedForward(nn.Module):
         self.down_proj = nn.Linear(args.ffn_dim, args.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        result: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return result
 
 
 class DecoderLayer(nn.Module):
@@ -146,7 +148,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        result: Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return result
 
 
 class LlamaBody(nn.Module):
@@ -190,7 +193,8 @@ class Llama(nn.Module):
             mask = (document_ids[:, None, :, None] == document_ids[:, None, None, :]) & causal
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask)
-        return self.lm_head(self.model.norm(x))
+        result: Tensor = self.lm_head(self.model.norm(x))
+        return result
 
     def init_module(self, name: str, module: nn.Module) -> None:
         """Hugging Face's initialization: normal(0, init_std) weights, RMSNorm weights of one.

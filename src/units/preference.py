@@ -136,6 +136,9 @@ class PairMean(Mean):
     """torcheval's weighted mean, without its warning that no update was made when the mean is
     exactly 0 (as every reward is at the first step)."""
 
+    weighted_sum: Tensor
+    weights: Tensor
+
     @torch.inference_mode()
     def compute(self) -> Tensor:
         if not self.weights:

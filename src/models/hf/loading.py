@@ -34,7 +34,7 @@ def hf_model(
     with torch.device("meta"):
         # transformers picks SDPA where the model supports it, eager attention otherwise (Gemma 2's
         # soft-capped attention logits).
-        model = AutoModelForCausalLM.from_config(hf_config_object)
+        model = AutoModelForCausalLM.from_config(hf_config_object)  # type: ignore[no-untyped-call,unused-ignore]
 
     plan = hf_tensor_parallel_plan(model, hf_config_object) if tp else {}
     return model, hf_init_fn(model), plan, json.loads((path / "config.json").read_text())

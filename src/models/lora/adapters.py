@@ -19,10 +19,10 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from models.hf.export import PEFT_FILES_DIR
 from trainkit_utils.modules import InitFn
@@ -84,9 +84,12 @@ def apply_lora(
     from peft import LoraConfig, inject_adapter_in_model
     from peft.tuners.lora import LoraLayer
 
+    if section.rank is None:
+        raise ValueError("lora.rank is not set: give the adapters' rank, e.g. lora.rank=8.")
     config = LoraConfig(
         r=section.rank,
-        lora_alpha=section.alpha,
+        # peft annotates an int, and scales by alpha / r in floating point either way.
+        lora_alpha=section.alpha,  # type: ignore[arg-type]
         lora_dropout=section.dropout,
         target_modules=list(section.target_modules),
         task_type="CAUSAL_LM",
@@ -117,10 +120,11 @@ def apply_lora(
     def init_adapters(name: str, module: nn.Module) -> None:
         # peft's init (init_lora_weights=True): A as nn.Linear's default, B zero, so the
         # adapted model starts as the base model.
+        weight = cast(Tensor, module.weight)
         if name.endswith(f".lora_A.{_ADAPTER}"):
-            nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+            nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
         elif name.endswith(f".lora_B.{_ADAPTER}"):
-            nn.init.zeros_(module.weight)
+            nn.init.zeros_(weight)
         else:
             init_fn(name, module)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -98,6 +98,18 @@ class _ExpertGradients(torch.autograd.Function):
         return grad / gangs.dp.size, None, None
 
 
+def _all_to_all(rows: Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> Tensor:
+    """:class:`_AllToAll` applied (``Function.apply`` is untyped)."""
+    out: Tensor = _AllToAll.apply(rows, out_splits, in_splits, group)  # type: ignore[no-untyped-call]
+    return out
+
+
+def _expert_gradients(weight: Tensor, gangs: Gangs, fsdp: bool) -> Tensor:
+    """:class:`_ExpertGradients` applied (``Function.apply`` is untyped)."""
+    out: Tensor = _ExpertGradients.apply(weight, gangs, fsdp)  # type: ignore[no-untyped-call]
+    return out
+
+
 @dataclass(frozen=True)
 class _StackedExperts:
     """One layout of stacked experts: the names of its ``[experts, ...]`` weights, and how one
@@ -112,14 +124,16 @@ def _swiglu(module: nn.Module, weights: list[Tensor], rows: Tensor) -> Tensor:
     intermediate, hidden]`` an expert, gate rows first; no biases."""
     gate_up, down = weights
     gate, up = nn.functional.linear(rows, gate_up).chunk(2, dim=-1)
-    return nn.functional.linear(module.act_fn(gate) * up, down)
+    act_fn = cast(Callable[[Tensor], Tensor], module.act_fn)
+    return nn.functional.linear(act_fn(gate) * up, down)
 
 
 def _gpt_oss(module: nn.Module, weights: list[Tensor], rows: Tensor) -> Tensor:
     """gpt-oss: ``gate_up_proj`` is ``[hidden, 2 x intermediate]`` (input first) with gate and
     up interleaved, clamped by the module's own gate, and every projection has a bias."""
     gate_up, gate_up_bias, down, down_bias = weights
-    gated: Tensor = module._apply_gate(rows @ gate_up + gate_up_bias)
+    apply_gate = cast(Callable[[Tensor], Tensor], module._apply_gate)
+    gated = apply_gate(rows @ gate_up + gate_up_bias)
     return gated @ down + down_bias
 
 
@@ -141,12 +155,17 @@ def _layout_of(module: nn.Module) -> _StackedExperts | None:
     return layout if stacked else None
 
 
-def tokens_per_expert(index: Tensor, num_experts: int, dtype: torch.dtype) -> Tensor:
+def tokens_per_expert(index: Tensor, count: int, dtype: torch.dtype) -> Tensor:
     """How many of the routings ``index`` (expert numbers, any shape) go to each expert."""
     flat = index.reshape(-1)
     # scatter_add_, not bincount: bincount sizes its output on the host (a sync on CUDA).
-    counts = torch.zeros(num_experts, dtype=dtype, device=flat.device)
+    counts = torch.zeros(count, dtype=dtype, device=flat.device)
     return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=dtype))
+
+
+def num_experts(module: nn.Module) -> int:
+    """The number of experts of a stacked-experts module (its weights' first dim)."""
+    return int(cast(Tensor, module.gate_up_proj).shape[0])
 
 
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -169,7 +188,7 @@ def apply_expert_parallel(model: nn.Module, gangs: Gangs) -> list[nn.Parameter]:
             f"gang.ep_size is {gangs.ep.size}, but {type(model).__name__} has no stacked experts "
             "to split. Use gang.ep_size=1 for a dense model."
         )
-    counts = {int(module.gate_up_proj.shape[0]) for module in modules}
+    counts = {num_experts(module) for module in modules}
     if any(count % gangs.ep.size for count in counts):
         count = max(counts)
         fits = [str(n) for n in range(1, count + 1) if count % n == 0 and gangs.dp.size % n == 0]
@@ -204,13 +223,13 @@ def _dispatched_forward(
     from torch.distributed.fsdp import FSDPModule  # loaded already: EP runs under torchrun
 
     ep, group = gangs.ep.size, gangs.ep.as_process_group()
-    num_experts = int(module.gate_up_proj.shape[0])
-    num_local = num_experts // ep
+    num_total = num_experts(module)
+    num_local = num_total // ep
     num_per_token = top_k_index.shape[-1]
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # by expert, so by the rank that holds it
     token_of = order // num_per_token
-    counts = tokens_per_expert(flat, num_experts, torch.int64)
+    counts = tokens_per_expert(flat, num_total, torch.int64)
     # received[s * num_local + j]: the rows rank s sends to this rank's j-th expert.
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
@@ -220,7 +239,7 @@ def _dispatched_forward(
         [counts.view(ep, num_local).sum(1), received_by_rank.sum(1), received_by_rank.sum(0)]
     ).tolist()
     send_splits, receive_splits, per_expert = sizes[:ep], sizes[ep : 2 * ep], sizes[2 * ep :]
-    rows = _AllToAll.apply(hidden[token_of], receive_splits, send_splits, group)
+    rows = _all_to_all(hidden[token_of], receive_splits, send_splits, group)
     # The rows came by source rank, then expert; group them by expert.
     local_expert = torch.arange(num_local, device=hidden.device).repeat(ep)
     expert_of_row = torch.repeat_interleave(
@@ -229,14 +248,14 @@ def _dispatched_forward(
     by_expert = torch.argsort(expert_of_row, stable=True)
     fsdp = isinstance(module, FSDPModule)
     weights = [
-        _ExpertGradients.apply(getattr(module, name).to_local(), gangs, fsdp).to(hidden.dtype)
+        _expert_gradients(getattr(module, name).to_local(), gangs, fsdp).to(hidden.dtype)
         for name in layout.weights
     ]
     outputs = []
-    for j, chunk in enumerate(rows[by_expert].split(per_expert)):
+    for j, chunk in enumerate(torch.split(rows[by_expert], per_expert)):
         outputs.append(layout.compute(module, [weight[j] for weight in weights], chunk))
     computed = torch.cat(outputs)[torch.argsort(by_expert)]
-    back = _AllToAll.apply(computed, send_splits, receive_splits, group)
+    back = _all_to_all(computed, send_splits, receive_splits, group)
     weighted = back * top_k_weights.reshape(-1)[order, None]
     final = torch.zeros_like(hidden)
     return final.index_add_(0, token_of, weighted.to(hidden.dtype))

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torcheval.metrics import Metric
 
 from gangs import Gang, ReduceOperation
-from models.moe.experts import tokens_per_expert
+from models.moe.experts import num_experts, tokens_per_expert
 from units.callback import TrainerCallback
 from units.metric_bag import MetricBag
 
@@ -44,6 +44,8 @@ class ExpertTokens(Metric[Tensor]):
     summed_states = ("counts",)
     """A publish all-reduces the counts (:class:`units.MetricBag`): no per-rank cost in the DP
     size."""
+
+    counts: Tensor
 
     def __init__(self, num_experts: int, stat: str, device: torch.device | None = None) -> None:
         super().__init__(device=device)
@@ -89,17 +91,16 @@ class ExpertLoad:
         for name, module in experts:
             match = _LAYER_NUMBER.search(name + ".")
             layer = int(match.group(1)) if match else len(self._layers)
-            num_experts = int(module.gate_up_proj.shape[0])
-            self._layers.append((layer, num_experts))
+            self._layers.append((layer, num_experts(module)))
             module.register_forward_pre_hook(self._hook(layer), with_kwargs=True)
         self._metric_bag: MetricBag | None = None
 
     def register(self, bag: MetricBag) -> None:
         """Register each layer's four metrics (non-persistent: they restart at each publish)."""
-        for layer, num_experts in self._layers:
+        for layer, count in self._layers:
             for stat in _STATS:
                 bag.register_metric(
-                    _metric_name(stat, layer), ExpertTokens(num_experts, stat), persistent=False
+                    _metric_name(stat, layer), ExpertTokens(count, stat), persistent=False
                 )
         self._metric_bag = bag
 
@@ -121,11 +122,11 @@ class ExpertLoad:
     def record(self) -> None:
         """Add the routings of the forward that just ran to the metrics."""
         assert self._metric_bag is not None  # register
-        for layer, num_experts in self._layers:
+        for layer, count in self._layers:
             index = self._pending.pop(layer, None)
             if index is None:
                 continue
-            counts = tokens_per_expert(index, num_experts, torch.float32)
+            counts = tokens_per_expert(index, count, torch.float32)
             for stat in _STATS:
                 getattr(self._metric_bag, _metric_name(stat, layer)).update(counts)
             if self.step_counts is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from runtime.data.text.files import FORMATS, TextDataError, find_files
 from runtime.data.text.instructions import (
-    IGNORE_INDEX,
     InstructionBatch,
     InstructionDataset,
     InstructionFields,
@@ -33,6 +32,7 @@ from runtime.data.text.tokenizer import (
     Tokenizer,
     load_tokenizer,
 )
+from units.lm import IGNORE_INDEX
 
 __all__ = [
     "FORMATS",

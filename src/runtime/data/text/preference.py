@@ -33,7 +33,6 @@ from torch import Tensor
 
 from runtime.data.text.files import TextDataError
 from runtime.data.text.instructions import (
-    IGNORE_INDEX,
     bucketed_order,
     chat_messages,
     chat_template,
@@ -42,6 +41,7 @@ from runtime.data.text.instructions import (
 )
 from runtime.data.text.tokenizer import Tokenizer
 from trainkit_utils.arguments import check_positive
+from units.lm import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
