@@ -120,11 +120,10 @@ def apply_lora(
     def init_adapters(name: str, module: nn.Module) -> None:
         # peft's init (init_lora_weights=True): A as nn.Linear's default, B zero, so the
         # adapted model starts as the base model.
-        weight = cast(Tensor, module.weight)
         if name.endswith(f".lora_A.{_ADAPTER}"):
-            nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+            nn.init.kaiming_uniform_(cast(Tensor, module.weight), a=math.sqrt(5))
         elif name.endswith(f".lora_B.{_ADAPTER}"):
-            nn.init.zeros_(weight)
+            nn.init.zeros_(cast(Tensor, module.weight))
         else:
             init_fn(name, module)
 
