@@ -136,7 +136,7 @@ failed = {}
 for package in packages:
     path = importlib.import_module(package).__path__
     for info in pkgutil.walk_packages(path, package + "."):
-        if not info.name.endswith(".__main__"):  # a __main__ runs its command when imported
+        if not info.name.endswith(".__main__"):  # a command: the runs below start them
             try:
                 importlib.import_module(info.name)
             except Exception as ex:
