@@ -1,4 +1,6 @@
-"""The README's tutorial recipe runs as written, on one process and under torchrun."""
+"""The docs' recipes are the code that runs: the README's tutorial runs as written, on one process
+and under torchrun, and docs/extending.md shows docs/examples/dpo_recipe.py (which
+tests/test_wheel.py runs) as the file holds it."""
 
 from __future__ import annotations
 
@@ -11,17 +13,29 @@ import pytest
 
 from tests.conftest import REPO_ROOT, RunTorch, assert_ok, run_python
 
-pytestmark = pytest.mark.distributed
 
-
-def tutorial_code() -> str:
-    readme = (REPO_ROOT / "README.md").read_text()
-    tutorial = readme.split("## Tutorial", 1)[1]
-    match = re.search(r"```python\n(.*?)```", tutorial, re.DOTALL)
-    assert match is not None, "the README tutorial has no python block"
+def first_python_block(page: Path, heading: str) -> str:
+    """The first fenced python block of ``page`` after the line ``heading``."""
+    parts = page.read_text().split(f"\n{heading}\n", 1)
+    assert len(parts) == 2, f"{page.name} has no heading {heading!r}"
+    match = re.search(r"```python\n(.*?)```", parts[1], re.DOTALL)
+    assert match is not None, f"{page.name} has no python block after {heading!r}"
     return match.group(1)
 
 
+def tutorial_code() -> str:
+    return first_python_block(REPO_ROOT / "README.md", "## Tutorial")
+
+
+def test_extending_md_shows_the_dpo_recipe_example_as_its_file_holds_it() -> None:
+    shown = first_python_block(
+        REPO_ROOT / "docs" / "extending.md", "## Your own recipe from the installed parts"
+    )
+    example = (REPO_ROOT / "docs" / "examples" / "dpo_recipe.py").read_text()
+    assert shown == example, "copy docs/examples/dpo_recipe.py into docs/extending.md's block"
+
+
+@pytest.mark.distributed
 def test_tutorial_recipe_trains_resumes_and_takes_overrides(
     tmp_path: Path, run_torchrun: RunTorch
 ) -> None:

@@ -2,4 +2,6 @@ import sys
 
 from runtime.cli.tools import main
 
-sys.exit(main())
+# Guarded, so that importing the module (a tool walking the package) does not run the command.
+if __name__ == "__main__":
+    sys.exit(main())

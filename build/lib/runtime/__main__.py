@@ -1,5 +1,0 @@
-import sys
-
-from runtime.cli.tools import main
-
-sys.exit(main())

@@ -1,2 +1,0 @@
-"""What a run publishes: step metrics, recorders (TensorBoard, W&B, JSONL, CSV, logs), the
-progress display, the profiler and traces."""

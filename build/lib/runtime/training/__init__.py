@@ -1,1 +1,0 @@
-"""The Trainer and its loop: the step, its schedule, validation, checkpoints, guards and state."""
