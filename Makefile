@@ -71,8 +71,8 @@ soak: $(BIN)/.installed
 	PYTHON=$(BIN)/python scripts/soak_distributed.sh $(SOAK_RUNS)
 
 lint: $(BIN)/.installed
-	$(BIN)/ruff check src tests recipes benchmarks
-	$(BIN)/ruff format --check src tests recipes benchmarks
+	$(BIN)/ruff check src tests recipes benchmarks docs/examples
+	$(BIN)/ruff format --check src tests recipes benchmarks docs/examples
 	$(BIN)/mypy
 
 # The frameworks the suite compares against come from the `bench` extra.
