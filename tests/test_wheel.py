@@ -118,6 +118,7 @@ def test_the_wheel_holds_the_packages_and_the_recipes_and_no_tests(
     names = zipfile.ZipFile(installed_wheel.wheel).namelist()
     assert "recipes/lm/__main__.py" in names
     assert "recipes/char_lm/__main__.py" in names
+    assert {"recipes/lm/configs/sft.yaml", "recipes/lm/configs/dpo.yaml"} <= set(names)
     assert not [name for name in names if name.startswith("tests/")]
     top_level = {
         name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")

@@ -1,4 +1,4 @@
-"""The recipe command line: ``python -m recipes.x OUTPUT_DIR [--config-file F]... [--config k=v]...``.
+"""The recipe command line: ``python -m recipes.x OUTPUT_DIR [--preset P]... [--config-file F]... [--config k=v]...``.
 
 ``--help`` lists the config's keys with their meanings, and ``--dump-config`` prints every key's
 value with the required ones marked; neither needs OUTPUT_DIR or the required keys. A recipe module ends with ``if __name__ == "__main__": main(recipe, ConfigClass)``; the same module
@@ -19,7 +19,7 @@ import sys
 import textwrap
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn, Protocol, TypeVar, final
@@ -52,6 +52,7 @@ from runtime.cli.config import (
     keys_named,
     load_config,
 )
+from runtime.cli.presets import recipe_presets
 from runtime.cli.run_lock import LauncherWatchdog, RunLock, RunLockError
 from runtime.parallel.process_group import process_group_exists
 from runtime.training.initial_weights import InitialWeightsError
@@ -143,14 +144,14 @@ def _main(
     stack: contextlib.ExitStack,
 ) -> int:
     """:func:`main` between the launch barrier and the exit; returns the exit status."""
-    parser = _make_parser(config_class)
+    presets = recipe_presets(recipe)
+    parser = _make_parser(config_class, presets)
     args = parser.parse_args(argv)
+    config_files = [*(presets[name] for name in args.presets), *args.config_files]
     if args.dump_config:
         # Before load_config: the dump shows the keys a user has yet to give.
         try:
-            text = describe_config(
-                config_class, config_files=args.config_files, overrides=args.config
-            )
+            text = describe_config(config_class, config_files=config_files, overrides=args.config)
         except ConfigError as ex:
             _fail(str(ex))
         sys.stdout.write(text)
@@ -158,7 +159,7 @@ def _main(
     if args.output_dir is None:
         parser.error("the following arguments are required: OUTPUT_DIR")
     try:
-        config = load_config(config_class, config_files=args.config_files, overrides=args.config)
+        config = load_config(config_class, config_files=config_files, overrides=args.config)
     except ConfigError as ex:
         _fail(str(ex))
 
@@ -561,10 +562,12 @@ def _help_width() -> int:
     return shutil.get_terminal_size().columns - 2
 
 
-def _make_parser(config_class: type[object]) -> argparse.ArgumentParser:
+def _make_parser(
+    config_class: type[object], presets: Mapping[str, Path]
+) -> argparse.ArgumentParser:
     description = (
-        "Run a recipe. Config values come from the recipe's defaults, then each --config-file in "
-        "order, then each --config override in order (later wins)."
+        "Run a recipe. Config values come from the recipe's defaults, then each --preset, then "
+        "each --config-file in order, then each --config override in order (later wins)."
     )
     # Raw: the epilog, the config keys, is laid out by config_help, so the description is too.
     parser = _Parser(
@@ -579,6 +582,16 @@ def _make_parser(config_class: type[object]) -> argparse.ArgumentParser:
         nargs="?",
         help="where config.yaml, logs/, metrics/ and checkpoints/ go (not needed with "
         "--dump-config)",
+    )
+    parser.add_argument(
+        "--preset",
+        dest="presets",
+        metavar="NAME",
+        choices=sorted(presets),
+        action="append",
+        default=[],
+        help="a named config the recipe ships (its configs/NAME.yaml); repeat to merge several. "
+        + (f"This recipe's: {', '.join(sorted(presets))}." if presets else "This recipe has none."),
     )
     parser.add_argument(
         "--config-file",
