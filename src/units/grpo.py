@@ -30,6 +30,7 @@ from torcheval.metrics import Max, Metric
 from gangs import Gang, ReduceOperation
 from trainkit_utils.arguments import check_positive
 from trainkit_utils.modules import unwrap_model
+from units.errors import UserFunctionError
 from units.generation import CompletionGenerator
 from units.lm import logits_of
 from units.preference import PairMean
@@ -86,7 +87,8 @@ class GrpoOptions:
     def upper_epsilon(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
-    def validate(self) -> None:
+    def check(self) -> None:
+        """Refuse options that cannot work, in one line each."""
         if not self.reward_functions:
             raise ValueError(
                 'grpo.reward_functions is empty. Name at least one, e.g. ["mypkg.rewards:exact"].'
@@ -131,7 +133,7 @@ class PromptBatch(Protocol):
 # ----------------------------------------------------------------------------- rewards
 
 
-class RewardFunctionError(RuntimeError):
+class RewardFunctionError(UserFunctionError):
     """A reward function failed or returned the wrong number of scores; one line names it."""
 
 
@@ -404,7 +406,7 @@ class GrpoTrainUnit(TrainUnit[PromptBatch]):
         max_num_steps: int | None = None,
     ) -> None:
         super().__init__(model)
-        options.validate()
+        options.check()
         if (options.beta > 0) != (reference is not None):
             raise ValueError("GRPO takes a reference model exactly when grpo.beta > 0.")
         self.options, self.generator, self.rewards = options, generator, rewards
@@ -431,7 +433,8 @@ class GrpoTrainUnit(TrainUnit[PromptBatch]):
             rollout = self.rollout(batch)
             if self._micro_nr == 0:
                 self._buffer = []
-            self._buffer.append(rollout)
+            if self.options.num_iterations > 1:
+                self._buffer.append(rollout)
         else:
             rollout = self._buffer[self._micro_nr]
         self._micro_nr += 1
@@ -479,20 +482,7 @@ class GrpoTrainUnit(TrainUnit[PromptBatch]):
             if self.reference is not None:
                 logits = self.reference.logits(inputs)[:, -c - 1 : -1]
                 ref_logps = token_logps(logits, completion_ids, self.options.temperature)[0]
-        lengths = torch.tensor([len(ids) for ids in completions_ids], dtype=torch.float32)
-        clipped = torch.tensor(
-            [
-                float(not ids or ids[-1] not in self._eos_ids | {self._pad_id})
-                for ids in completions_ids
-            ]
-        )
-        metrics = {
-            "reward": adv.rewards,
-            "frac_reward_zero_std": adv.is_std_zero.float(),
-            "completions/mean_length": lengths,
-            "completions/clipped_ratio": clipped,
-            **{_reward_metric(name): scores[:, i] for i, name in enumerate(self.rewards.names)},
-        }
+        metrics = self._rollout_metrics(completions_ids, scores, adv)
         return Rollout(
             input_ids,
             attention_mask,
@@ -503,6 +493,21 @@ class GrpoTrainUnit(TrainUnit[PromptBatch]):
             ref_logps,
             metrics,
         )
+
+    def _rollout_metrics(
+        self, completions_ids: list[list[int]], scores: Tensor, adv: Advantages
+    ) -> dict[str, Tensor]:
+        """Per completion: the values of TRL's reward and completion metrics."""
+        lengths = torch.tensor([len(ids) for ids in completions_ids], dtype=torch.float32)
+        ends = self._eos_ids | {self._pad_id}
+        clipped = torch.tensor([float(not ids or ids[-1] not in ends) for ids in completions_ids])
+        return {
+            "reward": adv.rewards,
+            "frac_reward_zero_std": adv.is_std_zero.float(),
+            "completions/mean_length": lengths,
+            "completions/clipped_ratio": clipped,
+            **{_reward_metric(name): scores[:, i] for i, name in enumerate(self.rewards.names)},
+        }
 
     def _batch_std(self, rewards: Tensor) -> Tensor:
         """The std of every rank's rewards (this micro-batch's), from summed moments."""

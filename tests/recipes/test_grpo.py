@@ -1,0 +1,153 @@
+"""recipes.lm with task=grpo: text and chat prompts from JSONL, generation by the policy,
+reward functions by import path, the metrics, and the configs and reward functions that stop a
+run in one line.
+
+The numbers against TRL are in tests/units/test_grpo_trl.py."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from recipes.lm import LMConfig, recipe
+from tests.conftest import WORDS, main_in_process, read_jsonl
+from tests.recipes.test_lm import make_hf_llama_dir
+
+pytest.importorskip("transformers")
+
+REWARDS = "tests.recipes.grpo_rewards"
+METRICS = {
+    "loss",
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "entropy",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "completions/mean_length",
+    "completions/clipped_ratio",
+    "rewards/says_answer/mean",
+}
+
+
+def write_prompts(path: Path, count: int, *, chat: bool = False) -> Path:
+    rng = random.Random(0)
+    records = []
+    for _ in range(count):
+        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 5)))
+        records.append(
+            {
+                "prompt": [{"role": "user", "content": prompt}] if chat else prompt,
+                "answer": rng.choice(WORDS),
+            }
+        )
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def grpo_args(out: Path, model_dir: Path, train: Path, *config: str) -> list[str]:
+    return [
+        str(out), "--config", "task=grpo", f"model.hf_path={model_dir}", f"data.train={train}",
+        "data.seq_len=24", "data.batch_size=2", "data.num_workers=0",
+        f"grpo.reward_functions=[{REWARDS}:says_answer, {REWARDS}:short]",
+        "grpo.reward_weights=[1.0, 0.1]", "grpo.num_generations=3",
+        "grpo.max_completion_length=6", "optimizer.lr=0.01", "trainer.max_num_steps=3",
+        "trainer.publish_metrics_every_n_steps=1", "trainer.gc_every_n_steps=null", *config,
+    ]  # fmt: skip
+
+
+def assert_one_error_line(stderr: str, message: str) -> None:
+    """One ``error:`` line with ``message`` and no traceback (progress bars of the model's
+    loading may come before it)."""
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], stderr[-3000:]
+    assert "Traceback" not in stderr
+
+
+def run(args: list[str]) -> Any:
+    return main_in_process(recipe, LMConfig, args)
+
+
+def test_a_grpo_run_generates_scores_and_publishes_trls_metrics(tmp_path: Path) -> None:
+    model_dir = make_hf_llama_dir(tmp_path / "model")
+    train = write_prompts(tmp_path / "train.jsonl", 8)
+    out = tmp_path / "run"
+    result = run(grpo_args(out, model_dir, train, "grpo.beta=0.04", "grpo.num_iterations=2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [r for r in read_jsonl(out / "metrics" / "train.jsonl") if "loss" in r]
+    assert [r["step_nr"] for r in records] == [1, 2, 3]
+    for record in records:
+        assert METRICS | {"kl", "rewards/short/mean"} <= record.keys()
+        assert 1 <= record["completions/mean_length"] <= 6
+    assert records[0]["kl"] == 0.0 and records[1]["kl"] > 0.0
+
+
+def test_chat_prompts_are_rendered_with_the_template_and_get_chat_completions(
+    tmp_path: Path,
+) -> None:
+    model_dir = make_hf_llama_dir(tmp_path / "model")
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    config["chat_template"] = (
+        "{{ bos_token }}{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant {% endif %}"
+    )
+    config_path.write_text(json.dumps(config))
+    train = write_prompts(tmp_path / "train.jsonl", 4, chat=True)
+    out = tmp_path / "run"
+    result = run(grpo_args(out, model_dir, train, "trainer.max_num_steps=1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (record,) = [r for r in read_jsonl(out / "metrics" / "train.jsonl") if "loss" in r]
+    assert record.keys() >= METRICS
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (("task=sft",), "applies to task=grpo, but the task is sft, which ignores it"),
+        (("grpo.num_generations=1",), "grpo.num_generations must be at least 2"),
+        (("grpo.reward_functions=[]",), "grpo.reward_functions is empty"),
+        (("grpo.reward_weights=[1.0]",), "grpo.reward_weights has 1 weights for 2"),
+        (("grpo.loss_type=ppo",), "loss_type"),
+        (("grpo.max_completion_length=30",), "must exceed grpo.max_completion_length"),
+        (
+            (f"grpo.reward_functions=[{REWARDS}:nothing]", "grpo.reward_weights=null"),
+            f"Reward function {REWARDS}:nothing: {REWARDS} has no function nothing",
+        ),
+        (
+            ("grpo.reward_functions=[no_colon]", "grpo.reward_weights=null"),
+            'named "package.module:function"',
+        ),
+    ],
+)
+def test_a_grpo_config_that_cannot_work_is_refused_in_one_line_with_exit_2(
+    tmp_path: Path, config: tuple[str, ...], message: str
+) -> None:
+    model_dir = make_hf_llama_dir(tmp_path / "model")
+    train = write_prompts(tmp_path / "train.jsonl", 4)
+    result = run(grpo_args(tmp_path / "run", model_dir, train, *config))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert_one_error_line(result.stderr, message)
+
+
+@pytest.mark.parametrize(
+    ("function", "message"),
+    [
+        ("broken", f"The reward function {REWARDS}:broken raised KeyError: 'no such column'"),
+        ("too_few", f"The reward function {REWARDS}:too_few returned 1 scores for 6"),
+    ],
+)
+def test_a_reward_function_that_fails_stops_the_run_in_one_line(
+    tmp_path: Path, function: str, message: str
+) -> None:
+    model_dir = make_hf_llama_dir(tmp_path / "model")
+    train = write_prompts(tmp_path / "train.jsonl", 4)
+    config = (f"grpo.reward_functions=[{REWARDS}:{function}]", "grpo.reward_weights=null")
+    result = run(grpo_args(tmp_path / "run", model_dir, train, *config))
+    assert result.returncode == 1
+    assert_one_error_line(result.stderr, message)
