@@ -141,8 +141,11 @@ class GrpoSection(GrpoOptions):
 
     def check_task(self, config: LMConfig) -> None:
         if config.task != "grpo":
+            default = GrpoSection()
             changed = [
-                f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default
+                f.name
+                for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)
             ]
             if changed:
                 raise ValueError(
