@@ -64,7 +64,6 @@ def grpo_unit(
         eos_ids=eos_ids,
         pad_id=pad_id,
         seed=config.trainer.seed,
-        rank=gangs.dp.rank,
         synced=gangs.root.size > 1,
     )
     reference = None

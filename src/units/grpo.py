@@ -447,7 +447,7 @@ class GrpoTrainUnit(TrainUnit[PromptBatch]):
         """Generate, score and lay out the completions of ``batch``'s prompts."""
         g = self.options.num_generations
         completions_ids = self.generator.generate(
-            batch.prompt_ids, num_generations=g, step_nr=self._step_nr, micro_nr=self._micro_nr
+            batch.prompt_ids, num_generations=g, step_nr=self._step_nr
         )
         prompt_ids = [ids for ids in batch.prompt_ids for _ in range(g)]
         if len(completions_ids) != len(prompt_ids):

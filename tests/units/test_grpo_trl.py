@@ -84,7 +84,7 @@ class FixedRollouts:
         return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None}
 
     def generate(
-        self, prompt_ids: list[list[int]], *, num_generations: int, step_nr: int, micro_nr: int
+        self, prompt_ids: list[list[int]], *, num_generations: int, step_nr: int
     ) -> list[list[int]]:
         expected, completions = self.calls.pop(0)
         assert [ids for ids in prompt_ids for _ in range(num_generations)] == expected
