@@ -12,8 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from recipes.lm import LMConfig, recipe
+from checkpoint import CheckpointManager
+from gangs import Gangs
+from recipes.lm import LMConfig, build_trainer, recipe
+from runtime.cli.config import config_from_dict
 from tests.conftest import WORDS, main_in_process, read_jsonl
 from tests.recipes.test_lm import make_hf_llama_dir
 
@@ -151,3 +155,67 @@ def test_a_reward_function_that_fails_stops_the_run_in_one_line(
     result = run(grpo_args(tmp_path / "run", model_dir, train, *config))
     assert result.returncode == 1
     assert_one_error_line(result.stderr, message)
+
+
+def accumulation_run(directory: Path, *, dp_size: int, write: bool = True) -> dict[str, Any]:
+    """A dapo run with KL and two iterations a batch: 2 steps of 4 prompts each, as 2
+    micro-batches of 1 prompt on each of 2 ranks (``dp_size=2``) or one micro-batch of 4 on one
+    process. ``write``: make the model and the prompts in ``directory`` first."""
+    if write:
+        make_hf_llama_dir(directory / "model")
+        write_prompts(directory / "train.jsonl", 16)
+    batch_size, num_accumulate = (1, 2) if dp_size == 2 else (4, 1)
+    return {
+        "task": "grpo",
+        "model": {"hf_path": str(directory / "model")},
+        "data": {
+            "train": str(directory / "train.jsonl"),
+            "seq_len": 24,
+            "batch_size": batch_size,
+            "num_accumulate": num_accumulate,
+            "num_workers": 0,
+        },
+        "grpo": {
+            "reward_functions": [f"{REWARDS}:says_answer", f"{REWARDS}:short"],
+            "num_generations": 3,
+            "max_completion_length": 6,
+            "beta": 0.04,
+            "num_iterations": 2,
+        },
+        "optimizer": {"lr": 0.01},
+        "trainer": {
+            "max_num_steps": 2,
+            "checkpoint_every_n_steps": 2,
+            "publish_metrics_every_n_steps": 1,
+            "gc_every_n_steps": None,
+        },
+    }
+
+
+def run_in_process(config: dict[str, Any], out: Path, gangs: Gangs | None = None) -> None:
+    trainer = build_trainer(config_from_dict(LMConfig, config), out, gangs or Gangs.single())
+    assert trainer.run() == 0
+
+
+def test_dp_2_with_accumulation_takes_the_steps_of_one_process_with_the_whole_batch(
+    tmp_path: Path, two_rank_checks: Path
+) -> None:
+    """The same completions (seeded by step and prompt), and under dapo the same normalization:
+    the all-reduced token count of the step is TRL's global one."""
+    two_ranks = two_rank_checks / "grpo_dp"
+    one = tmp_path / "one"
+    run_in_process(accumulation_run(two_ranks, dp_size=1, write=False), one)
+    records = [
+        [r for r in read_jsonl(out / "metrics" / "train.jsonl") if "loss" in r]
+        for out in (one, two_ranks / "run")
+    ]
+    for mine, theirs in zip(*records, strict=True):
+        assert mine["num_targets"] == theirs["num_targets"]
+        for name in METRICS | {"kl"}:
+            assert mine[name] == pytest.approx(theirs[name], abs=1e-5), (mine["step_nr"], name)
+    states = [
+        CheckpointManager(out / "checkpoints", Gangs.single()).read_model_state(2)
+        for out in (one, two_ranks / "run")
+    ]
+    for key, value in states[0].items():
+        torch.testing.assert_close(value, states[1][key], atol=1e-5, rtol=0)
