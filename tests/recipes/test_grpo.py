@@ -18,8 +18,17 @@ from checkpoint import CheckpointManager
 from gangs import Gangs
 from recipes.lm import LMConfig, build_trainer, recipe
 from runtime.cli.config import config_from_dict
-from tests.conftest import WORDS, main_in_process, read_jsonl
-from tests.recipes.test_lm import make_hf_llama_dir
+from tests.conftest import (
+    WORDS,
+    assert_ok,
+    kill_9_after_first_checkpoint,
+    main_in_process,
+    read_jsonl,
+    torchrun,
+    torchrun_command,
+)
+from tests.recipes.test_lm import last_model, make_hf_llama_dir, recipe_args
+from units.reference import AdapterBaseReference
 
 pytest.importorskip("transformers")
 
@@ -219,3 +228,85 @@ def test_dp_2_with_accumulation_takes_the_steps_of_one_process_with_the_whole_ba
     ]
     for key, value in states[0].items():
         torch.testing.assert_close(value, states[1][key], atol=1e-5, rtol=0)
+
+
+def train_records(out: Path) -> list[dict[str, Any]]:
+    return [r for r in read_jsonl(out / "metrics" / "train.jsonl") if "loss" in r]
+
+
+def test_under_lora_the_reference_is_the_base_with_the_adapters_disabled(tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    model_dir = make_hf_llama_dir(tmp_path / "model")
+    train = write_prompts(tmp_path / "train.jsonl", 8)
+    config = accumulation_run(tmp_path, dp_size=1, write=False)
+    config["model"]["hf_path"] = str(model_dir)
+    config["data"]["train"] = str(train)
+    config["lora"] = {"rank": 4, "target_modules": ["q_proj", "v_proj"]}
+    trainer = build_trainer(config_from_dict(LMConfig, config), tmp_path / "run", Gangs.single())
+    unit: Any = trainer._unit
+    assert isinstance(unit.reference, AdapterBaseReference)
+    assert trainer.run() == 0
+    records = train_records(tmp_path / "run")
+    assert records[0]["kl"] == 0.0 and records[1]["kl"] > 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp2_on_two_ranks_takes_the_steps_of_one_process(tmp_path: Path) -> None:
+    """The sharded policy generates (every rank runs as many forwards), the reference is
+    sharded as the policy is, and the steps are those of one process with the whole batch."""
+    config = accumulation_run(tmp_path, dp_size=1)
+    one = tmp_path / "one"
+    run_in_process(config, one)
+    data, grpo = config["data"], config["grpo"]
+    two = tmp_path / "two"
+    args = (
+        "task=grpo", f"model.hf_path={tmp_path / 'model'}", f"data.train={data['train']}",
+        "data.seq_len=24", "data.batch_size=2", "data.num_workers=0", "data_parallel=fsdp",
+        f"grpo.reward_functions=[{', '.join(grpo['reward_functions'])}]",
+        "grpo.num_generations=3", "grpo.max_completion_length=6", "grpo.beta=0.04",
+        "grpo.num_iterations=2", "optimizer.lr=0.01", "trainer.max_num_steps=2",
+        "trainer.checkpoint_every_n_steps=2", "trainer.publish_metrics_every_n_steps=1",
+        "trainer.gc_every_n_steps=null",
+    )  # fmt: skip
+    assert_ok(torchrun(2, *recipe_args(two, *args), timeout=600))
+    for mine, theirs in zip(train_records(one), train_records(two), strict=True):
+        for name in METRICS | {"kl"}:
+            assert mine[name] == pytest.approx(theirs[name], abs=1e-4), (mine["step_nr"], name)
+    expected, actual = last_model(one), last_model(two)
+    for key, value in expected.items():
+        torch.testing.assert_close(actual[key], value, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_grpo_run_under_ddp_resumes_bitwise_after_kill_9(tmp_path: Path) -> None:
+    """Checkpoints every 3 steps with 2 iterations a batch: the resume lands between the two
+    steps of one batch of completions, which the checkpoint holds; the completions after it
+    are drawn again from the step and the prompt."""
+    model_dir = make_hf_llama_dir(tmp_path / "model")
+    train = write_prompts(tmp_path / "train.jsonl", 12)
+    config = (
+        "task=grpo", f"model.hf_path={model_dir}", f"data.train={train}", "data.seq_len=24",
+        "data.batch_size=1", "data.num_workers=0",
+        f"grpo.reward_functions=[{REWARDS}:says_answer, {REWARDS}:short]",
+        "grpo.num_generations=3", "grpo.max_completion_length=6", "grpo.beta=0.04",
+        "grpo.num_iterations=2", "optimizer.lr=0.01", "trainer.max_num_steps=9",
+        "trainer.publish_metrics_every_n_steps=1", "trainer.checkpoint_every_n_steps=3",
+        "trainer.keep_last_n_checkpoints=null",
+    )  # fmt: skip
+    reference = tmp_path / "reference"
+    assert_ok(torchrun(2, *recipe_args(reference, *config), timeout=600))
+
+    out = tmp_path / "killed"
+    killed_at = kill_9_after_first_checkpoint(torchrun_command(2, recipe_args(out, *config)), out)
+    assert max(killed_at) < 9
+    assert_ok(torchrun(2, *recipe_args(out, *config), timeout=600))
+
+    names = ["step_nr", *sorted(METRICS | {"kl"})]
+    expected = {r["step_nr"]: r for r in train_records(reference)}
+    for record in train_records(out)[-3:]:
+        assert {n: record[n] for n in names} == {n: expected[record["step_nr"]][n] for n in names}
+    expected_state, actual_state = last_model(reference), last_model(out)
+    for key in expected_state:
+        assert torch.equal(expected_state[key], actual_state[key]), key
