@@ -25,3 +25,8 @@ def broken(completions: list[Any], **kwargs: Any) -> list[float]:
 
 def too_few(completions: list[Any], **kwargs: Any) -> list[float]:
     return [0.0]
+
+
+def first_word_is_answer(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float]:
+    """The learning test's verifiable reward: 1 if the completion starts with the answer."""
+    return [float(_text(c).split()[:1] == [a]) for c, a in zip(completions, answer, strict=True)]

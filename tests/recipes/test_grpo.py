@@ -310,3 +310,41 @@ def test_a_grpo_run_under_ddp_resumes_bitwise_after_kill_9(tmp_path: Path) -> No
     expected_state, actual_state = last_model(reference), last_model(out)
     for key in expected_state:
         assert torch.equal(expected_state[key], actual_state[key]), key
+
+
+LEARNING_STEPS = 40
+
+
+def learning_run(directory: Path, *, steps: int = LEARNING_STEPS) -> list[dict[str, Any]]:
+    """A tiny Llama learns to answer with the word its prompt names ("cat cat" -> "cat"):
+    4 prompts a step, 8 completions each of at most 2 tokens, the default dapo loss."""
+    model_dir = make_hf_llama_dir(directory / "model")
+    words = ["cat", "dogs", "birds", "hills"]
+    records = [{"prompt": f"{w} {w}", "answer": w} for w in words] * 4
+    train = directory / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = accumulation_run(directory, dp_size=1, write=False)
+    config["model"]["hf_path"] = str(model_dir)
+    config["data"]["train"] = str(train)
+    config["grpo"] = {
+        "reward_functions": [f"{REWARDS}:first_word_is_answer"],
+        "num_generations": 8,
+        "max_completion_length": 2,
+    }
+    config["optimizer"] = {"lr": 0.02}
+    config["trainer"] = {
+        "max_num_steps": steps,
+        "checkpoint_every_n_steps": steps,
+        "publish_metrics_every_n_steps": 1,
+        "gc_every_n_steps": None,
+    }
+    run_in_process(config, directory / "run")
+    return train_records(directory / "run")
+
+
+@pytest.mark.slow
+def test_the_mean_reward_rises_on_a_verifiable_task(tmp_path: Path) -> None:
+    """About 30 s of CPU: docs/rl.md plots its curve (scripts/grpo_reward_curve.py)."""
+    rewards = [r["reward"] for r in learning_run(tmp_path)]
+    first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
+    assert last > first + 0.3, rewards
