@@ -13,6 +13,7 @@ from recipes.lm.config import LMConfig
 from recipes.lm.model import BuiltModel
 from recipes.lm.units import build_reference
 from runtime import DataReader, MapDataReader, SyncMode
+from runtime.data.repeat import RepeatingDataReader
 from runtime.data.text import PromptDataset, Tokenizer, collate_prompts
 from units.generation import TransformersGenerator
 from units.grpo import GrpoTrainUnit, RewardFunctions
@@ -20,8 +21,9 @@ from units.reference import ModelReference
 
 
 def grpo_reader(config: LMConfig, tokenizer: Tokenizer, gangs: Gangs) -> DataReader[Any]:
-    """``data.batch_size`` prompts a micro-batch on each DP rank, shuffled each epoch; a
-    prompt longer than ``data.seq_len - grpo.max_completion_length`` tokens is left out."""
+    """``data.batch_size`` prompts a micro-batch on each DP rank, shuffled each epoch, each
+    step's served ``grpo.num_iterations`` times (the unit reuses its completions); a prompt
+    longer than ``data.seq_len - grpo.max_completion_length`` tokens is left out."""
     data = config.data
     assert data.train is not None
     dataset = PromptDataset(
@@ -31,7 +33,7 @@ def grpo_reader(config: LMConfig, tokenizer: Tokenizer, gangs: Gangs) -> DataRea
         prompt_field=config.grpo.prompt_field,
         skip_bad_lines=data.skip_bad_lines,
     )
-    return MapDataReader(
+    reader = MapDataReader(
         dataset=dataset,
         batch_size=data.batch_size,
         collate=partial(collate_prompts, num_bad_lines=dataset.num_bad_lines),
@@ -42,6 +44,8 @@ def grpo_reader(config: LMConfig, tokenizer: Tokenizer, gangs: Gangs) -> DataRea
         drop_remainder=True,
         sync_mode=SyncMode.UNTIL_FIRST,
     )
+    num_iterations = config.grpo.num_iterations
+    return reader if num_iterations == 1 else RepeatingDataReader(reader, num_iterations)
 
 
 def grpo_unit(
