@@ -596,7 +596,11 @@ class GrpoTrainUnit(TrainUnit[PromptBatch]):
         return {"step_nr": self._step_nr, "buffer": [vars(r).copy() for r in self._buffer]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._buffer = [Rollout(**r) for r in state.get("buffer", [])]
+        device = next(iter(self.model.parameters())).device
+        self._buffer = [
+            Rollout(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in r.items()})
+            for r in state.get("buffer", [])
+        ]
 
 
 def _reward_metric(name: str) -> str:
