@@ -159,11 +159,6 @@ class GrpoSection(GrpoOptions):
                 "task=grpo generates with a Hugging Face model's generate: give model.hf_path "
                 "(the project's model.name models have no KV-cache generation)."
             )
-        if config.gang.tp_size > 1:
-            raise ValueError(
-                f"task=grpo runs under DDP and FSDP2/HSDP, not tensor parallelism yet, but "
-                f"gang.tp_size is {config.gang.tp_size}. Use gang.tp_size=1."
-            )
         if config.data.valid is not None:
             raise ValueError(
                 "task=grpo has no validation set yet (its metrics are the rollouts' rewards). "

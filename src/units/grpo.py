@@ -597,9 +597,13 @@ class GrpoTrainUnit(TrainUnit[PromptBatch]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         device = next(iter(self.model.parameters())).device
+
+        def placed(value: Any) -> Any:
+            return value.to(device) if isinstance(value, Tensor) else value
+
         self._buffer = [
-            Rollout(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in r.items()})
-            for r in state.get("buffer", [])
+            Rollout(**{name: placed(value) for name, value in saved.items()})
+            for saved in state.get("buffer", [])
         ]
 
 

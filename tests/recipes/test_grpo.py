@@ -252,9 +252,16 @@ def test_under_lora_the_reference_is_the_base_with_the_adapters_disabled(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_fsdp2_on_two_ranks_takes_the_steps_of_one_process(tmp_path: Path) -> None:
-    """The sharded policy generates (every rank runs as many forwards), the reference is
-    sharded as the policy is, and the steps are those of one process with the whole batch."""
+@pytest.mark.parametrize(
+    ("layout", "batch_size"),
+    [pytest.param("data_parallel=fsdp", 2, id="fsdp2"), pytest.param("gang.tp_size=2", 4, id="tp")],
+)
+def test_fsdp2_and_tp_on_two_ranks_take_the_steps_of_one_process(
+    tmp_path: Path, layout: str, batch_size: int
+) -> None:
+    """The sharded policy generates (every rank runs as many forwards; the TP ranks of a DP
+    rank draw the same tokens from the same seed), the reference is sharded as the policy is,
+    and the steps are those of one process with the whole batch."""
     config = accumulation_run(tmp_path, dp_size=1)
     one = tmp_path / "one"
     run_in_process(config, one)
@@ -262,7 +269,7 @@ def test_fsdp2_on_two_ranks_takes_the_steps_of_one_process(tmp_path: Path) -> No
     two = tmp_path / "two"
     args = (
         "task=grpo", f"model.hf_path={tmp_path / 'model'}", f"data.train={data['train']}",
-        "data.seq_len=24", "data.batch_size=2", "data.num_workers=0", "data_parallel=fsdp",
+        "data.seq_len=24", f"data.batch_size={batch_size}", "data.num_workers=0", layout,
         f"grpo.reward_functions=[{', '.join(grpo['reward_functions'])}]",
         "grpo.num_generations=3", "grpo.max_completion_length=6", "grpo.beta=0.04",
         "grpo.num_iterations=2", "optimizer.lr=0.01", "trainer.max_num_steps=2",
