@@ -166,14 +166,20 @@ def test_a_reward_function_that_fails_stops_the_run_in_one_line(
     assert_one_error_line(result.stderr, message)
 
 
-def accumulation_run(directory: Path, *, dp_size: int, write: bool = True) -> dict[str, Any]:
+def accumulation_run(
+    directory: Path, *, dp_size: int, write: bool = True, scale_rewards: str = "group"
+) -> dict[str, Any]:
     """A dapo run with KL and two iterations a batch: 2 steps of 4 prompts each, as 2
     micro-batches of 1 prompt on each of 2 ranks (``dp_size=2``) or one micro-batch of 4 on one
-    process. ``write``: make the model and the prompts in ``directory`` first."""
+    process. ``scale_rewards=batch`` takes the std over a micro-batch on every rank, so the two
+    ranks then read one micro-batch of 2 prompts each. ``write``: make the model and the
+    prompts in ``directory`` first."""
     if write:
         make_hf_llama_dir(directory / "model")
         write_prompts(directory / "train.jsonl", 16)
     batch_size, num_accumulate = (1, 2) if dp_size == 2 else (4, 1)
+    if dp_size == 2 and scale_rewards == "batch":
+        batch_size, num_accumulate = 2, 1
     return {
         "task": "grpo",
         "model": {"hf_path": str(directory / "model")},
@@ -190,6 +196,7 @@ def accumulation_run(directory: Path, *, dp_size: int, write: bool = True) -> di
             "max_completion_length": 6,
             "beta": 0.04,
             "num_iterations": 2,
+            "scale_rewards": scale_rewards,
         },
         "optimizer": {"lr": 0.01},
         "trainer": {
@@ -206,17 +213,21 @@ def run_in_process(config: dict[str, Any], out: Path, gangs: Gangs | None = None
     assert trainer.run() == 0
 
 
+@pytest.mark.parametrize("scale_rewards", ["group", "batch"])
 def test_dp_2_with_accumulation_takes_the_steps_of_one_process_with_the_whole_batch(
-    tmp_path: Path, two_rank_checks: Path
+    tmp_path: Path, two_rank_checks: Path, scale_rewards: str
 ) -> None:
     """The same completions (seeded by step and prompt), and under dapo the same normalization:
-    the all-reduced token count of the step is TRL's global one."""
+    the all-reduced token count of the step is TRL's global one. ``batch``: the rewards' std
+    is taken over both ranks."""
     two_ranks = two_rank_checks / "grpo_dp"
     one = tmp_path / "one"
-    run_in_process(accumulation_run(two_ranks, dp_size=1, write=False), one)
+    config = accumulation_run(two_ranks, dp_size=1, write=False, scale_rewards=scale_rewards)
+    run_in_process(config, one)
+    two = two_ranks / f"run_{scale_rewards}"
     records = [
         [r for r in read_jsonl(out / "metrics" / "train.jsonl") if "loss" in r]
-        for out in (one, two_ranks / "run")
+        for out in (one, two)
     ]
     for mine, theirs in zip(*records, strict=True):
         assert mine["num_targets"] == theirs["num_targets"]
@@ -224,7 +235,7 @@ def test_dp_2_with_accumulation_takes_the_steps_of_one_process_with_the_whole_ba
             assert mine[name] == pytest.approx(theirs[name], abs=1e-5), (mine["step_nr"], name)
     states = [
         CheckpointManager(out / "checkpoints", Gangs.single()).read_model_state(2)
-        for out in (one, two_ranks / "run")
+        for out in (one, two)
     ]
     for key, value in states[0].items():
         torch.testing.assert_close(value, states[1][key], atol=1e-5, rtol=0)
