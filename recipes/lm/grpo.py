@@ -8,6 +8,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.tensor import DTensor
+
 from gangs import Gangs
 from recipes.lm.config import LMConfig
 from recipes.lm.model import BuiltModel
@@ -68,7 +70,8 @@ def grpo_unit(
         eos_ids=eos_ids,
         pad_id=pad_id,
         seed=config.trainer.seed,
-        synced=gangs.root.size > 1,
+        # A sharded model's forwards are collectives: every rank runs as many (FSDP2, TP).
+        synced=any(isinstance(p, DTensor) for p in built.model.parameters()),
     )
     reference = None
     if options.beta > 0:

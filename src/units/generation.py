@@ -39,8 +39,8 @@ class TransformersGenerator:
     """Samples with the policy's ``generate`` (Hugging Face models), KV cache on, in eval mode,
     one prompt's group at a time under the RNG seeded from ``(seed, step_nr, prompt)``: no
     padding, and the global RNG is left as it was. ``synced``: every rank runs as many forwards
-    as the longest (FSDP2), so the sharded model's collectives line up; the model is never
-    gathered whole on one rank."""
+    as the longest (for a model whose forward makes collectives: FSDP2, TP), so they line up;
+    the model is never gathered whole on one rank."""
 
     def __init__(
         self,
