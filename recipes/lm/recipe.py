@@ -6,7 +6,8 @@ The model is a Hugging Face causal LM from a local directory (``model.hf_path=DI
 (``data.train=``, ``data.valid=``, or ``data.mixture=[{path: ..., weight: ...}]``), tokenized in
 worker processes and packed into sequences (``task=pretrain``), or prompt/response pairs with the loss
 on the responses only (``task=sft``), or preference pairs (``task=dpo|simpo|orpo|cpo``, see
-:mod:`units.preference`). Run it with
+:mod:`units.preference`), or prompts for online RL with reward functions (``task=grpo``, see
+:mod:`units.grpo` and :mod:`recipes.lm.grpo`). Run it with
 ``torchrun --standalone --nproc-per-node 8 -m recipes.lm OUTPUT_DIR --config model.hf_path=DIR
 data.train=train.jsonl``; ``python -m runtime export OUTPUT_DIR DEST --format hf`` writes a
 Hugging Face directory of the result. ``lora.rank=N`` fine-tunes LoRA adapters instead (peft; see
@@ -14,7 +15,7 @@ Hugging Face directory of the result. ``lora.rank=N`` fine-tunes LoRA adapters i
 
 This module assembles the parts: the config (:mod:`recipes.lm.config`), the data
 (:mod:`recipes.lm.data`), the model (:mod:`recipes.lm.model`) and the units
-(:mod:`recipes.lm.units`) into a Trainer.
+(:mod:`recipes.lm.units`; GRPO's reader and unit: :mod:`recipes.lm.grpo`) into a Trainer.
 """
 
 from __future__ import annotations
