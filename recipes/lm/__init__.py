@@ -1,10 +1,12 @@
-"""``recipes.lm``: train or fine-tune a causal language model on your files; see
-:mod:`recipes.lm.recipe` and docs/lm-recipe.md. ``python -m recipes.lm OUTPUT_DIR`` runs it."""
+"""``recipes.lm``: train or fine-tune a causal language model on your files (pretraining, SFT,
+preference tuning, GRPO); see :mod:`recipes.lm.recipe`, docs/lm-recipe.md and docs/rl.md.
+``python -m recipes.lm OUTPUT_DIR`` runs it."""
 
 from __future__ import annotations
 
 from recipes.lm.config import (
     DataSection,
+    GrpoSection,
     LMConfig,
     LMGangSection,
     ModelSection,
@@ -19,6 +21,7 @@ from recipes.lm.units import build_reference, build_units
 __all__ = [
     "BuiltModel",
     "DataSection",
+    "GrpoSection",
     "LMConfig",
     "LMGangSection",
     "ModelSection",

@@ -13,6 +13,7 @@ from recipes.common import FsdpSection, GangSection, OptimizerSection, TrainerSe
 from runtime.cli.config import exactly_one_of
 from runtime.data.text import PreferenceFields, is_prepared_dataset
 from trainkit_utils.arguments import check_positive
+from units.grpo import GrpoOptions
 from units.preference import PREFERENCE_TASKS, PreferenceOptions, PreferenceTask
 
 
@@ -130,10 +131,53 @@ _OPTION_TASKS: dict[str, tuple[PreferenceTask, ...]] = {
 
 
 @dataclass
+class GrpoSection(GrpoOptions):
+    """task=grpo: GRPO's options, with TRL's names (:class:`units.grpo.GrpoOptions`), and the
+    data's prompt field. data.batch_size counts prompts; each gets num_generations completions."""
+
+    prompt_field: str = "prompt"
+    """The record field of the prompt (a string or chat messages); the other fields go to the
+    reward functions."""
+
+    def check_task(self, config: LMConfig) -> None:
+        if config.task != "grpo":
+            default = GrpoSection()
+            changed = [
+                f.name
+                for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)
+            ]
+            if changed:
+                raise ValueError(
+                    f"grpo.{changed[0]} applies to task=grpo, but the task is {config.task}, "
+                    "which ignores it. Set task=grpo, or leave the grpo section out."
+                )
+            return
+        self.check()
+        if config.model.hf_path is None:
+            raise ValueError(
+                "task=grpo generates with a Hugging Face model's generate: give model.hf_path "
+                "(the project's model.name models have no KV-cache generation)."
+            )
+        if config.data.valid is not None:
+            raise ValueError(
+                "task=grpo has no validation set yet (its metrics are the rollouts' rewards). "
+                "Leave data.valid out."
+            )
+        if config.data.seq_len <= self.max_completion_length:
+            raise ValueError(
+                f"data.seq_len ({config.data.seq_len}) is the most tokens of a prompt and its "
+                f"completion, so it must exceed grpo.max_completion_length "
+                f"({self.max_completion_length})."
+            )
+
+
+@dataclass
 class LMConfig:
-    task: Literal["pretrain", "sft", "dpo", "simpo", "orpo", "cpo"] = "pretrain"
+    task: Literal["pretrain", "sft", "dpo", "simpo", "orpo", "cpo", "grpo"] = "pretrain"
     """pretrain: packed text, every token a target; sft: prompt/response pairs, responses only;
-    dpo, simpo, orpo, cpo: prompt/chosen/rejected pairs (see docs/preference.md)."""
+    dpo, simpo, orpo, cpo: prompt/chosen/rejected pairs (see docs/preference.md); grpo: prompts,
+    completions drawn by the policy and scored by reward functions (see docs/rl.md)."""
     gang: LMGangSection = field(default_factory=LMGangSection)
     model: ModelSection = field(default_factory=ModelSection)
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
@@ -143,6 +187,7 @@ class LMConfig:
     fsdp: FsdpSection = field(default_factory=FsdpSection)
     lora: LoraSection = field(default_factory=LoraSection)
     preference: PreferenceSection = field(default_factory=PreferenceSection)
+    grpo: GrpoSection = field(default_factory=GrpoSection)
     data_parallel: Literal["auto", "ddp", "fsdp", "hsdp"] = "auto"
     """auto: HSDP with gang.dp_shard_size, else FSDP2 with TP, else DDP."""
     compile: bool = False
@@ -165,6 +210,7 @@ class LMConfig:
                 f"task={self.task} reads one dataset: give data.train, not data.mixture."
             )
         self.preference.check_task(self.task)
+        self.grpo.check_task(self)
         prepared = [
             path
             for path in (self.data.train, self.data.valid)

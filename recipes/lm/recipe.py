@@ -6,7 +6,8 @@ The model is a Hugging Face causal LM from a local directory (``model.hf_path=DI
 (``data.train=``, ``data.valid=``, or ``data.mixture=[{path: ..., weight: ...}]``), tokenized in
 worker processes and packed into sequences (``task=pretrain``), or prompt/response pairs with the loss
 on the responses only (``task=sft``), or preference pairs (``task=dpo|simpo|orpo|cpo``, see
-:mod:`units.preference`). Run it with
+:mod:`units.preference`), or prompts for online RL with reward functions (``task=grpo``, see
+:mod:`units.grpo` and :mod:`recipes.lm.grpo`). Run it with
 ``torchrun --standalone --nproc-per-node 8 -m recipes.lm OUTPUT_DIR --config model.hf_path=DIR
 data.train=train.jsonl``; ``python -m runtime export OUTPUT_DIR DEST --format hf`` writes a
 Hugging Face directory of the result. ``lora.rank=N`` fine-tunes LoRA adapters instead (peft; see
@@ -14,7 +15,7 @@ Hugging Face directory of the result. ``lora.rank=N`` fine-tunes LoRA adapters i
 
 This module assembles the parts: the config (:mod:`recipes.lm.config`), the data
 (:mod:`recipes.lm.data`), the model (:mod:`recipes.lm.model`) and the units
-(:mod:`recipes.lm.units`) into a Trainer.
+(:mod:`recipes.lm.units`; GRPO's reader and unit: :mod:`recipes.lm.grpo`) into a Trainer.
 """
 
 from __future__ import annotations
@@ -27,10 +28,17 @@ from gangs import Gangs
 from models.hf import write_hf_files
 from recipes.common import adamw_with_schedule, setup_recipe_gangs, trainer_options
 from recipes.lm.config import LMConfig
-from recipes.lm.data import build_readers, load_recipe_tokenizer, preference_data
-from recipes.lm.model import bias_update, build_model, lora_trainer_options
+from recipes.lm.data import (
+    PreferenceData,
+    build_readers,
+    load_recipe_tokenizer,
+    preference_data,
+)
+from recipes.lm.grpo import grpo_reader, grpo_unit
+from recipes.lm.model import BuiltModel, bias_update, build_model, lora_trainer_options
 from recipes.lm.units import PrecomputeContext, build_units
-from runtime import Trainer
+from runtime import DataReader, Trainer
+from runtime.data.text import Tokenizer
 from runtime.data.text.reference_logps import autocast_of
 from units.preference import PREFERENCE_TASKS
 
@@ -46,17 +54,9 @@ def build_trainer(config: LMConfig, output_dir: Path, gangs: Gangs) -> Trainer[A
     """The recipe's Trainer on gangs already made (``config.gang`` must describe them)."""
     tokenizer = load_recipe_tokenizer(config)
     built = build_model(config, gangs, tokenizer)
-    num_params = sum(p.numel() for p in built.model.parameters())
-    log.info("Model: %s, %d parameters.", type(built.model).__name__, num_params)
-    if gangs.root.rank == 0:
-        write_hf_files(
-            output_dir,
-            config=built.hf_config,
-            tokenizer_path=getattr(tokenizer, "path", None),
-            model_dir=config.model.hf_path,
-        )
+    _describe(config, output_dir, gangs, tokenizer, built)
     pairs = preference_data(config, tokenizer) if config.task in PREFERENCE_TASKS else None
-    train_reader, valid_reader = build_readers(config, tokenizer, gangs, pairs)
+    train_reader, valid_reader = _readers(config, tokenizer, gangs, pairs)
     optimizer, lr_scheduler = adamw_with_schedule(
         built.model, config.optimizer, max_num_steps=config.trainer.max_num_steps
     )
@@ -81,16 +81,20 @@ def build_trainer(config: LMConfig, output_dir: Path, gangs: Gangs) -> Trainer[A
     if pairs is not None:
         autocast = autocast_of(gangs.root.device, options["dtype"], options["amp"])
         precompute = PrecomputeContext(pairs, output_dir, init_from, autocast, tokenizer.eos_id)
-    train_unit, valid_unit = build_units(
-        config, gangs, tokenizer, built, init_from, precompute=precompute
-    )
+    train_unit: Any
+    if config.task == "grpo":
+        train_unit, valid_unit = grpo_unit(config, gangs, tokenizer, built, init_from), None
+    else:
+        train_unit, valid_unit = build_units(
+            config, gangs, tokenizer, built, init_from, precompute=precompute
+        )
     if config.task in PREFERENCE_TASKS and valid_reader is not None:
         options["score_metric_name"] = "loss"
     if config.model.expert_bias_update_rate is not None:
         options["callbacks"] = [
             bias_update(config.model.expert_bias_update_rate, train_unit, gangs)
         ]
-    return Trainer(
+    trainer = Trainer(
         unit=train_unit,
         data_reader=train_reader,
         optimizer=optimizer,
@@ -99,3 +103,30 @@ def build_trainer(config: LMConfig, output_dir: Path, gangs: Gangs) -> Trainer[A
         valid_data_readers=[valid_reader] if valid_reader is not None else [],
         **options,
     )
+    if config.task == "grpo":
+        # The completions kept for num_iterations > 1, so that a resume reuses them.
+        trainer.register_stateful("grpo_rollouts", train_unit)
+    return trainer
+
+
+def _readers(
+    config: LMConfig, tokenizer: Tokenizer, gangs: Gangs, pairs: PreferenceData | None
+) -> tuple[DataReader[Any], DataReader[Any] | None]:
+    if config.task == "grpo":
+        return grpo_reader(config, tokenizer, gangs), None
+    return build_readers(config, tokenizer, gangs, pairs)
+
+
+def _describe(
+    config: LMConfig, output_dir: Path, gangs: Gangs, tokenizer: Tokenizer, built: BuiltModel
+) -> None:
+    """Log the model's size; rank 0 writes the Hugging Face files an export needs."""
+    num_params = sum(p.numel() for p in built.model.parameters())
+    log.info("Model: %s, %d parameters.", type(built.model).__name__, num_params)
+    if gangs.root.rank == 0:
+        write_hf_files(
+            output_dir,
+            config=built.hf_config,
+            tokenizer_path=getattr(tokenizer, "path", None),
+            model_dir=config.model.hf_path,
+        )

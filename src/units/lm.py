@@ -58,6 +58,9 @@ def logits_and_aux_loss(
         output = model(batch.input_ids, document_ids=document_ids, positions=batch.positions)
     elif router_logits:
         output = model(input_ids=batch.input_ids, output_router_logits=True)
+    elif getattr(batch, "attention_mask", None) is not None:
+        # Padded rows (GRPO's left-padded prompts): a Hugging Face model's mask.
+        output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
     else:
         output = model(input_ids=batch.input_ids)
     if isinstance(output, Tensor):

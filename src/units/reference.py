@@ -1,4 +1,4 @@
-"""What DPO measures the policy against: the reference's log-probabilities of each completion.
+"""What DPO and GRPO measure the policy against: the reference's log-probabilities of each completion.
 
 - :class:`FrozenReference`: a model of its own, frozen, built and sharded as the policy is;
 - :class:`AdapterBaseReference`: under LoRA, the policy with its peft adapters disabled;
@@ -32,6 +32,14 @@ class PairBatch(Protocol):
     num_bad_lines: int
     num_dropped: int
     pair_ids: Tensor | None
+
+
+class ModelInputs(Protocol):
+    """What a model's forward reads of a batch: its token ids (and, where rows are padded, an
+    ``attention_mask``)."""
+
+    @property
+    def input_ids(self) -> Tensor: ...
 
 
 class SequenceLogps(NamedTuple):
@@ -69,7 +77,7 @@ class ModelReference(Reference):
     """A reference that runs a model on each batch."""
 
     @abstractmethod
-    def logits(self, batch: PairBatch) -> Tensor:
+    def logits(self, batch: ModelInputs) -> Tensor:
         """The reference's logits of ``batch``, computed without gradient."""
 
     def logps(self, batch: PairBatch) -> Tensor:
@@ -88,7 +96,7 @@ class FrozenReference(ModelReference):
             )
         self.model = model.eval()
 
-    def logits(self, batch: PairBatch) -> Tensor:
+    def logits(self, batch: ModelInputs) -> Tensor:
         with torch.no_grad():
             return logits_of(self.model, batch)
 
@@ -100,7 +108,7 @@ class AdapterBaseReference(ModelReference):
         # Past the DDP wrapper: a forward without gradient needs none of its bookkeeping.
         self.model = unwrap_model(policy)
 
-    def logits(self, batch: PairBatch) -> Tensor:
+    def logits(self, batch: ModelInputs) -> Tensor:
         with torch.no_grad(), adapters_disabled(self.model):
             return logits_of(self.model, batch)
 

@@ -7,7 +7,7 @@ two-rank mode of ``checkpoint_check.py`` (by its name), ``agreement`` (``agreeme
 ``readers`` (``tests/runtime/data/data_worker.py``), ``equivalence``, ``good_runs`` and ``norm_runs`` (runs
 of ``train_toy.py``), ``collectives`` (``collective_count.py`` under DDP and FSDP2), ``host_sync``
 (make test's layouts), ``large_model`` (cases of ``large_model.py``), ``preference_dp`` (a DPO
-run of ``recipes.lm``), ``expert_parallel`` and ``ddp_options``. The runs
+run of ``recipes.lm``), ``grpo_dp`` (a GRPO one), ``expert_parallel`` and ``ddp_options``. The runs
 and cases are those the tests define. A check that writes its own files returns None.
 """
 
@@ -34,6 +34,7 @@ from tests.workers import (
     collective_count,
     ddp_options,
     expert_parallel,
+    grpo_dp,
     host_sync,
     large_model,
     preference_dp,
@@ -52,6 +53,7 @@ CHECKS: dict[str, Callable[[Path, Gangs], Any]] = {
     "host_sync": lambda out, gangs: host_sync.run_all(gangs.root, out, FAST_LAYOUTS),
     "large_model": lambda out, gangs: large_model.run_all(gangs.root, out, TWO_PROCESS_CASES),
     "preference_dp": preference_dp.run,
+    "grpo_dp": grpo_dp.run,
     "expert_parallel": lambda out, gangs: expert_parallel.run_all(gangs.root, out),
     # Last: the case DDP refuses leaves its reducer mid-iteration.
     "ddp_options": lambda out, gangs: ddp_options.run_all(gangs, out, DDP_CASES),

@@ -59,6 +59,7 @@ from runtime.training.initial_weights import InitialWeightsError
 from runtime.training.loss_spike import LossSpikeError
 from runtime.training.signals import PREEMPTED_EXIT_CODE, StartupInterrupted, StartupSignals
 from trainkit_utils.files import write_text_atomically
+from units.errors import UserFunctionError
 
 ConfigT = TypeVar("ConfigT")
 
@@ -302,6 +303,10 @@ class _Run:
             raise
         except GangError as ex:
             self._collective_failed(runnable, str(ex))
+        except UserFunctionError as ex:
+            # The user's function (a reward function) failed: the message names it.
+            log.exception("The run stopped: %s", ex, extra=_FILE_ONLY)
+            raise _Refusal(str(ex), exit_code=1) from None
         except LossSpikeError as ex:
             # Every rank stopped on the same spikes; the message lists them.
             log.exception("The run stopped: %s", ex, extra=_FILE_ONLY)

@@ -25,6 +25,7 @@ from runtime.data.text.prepared import (
     is_prepared_dataset,
     prepare_dataset,
 )
+from runtime.data.text.prompts import PromptBatch, PromptDataset, PromptExample, collate_prompts
 from runtime.data.text.text_reader import TextDataReader
 from runtime.data.text.tokenizer import (
     ByteTokenizer,
@@ -48,6 +49,10 @@ __all__ = [
     "PreparedDataReader",
     "PreparedDataset",
     "PreferenceBatch",
+    "PromptBatch",
+    "PromptDataset",
+    "PromptExample",
+    "collate_prompts",
     "PreferenceDataset",
     "PreferenceFields",
     "PreferencePair",

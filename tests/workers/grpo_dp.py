@@ -1,0 +1,32 @@
+"""A GRPO run of ``recipes.lm`` on two ranks with gradient accumulation, for the test that one
+process with the whole batch takes the same steps (``tests/recipes/test_grpo.py``).
+
+Rank 0 writes the model and the prompts under OUT; both ranks then train into
+``OUT/run_group`` and, with ``grpo.scale_rewards=batch``, ``OUT/run_batch``.
+Standalone: ``torchrun --nproc-per-node 2 tests/workers/grpo_dp.py OUT``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from gangs import Gangs, setup_gangs
+from tests.recipes.test_grpo import accumulation_run, run_in_process
+
+
+def run(out: Path, gangs: Gangs) -> None:
+    if gangs.root.rank == 0:
+        accumulation_run(out, dp_size=2)
+    gangs.root.barrier()
+    for scale_rewards in ("group", "batch"):
+        config = accumulation_run(out, dp_size=2, write=False, scale_rewards=scale_rewards)
+        run_in_process(config, out / f"run_{scale_rewards}", gangs)
+
+
+if __name__ == "__main__":
+    from tests.workers.leave import leave
+
+    gangs = setup_gangs()
+    run(Path(sys.argv[1]), gangs)
+    leave(gangs.root)
