@@ -9,7 +9,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from models.lora import LoraSection
-from recipes.common import FsdpSection, GangSection, OptimizerSection, TrainerSection
+from recipes.common import (
+    FsdpSection,
+    GangSection,
+    OptimizerSection,
+    PipelineSection,
+    TrainerSection,
+)
 from runtime.cli.config import exactly_one_of
 from runtime.data.text import PreferenceFields, is_prepared_dataset
 from trainkit_utils.arguments import check_positive
@@ -141,6 +147,7 @@ class LMConfig:
     optimizer: OptimizerSection = field(default_factory=lambda: OptimizerSection(lr=3e-4))
     trainer: TrainerSection = field(default_factory=TrainerSection)
     fsdp: FsdpSection = field(default_factory=FsdpSection)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
     lora: LoraSection = field(default_factory=LoraSection)
     preference: PreferenceSection = field(default_factory=PreferenceSection)
     data_parallel: Literal["auto", "ddp", "fsdp", "hsdp"] = "auto"
@@ -181,8 +188,11 @@ class LMConfig:
             ("data.batch_size", self.data.batch_size),
             ("gang.tp_size", self.gang.tp_size),
             ("gang.ep_size", self.gang.ep_size),
+            ("gang.pp_size", self.gang.pp_size),
         ):
             check_positive(name, value)
+        if self.gang.pp_size > 1:
+            self._validate_pipeline()
         if self.lora.rank is not None:
             self._validate_lora()
         if self.gang.ep_size > 1 and model.hf_path is None:
@@ -196,6 +206,21 @@ class LMConfig:
                 "data.document_mask needs the project's model (model.name) and task=pretrain: a "
                 "Hugging Face model gets no per-document mask here. Leave document_mask false."
             )
+
+    def _validate_pipeline(self) -> None:
+        pp_size = self.gang.pp_size
+        if self.task not in ("pretrain", "sft") or self.lora.rank is not None:
+            raise ValueError(
+                f"gang.pp_size ({pp_size}) trains task=pretrain and task=sft without LoRA, but "
+                f"the task is {self.task}{' with lora.rank' if self.lora.rank else ''}. Use "
+                "gang.pp_size=1 for it."
+            )
+        if self.data_parallel in ("fsdp", "hsdp"):
+            raise ValueError(
+                f"gang.pp_size ({pp_size}) with data_parallel={self.data_parallel} is not built "
+                "in the recipe yet. Leave data_parallel at auto."
+            )
+        self.pipeline.check(pp_size, self.data.batch_size)
 
     def _validate_lora(self) -> None:
         check_positive("lora.rank", self.lora.rank)

@@ -31,9 +31,10 @@ BatchT = TypeVar("BatchT")
 
 
 def pipeline_unit(unit: object, what: str) -> PipelineUnit[Any]:
-    """``unit`` as a :class:`PipelineUnit`, or the one-line refusal of one that has not opted in."""
+    """``unit`` as a :class:`PipelineUnit`, or the one-line refusal (a ``ValueError``, which the
+    recipes' command line reports as a refused config) of one that has not opted in."""
     if not isinstance(unit, PipelineUnit):
-        raise TrainerError(
+        raise ValueError(
             f"The {what} {type(unit).__name__} cannot run under pipeline parallelism "
             f"(gang.pp_size > 1): {PIPELINE_UNIT_HINT}."
         )
@@ -49,7 +50,7 @@ class PipelineTrainStep(TrainStep[BatchT]):
         unit: TrainUnit[BatchT] = kwargs["unit"]
         self._pipeline_unit = pipeline_unit(unit, "train unit")
         if unit.model is not pipeline.part:
-            raise TrainerError(
+            raise ValueError(
                 "Under pipeline parallelism the unit trains this rank's part of the model: "
                 "build it with models.pipeline.split_model and give the unit the part."
             )

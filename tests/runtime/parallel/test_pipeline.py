@@ -16,9 +16,12 @@ from torch import Tensor
 from gangs import FakeGang, Gangs, GangSizeError, setup_parallel_gangs
 from models.pipeline import LlamaStage, split_layers, split_model
 from runtime.parallel.pipeline import check_pipeline, stage_ids
+from runtime.training.pipeline_step import pipeline_unit
 from tests.conftest import assert_ok, read_jsonl, torchrun
 from tests.workers import pipeline_checks
 from tests.workers.pipeline_checks import ARGS, NUM_STEPS, RUNS
+from units import TrainUnit
+from units.lm import LMTrainUnit
 
 TOLERANCE = 1e-5
 
@@ -78,6 +81,18 @@ def test_pipeline_refusals_are_one_line(
     with pytest.raises(ValueError, match=message) as info:
         check_pipeline(schedule, **kwargs)
     assert "\n" not in str(info.value)
+
+
+def test_a_unit_that_has_not_opted_in_is_refused_in_one_line() -> None:
+    class PlainUnit(TrainUnit[Any]):
+        def __call__(self, batch: Any) -> tuple[Tensor, int | None]:
+            raise NotImplementedError
+
+    with pytest.raises(ValueError, match="PlainUnit cannot run under pipeline") as info:
+        pipeline_unit(PlainUnit(torch.nn.Linear(1, 1)), "train unit")
+    assert "implement stage_inputs, stage_loss and record_loss" in str(info.value)
+    assert "\n" not in str(info.value)
+    assert pipeline_unit(LMTrainUnit(torch.nn.Linear(1, 1)), "train unit") is not None
 
 
 def test_stages_compute_the_whole_model_and_keep_its_names() -> None:
