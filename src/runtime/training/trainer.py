@@ -132,8 +132,7 @@ class Trainer(Generic[BatchT]):
         pipeline: Pipeline | None = None,
     ) -> None:
         gangs = _resolve_gangs(gangs, root_gang, dp_gang, tp_gang)
-        valid_units = _pipeline_valid_units(valid_units, pipeline, gangs)
-        _place_units(unit, valid_units or (), gangs.root.device)
+        valid_units = _prepare_units(unit, valid_units, pipeline, gangs)
         # The keywords above, each turned into the option group that uses it; from here on only
         # the groups travel.
         schedules = _schedules(
@@ -387,11 +386,16 @@ def _make_train_step(pipeline: Pipeline | None, **kwargs: Any) -> TrainStep[Any]
     return PipelineTrainStep(pipeline=pipeline, **kwargs)
 
 
-def _pipeline_valid_units(
-    valid_units: Sequence[EvalUnit[Any]] | None, pipeline: Pipeline | None, gangs: Gangs
+def _prepare_units(
+    unit: TrainUnit[Any],
+    valid_units: Sequence[EvalUnit[Any]] | None,
+    pipeline: Pipeline | None,
+    gangs: Gangs,
 ) -> Sequence[EvalUnit[Any]] | None:
-    """The valid units as the Validator runs them: under pipeline parallelism each through the
-    pipeline (forward only); and the check that a pipeline comes with a PP gang, and back."""
+    """Place the units (:func:`_place_units`) and return the valid units as the Validator runs
+    them: under pipeline parallelism each through the pipeline (forward only). A pipeline comes
+    with a PP gang, and a PP gang with a pipeline."""
+    _place_units(unit, valid_units or (), gangs.root.device)
     if (pipeline is None) != (gangs.pp.size == 1):
         raise ValueError(
             f"pipeline must be given exactly when the gangs have a PP gang (gangs.pp.size is "
