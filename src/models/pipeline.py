@@ -143,6 +143,13 @@ def _split(
 ) -> tuple[list[nn.Module], nn.Module]:
     layers = split_layers(num_layers, num_stages, split)
     last = num_stages - 1
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    if tied and (0 in stage_ids) != (last in stage_ids):
+        raise ValueError(
+            "The model ties its input and output embeddings, which the first and the last "
+            "pipeline stages hold: they must be on one rank. Use pipeline.schedule=zbv or "
+            "dualpipev (V-shaped: both on the first rank), or a model without tied embeddings."
+        )
     stages: list[nn.Module] = [
         stage_type(model, layers[s], first=s == 0, last=s == last) for s in stage_ids
     ]

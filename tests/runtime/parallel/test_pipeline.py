@@ -196,3 +196,42 @@ def test_resume_of_pp2_at_pp1(pipeline_runs: Path, reference: Reference, tmp_pat
     assert [r["step_nr"] for r in read_jsonl(tmp_path / "metrics" / "train.jsonl")] == [3, 4]
     for key, value in weights.items():
         torch.testing.assert_close(value, expected[key], rtol=0, atol=TOLERANCE, msg=key)
+
+
+def _hf_llama(*, tie: bool) -> Any:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tie,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_a_hugging_face_llama_splits_into_stages_that_compute_its_logits() -> None:
+    model = _hf_llama(tie=False)
+    ids = torch.randint(0, 32, (2, 8))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        stages, part = split_model(model, [0, 1], 2)
+        x = ids
+        for stage in stages:
+            x = stage(x)
+    torch.testing.assert_close(x, expected, rtol=0, atol=1e-5)
+    # Stage 0 holds layers 0 and 1 (balanced), stage 1 layer 2 with the norm and the head.
+    assert "lm_head.weight" in stages[1].state_dict()
+    assert {k for k in stages[0].state_dict() if k.startswith("model.layers.")} == {
+        k for k in model.state_dict() if k.startswith(("model.layers.0.", "model.layers.1."))
+    }
+    assert part.state_dict().keys() == model.state_dict().keys()
+
+
+def test_tied_embeddings_need_the_first_and_last_stages_on_one_rank() -> None:
+    model = _hf_llama(tie=True)
+    with pytest.raises(ValueError, match="ties its input and output embeddings") as info:
+        split_model(model, [0], 2)
+    assert "\n" not in str(info.value)
+    # V-shaped: rank 0 holds stages 0 and 3, and the part keeps the one tied weight.
+    _, part = split_model(model, [0, 3], 4, split=[1, 1, 1, 0])
+    assert part.lm_head.weight is part.model.embed_tokens.weight
