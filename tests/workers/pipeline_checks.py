@@ -1,9 +1,10 @@
 """Pipeline-parallel runs of a tiny Llama in one ``torchrun`` launch, for tests/runtime/parallel/
 test_pipeline.py.
 
-Usage: ``torchrun --nproc-per-node 2 tests/workers/pipeline_checks.py OUT``. Each run of
-:data:`RUNS` trains under ``gang.pp_size=2`` into ``OUT/NAME`` (metrics, checkpoints), and each
-rank saves its part's weights to ``OUT/NAME/part_R.pt``. :func:`train` is also the one-process
+Usage: ``torchrun --nproc-per-node 2 tests/workers/pipeline_checks.py OUT`` (or
+``--nproc-per-node 4 ... OUT four``). Each run of :data:`RUNS` (:data:`FOUR_PROCESS_RUNS`)
+trains under ``pp_size=2`` into ``OUT/NAME`` (metrics, checkpoints), and the first DP and TP
+rank of each stage saves its part's whole weights to ``OUT/NAME/part_{pp_rank}.pt``. :func:`train` is also the one-process
 reference the tests compare with (``pp_size`` 1).
 """
 
@@ -17,18 +18,19 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from checkpoint import CheckpointManager
-from gangs import Gangs, setup_gangs
-from models.llama import Llama, LlamaArgs
+from gangs import Gangs, setup_parallel_gangs, setup_root_gang
+from models.llama import DecoderLayer, Llama, LlamaArgs, tensor_parallel_plan
 from models.pipeline import split_model
-from runtime import MapDataReader, Trainer
+from runtime import MapDataReader, Trainer, parallelize_model
 from runtime.parallel.pipeline import Pipeline, stage_ids
 from tests.workers.leave import leave
 from units.lm import LMEvalUnit, LMTrainUnit
 
 ARGS = LlamaArgs(
-    vocab_size=32, dim=16, num_layers=4, num_heads=2, num_kv_heads=1, ffn_dim=32, max_seq_len=8
+    vocab_size=32, dim=16, num_layers=4, num_heads=2, num_kv_heads=2, ffn_dim=32, max_seq_len=8
 )
 SEQ_LEN = 8
 
@@ -54,6 +56,14 @@ RUNS: dict[str, dict[str, Any]] = {
     "resume": {"schedule": "1f1b", "num_microbatches": 2, "max_num_steps": 2},
 }
 NUM_STEPS = 4
+
+FOUR_PROCESS_RUNS: dict[str, dict[str, Any]] = {
+    # pp outermost: ranks 0-1 are stage 0 (a DP or TP pair), ranks 2-3 stage 1.
+    "pp2_fsdp2": {"schedule": "1f1b", "num_microbatches": 2, "kind": "fsdp", "batch_size": 2},
+    "pp2_tp2": {"schedule": "interleaved_1f1b", "stages_per_rank": 2, "num_microbatches": 2,
+                "tp_size": 2},
+}  # fmt: skip
+"""Runs of ``pipeline_checks.py OUT four`` on four processes (the slow tests)."""
 
 
 @dataclass
@@ -102,16 +112,32 @@ def train(
     resume_from: Path | None = None,
     max_num_steps: int | None = None,
 ) -> dict[str, Tensor]:
-    """One run; returns this rank's weights (its part's under pipeline parallelism)."""
-    model: nn.Module = whole_model()
-    pipeline = None
+    """One run; returns this rank's weights, whole (its part's under pipeline parallelism).
+
+    The model is built on meta and materialized from the seed (each weight from its name), so
+    every layout starts from the same weights."""
+    with torch.device("meta"):
+        whole = Llama(ARGS)
+    model: nn.Module = whole
+    pipeline, stages = None, []
     if gangs.pp.size > 1:
         schedule = options["schedule"]
         per_rank = options.get("stages_per_rank", 1)
         ids = stage_ids(
             schedule, pp_rank=gangs.pp.rank, pp_size=gangs.pp.size, stages_per_rank=per_rank
         )
-        stages, model = split_model(model, ids, gangs.pp.size * per_rank)
+        stages, model = split_model(whole, ids, gangs.pp.size * per_rank)
+    model = parallelize_model(
+        model,
+        gangs,
+        kind=options.get("kind", "ddp"),
+        block_types=(DecoderLayer,),
+        seed=2,
+        tp_plan=tensor_parallel_plan(whole) if gangs.tp.size > 1 else None,
+        init_fn=whole.init_module,
+        pipeline_stages=stages,
+    )
+    if gangs.pp.size > 1:
         pipeline = Pipeline(
             stages=stages,
             part=model,
@@ -120,9 +146,10 @@ def train(
             schedule=schedule,
             num_microbatches=options["num_microbatches"],
         )
+    batch_size = options.get("batch_size", 4)
     reader = MapDataReader(
         dataset=Tokens(24, seed=1),
-        batch_size=4,
+        batch_size=batch_size,
         collate=collate,
         gang=gangs.dp,
         num_accumulate=2,
@@ -130,7 +157,7 @@ def train(
     )
     valid = options.get("valid", True)
     valid_reader = MapDataReader(
-        dataset=Tokens(20, seed=2), batch_size=4, collate=collate, gang=gangs.dp, seed=3
+        dataset=Tokens(20, seed=2), batch_size=batch_size, collate=collate, gang=gangs.dp, seed=3
     )
     trainer = Trainer(
         unit=LMTrainUnit(model),
@@ -152,25 +179,36 @@ def train(
         pipeline=pipeline,
     )
     trainer.run()
-    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+    # Whole tensors of the sharded ones (a collective within the stage's DP or TP gang).
+    return {
+        name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+        for name, value in model.state_dict().items()
+    }
 
 
-def main(output_dir: Path) -> None:
-    gangs = setup_gangs(pp_size=2)
-    for name, options in RUNS.items():
+def save_part(gangs: Gangs, run_dir: Path, part: dict[str, Tensor]) -> None:
+    """The first DP and TP rank of each stage saves its part as ``part_{pp_rank}.pt``."""
+    if gangs.dp.rank == 0 and gangs.tp.rank == 0:
+        torch.save(part, run_dir / f"part_{gangs.pp.rank}.pt")
+
+
+def main(output_dir: Path, which: str) -> None:
+    root = setup_root_gang()
+    runs = RUNS if which == "two" else FOUR_PROCESS_RUNS
+    for name, options in runs.items():
         run_dir = output_dir / name
         run_dir.mkdir(parents=True, exist_ok=True)
+        gangs = setup_parallel_gangs(root, pp_size=2, tp_size=options.get("tp_size", 1))
         try:
-            part = train(gangs, run_dir, options)
+            save_part(gangs, run_dir, train(gangs, run_dir, options))
         except BaseException as ex:
             ex.add_note(f"(in pipeline_checks.py's run {name})")
             raise
-        torch.save(part, run_dir / f"part_{gangs.root.rank}.pt")
-    (output_dir / f"gangs_{gangs.root.rank}.json").write_text(
-        json.dumps({"repr": repr(gangs), "pp_rank": gangs.pp.rank, "dp": gangs.dp.size})
-    )
-    leave(gangs.root)
+        (output_dir / f"gangs_{gangs.root.rank}.json").write_text(
+            json.dumps({"repr": repr(gangs), "pp_rank": gangs.pp.rank, "dp": gangs.dp.size})
+        )
+    leave(root)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "two")

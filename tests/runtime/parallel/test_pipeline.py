@@ -19,7 +19,7 @@ from runtime.parallel.pipeline import check_pipeline, stage_ids
 from runtime.training.pipeline_step import pipeline_unit
 from tests.conftest import assert_ok, read_jsonl, torchrun
 from tests.workers import pipeline_checks
-from tests.workers.pipeline_checks import ARGS, NUM_STEPS, RUNS
+from tests.workers.pipeline_checks import ARGS, FOUR_PROCESS_RUNS, NUM_STEPS, RUNS
 from units import TrainUnit
 from units.lm import LMTrainUnit
 
@@ -235,3 +235,34 @@ def test_tied_embeddings_need_the_first_and_last_stages_on_one_rank() -> None:
     # V-shaped: rank 0 holds stages 0 and 3, and the part keeps the one tied weight.
     _, part = split_model(model, [0, 3], 4, split=[1, 1, 1, 0])
     assert part.lm_head.weight is part.model.embed_tokens.weight
+
+
+@pytest.fixture(scope="module")
+def four_process_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One four-process launch of pipeline_checks.FOUR_PROCESS_RUNS: PP=2 x FSDP2 over DP=2, and
+    PP=2 x TP=2 with two stages a rank."""
+    out = tmp_path_factory.mktemp("pipeline_checks_4")
+    assert_ok(torchrun(4, "tests/workers/pipeline_checks.py", str(out), "four"))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", sorted(FOUR_PROCESS_RUNS))
+def test_pp2_with_fsdp2_or_tp2_equals_one_process(
+    four_process_runs: Path, reference: Reference, name: str
+) -> None:
+    expected_dir, expected = reference["valid"]
+    run_dir = four_process_runs / name
+    _assert_close_records(
+        run_dir / "metrics" / "train.jsonl",
+        expected_dir / "metrics" / "train.jsonl",
+        ("loss", "nll_loss", "grad_norm", "num_targets"),
+    )
+    _assert_close_records(
+        run_dir / "metrics" / "valid.jsonl", expected_dir / "metrics" / "valid.jsonl", ("nll_loss",)
+    )
+    weights = _whole_weights(run_dir)
+    assert weights.keys() == expected.keys()
+    for key, value in weights.items():
+        torch.testing.assert_close(value, expected[key], rtol=0, atol=TOLERANCE, msg=key)
