@@ -78,6 +78,7 @@ def lm_stage_inputs(batch: TokenBatch) -> StageInputs:
         kwargs=kwargs,
         target=batch.target_ids,
         num_targets=batch.num_targets,
+        target_padding=IGNORE_INDEX,
     )
 
 

@@ -35,12 +35,18 @@ class StageInputs:
     ``args`` go to the first stage's ``forward``, ``kwargs`` to every stage's (both split into
     microbatches along dim 0), ``target`` to :meth:`PipelineUnit.stage_loss` on the last stage,
     split the same way. ``num_targets`` is the batch's target count (None: a mean loss).
+
+    ``target_padding``: a target value that counts for nothing in the loss (the LM units'
+    ``IGNORE_INDEX``). A batch whose size the microbatches do not divide (a last, shorter
+    batch) is then padded with copies of its last example whose targets are all this value;
+    without one such a batch is refused.
     """
 
     args: tuple[Tensor, ...]
     target: Tensor
     num_targets: int | None
     kwargs: dict[str, Tensor] = field(default_factory=dict)
+    target_padding: int | float | None = None
 
 
 class PipelineUnit(ABC, Generic[BatchT_contra]):

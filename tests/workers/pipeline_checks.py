@@ -36,14 +36,17 @@ SEQ_LEN = 8
 
 RUNS: dict[str, dict[str, Any]] = {
     # Gradient accumulation (2 micro-batches a step, each split into pipeline microbatches),
-    # clipping that bites, a valid set of 5 batches that no layout splits evenly.
-    "1f1b": {"schedule": "1f1b", "num_microbatches": 2},
+    # clipping that bites, and a valid set of 18 examples: one process reads 4 batches of 4 and
+    # one of 2 (the pipeline infers its shapes again, or pads it), two DP ranks batches of 2
+    # and a last one of 1 (padded).
+    # The valid set's last batch of 2 is padded to the 4 microbatches.
+    "1f1b": {"schedule": "1f1b", "num_microbatches": 4},
     "interleaved_1f1b": {
         "schedule": "interleaved_1f1b",
         "stages_per_rank": 2,
         "num_microbatches": 2,
     },
-    "gpipe": {"schedule": "gpipe", "num_microbatches": 4},
+    "gpipe": {"schedule": "gpipe", "num_microbatches": 2},
     # torch's V-shaped schedules cannot run forward only: no valid set.
     "zbv": {"schedule": "zbv", "stages_per_rank": 2, "num_microbatches": 4, "valid": False},
     "dualpipev": {
@@ -157,7 +160,7 @@ def train(
     )
     valid = options.get("valid", True)
     valid_reader = MapDataReader(
-        dataset=Tokens(20, seed=2), batch_size=batch_size, collate=collate, gang=gangs.dp, seed=3
+        dataset=Tokens(18, seed=2), batch_size=batch_size, collate=collate, gang=gangs.dp, seed=3
     )
     trainer = Trainer(
         unit=LMTrainUnit(model),

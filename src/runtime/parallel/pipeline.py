@@ -10,6 +10,7 @@ which stages a rank holds is the schedule's (:func:`stage_ids`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, Final, Literal, final
 
 import torch
@@ -202,13 +203,7 @@ class Pipeline:
             return self._run(inputs, loss_fn, self._schedule.eval)
 
     def _run(self, inputs: StageInputs, loss_fn: LossFn, run: Any) -> Tensor | None:
-        size = inputs.args[0].size(0) if inputs.args else inputs.target.size(0)
-        if size % self.num_microbatches != 0:
-            raise ValueError(
-                f"A batch of {size} examples does not split into pipeline.num_microbatches "
-                f"({self.num_microbatches}) microbatches of one shape. Give batches of a multiple "
-                "of it (drop the last partial batch)."
-            )
+        inputs = self._padded(inputs)
         shapes = _shapes(inputs)
         if self._shapes is not None and shapes != self._shapes:
             self._forget_shapes(shapes)
@@ -228,6 +223,33 @@ class Pipeline:
         if not self.has_last:
             return None
         return torch.stack([loss.detach() for loss in losses]).sum()
+
+    def _padded(self, inputs: StageInputs) -> StageInputs:
+        """``inputs`` padded to a multiple of the microbatches (see
+        :attr:`~units.pipeline.StageInputs.target_padding`), or refused in one line."""
+        size = inputs.target.size(0)
+        missing = -size % self.num_microbatches
+        if missing == 0:
+            return inputs
+        if inputs.target_padding is None:
+            raise ValueError(
+                f"A batch of {size} examples does not split into pipeline.num_microbatches "
+                f"({self.num_microbatches}) microbatches of one shape, and the unit gives no "
+                "target_padding to fill it up with. Give batches of a multiple of it."
+            )
+
+        def pad(tensor: Tensor, fill: float | None = None) -> Tensor:
+            rows = tensor[-1:].expand(missing, *tensor.shape[1:])
+            if fill is not None:
+                rows = torch.full_like(rows, fill)
+            return torch.cat([tensor, rows])
+
+        return replace(
+            inputs,
+            args=tuple(pad(arg) for arg in inputs.args),
+            kwargs={name: pad(value) for name, value in inputs.kwargs.items()},
+            target=pad(inputs.target, inputs.target_padding),
+        )
 
     def _forget_shapes(self, shapes: object) -> None:
         """Make the stages infer their activations' shapes again at the next batch (its shape
