@@ -62,12 +62,6 @@ class PipelineSplit:
     then make the :meth:`pipeline`."""
 
     def __init__(self, model: nn.Module, gangs: Gangs, section: PipelineSection) -> None:
-        if gangs.dp.size > 1 or gangs.tp.size > 1:
-            raise ValueError(
-                f"gang.pp_size ({gangs.pp.size}) composes with data and tensor parallelism in "
-                f"the library, but the recipes do not build it yet (DP {gangs.dp.size}, TP "
-                f"{gangs.tp.size}). Use gang.pp_size=<the number of processes>."
-            )
         self.ids = stage_ids(
             section.schedule,
             pp_rank=gangs.pp.rank,
@@ -92,12 +86,13 @@ class PipelineSplit:
 
 
 def data_parallel_kind(config: ParallelConfig, gangs: Gangs) -> DataParallelKind:
-    """``auto``: HSDP with gang.dp_shard_size, else FSDP2 with TP, else DDP."""
+    """``auto``: HSDP with gang.dp_shard_size, else FSDP2 with TP or with pipeline stages over
+    DP ranks, else DDP."""
     if config.data_parallel != "auto":
         return config.data_parallel
     if config.gang.dp_shard_size is not None:
         return "hsdp"
-    return "fsdp" if gangs.tp.size > 1 else "ddp"
+    return "fsdp" if gangs.tp.size > 1 or (gangs.pp.size > 1 and gangs.dp.size > 1) else "ddp"
 
 
 class CheckpointingOptions(Protocol):

@@ -215,10 +215,10 @@ class LMConfig:
                 f"the task is {self.task}{' with lora.rank' if self.lora.rank else ''}. Use "
                 "gang.pp_size=1 for it."
             )
-        if self.data_parallel in ("fsdp", "hsdp"):
+        if self.data_parallel == "hsdp" or self.gang.dp_shard_size is not None:
             raise ValueError(
-                f"gang.pp_size ({pp_size}) with data_parallel={self.data_parallel} is not built "
-                "in the recipe yet. Leave data_parallel at auto."
+                f"gang.pp_size ({pp_size}) with HSDP (gang.dp_shard_size) is not built yet. Use "
+                "data_parallel=fsdp (or auto) across the DP ranks of a stage."
             )
         self.pipeline.check(pp_size, self.data.batch_size)
 

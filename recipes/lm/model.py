@@ -82,6 +82,7 @@ def build_model(
         tp_plan=plan,
         init_fn=init_fn,
         expert_params=expert_params,
+        pipeline_stages=() if split is None else split.stages,
     )
     pipeline = None if split is None else split.pipeline()
     return BuiltModel(model, block_types, flops, hf, lora, pipeline)

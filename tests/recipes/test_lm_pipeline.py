@@ -79,3 +79,27 @@ def test_refusals_exit_2_in_one_line(
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # data_parallel=auto: FSDP2 over the two DP ranks of each stage, 4 examples each.
+        ("gang.pp_size=2", "data.batch_size=4"),
+        ("gang.pp_size=2", "gang.tp_size=2", "data.batch_size=8"),
+    ],
+    ids=["pp2_fsdp2", "pp2_tp2"],
+)
+def test_pp2_composes_with_fsdp2_and_tp2_on_four_processes(
+    tmp_path: Path, layout: tuple[str, ...]
+) -> None:
+    config = _config(tmp_path)
+    reference, piped = tmp_path / "one", tmp_path / "pp2"
+    assert_ok(run_here(reference, *config, "data.batch_size=8"))
+    assert_ok(torchrun(4, *recipe_args(piped, *config, *layout)))
+    records = read_jsonl(piped / "metrics" / "train.jsonl")
+    expected = read_jsonl(reference / "metrics" / "train.jsonl")
+    for key in ("loss", "grad_norm", "num_targets"):
+        assert [r[key] for r in records] == pytest.approx([r[key] for r in expected], abs=1e-5)
