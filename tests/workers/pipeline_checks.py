@@ -1,8 +1,9 @@
 """Pipeline-parallel runs of a tiny Llama in one ``torchrun`` launch, for tests/runtime/parallel/
 test_pipeline.py.
 
-Usage: ``torchrun --nproc-per-node 2 tests/workers/pipeline_checks.py OUT`` (or
-``--nproc-per-node 4 ... OUT four``). Each run of :data:`RUNS` (:data:`FOUR_PROCESS_RUNS`)
+Usage: ``torchrun --nproc-per-node 2 tests/workers/pipeline_checks.py OUT [two [ONE_RUN]]``
+(or ``--nproc-per-node 4 ... OUT four``); ``ONE_RUN``, a one-process run of :func:`train`, is
+resumed from its step 2 at PP=2 too. Each run of :data:`RUNS` (:data:`FOUR_PROCESS_RUNS`)
 trains under ``pp_size=2`` into ``OUT/NAME`` (metrics, checkpoints), and the first DP and TP
 rank of each stage saves its part's whole weights to ``OUT/NAME/part_{pp_rank}.pt``. :func:`train` is also the one-process
 reference the tests compare with (``pp_size`` 1).
@@ -195,18 +196,28 @@ def save_part(gangs: Gangs, run_dir: Path, part: dict[str, Tensor]) -> None:
         torch.save(part, run_dir / f"part_{gangs.pp.rank}.pt")
 
 
-def main(output_dir: Path, which: str) -> None:
+def main(output_dir: Path, which: str, one_process_run: Path | None) -> None:
+    """The runs of ``which`` (``two`` or ``four``); with ``one_process_run`` (a run of
+    :func:`train` on one process), also ``resume_1_to_2``: its step 2 resumed at PP=2."""
     root = setup_root_gang()
-    runs = RUNS if which == "two" else FOUR_PROCESS_RUNS
+    runs = dict(RUNS if which == "two" else FOUR_PROCESS_RUNS)
+    if one_process_run is not None:
+        runs["resume_1_to_2"] = {
+            "schedule": "1f1b",
+            "num_microbatches": 2,
+            "resume_from": str(one_process_run / "checkpoints" / "step_2"),
+        }
     for name, options in runs.items():
         run_dir = output_dir / name
         run_dir.mkdir(parents=True, exist_ok=True)
         gangs = setup_parallel_gangs(root, pp_size=2, tp_size=options.get("tp_size", 1))
+        resume_from = options.get("resume_from")
         try:
-            save_part(gangs, run_dir, train(gangs, run_dir, options))
+            part = train(gangs, run_dir, options, resume_from=resume_from and Path(resume_from))
         except BaseException as ex:
             ex.add_note(f"(in pipeline_checks.py's run {name})")
             raise
+        save_part(gangs, run_dir, part)
         (output_dir / f"gangs_{gangs.root.rank}.json").write_text(
             json.dumps({"repr": repr(gangs), "pp_rank": gangs.pp.rank, "dp": gangs.dp.size})
         )
@@ -214,4 +225,8 @@ def main(output_dir: Path, which: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "two")
+    main(
+        Path(sys.argv[1]),
+        sys.argv[2] if len(sys.argv) > 2 else "two",
+        Path(sys.argv[3]) if len(sys.argv) > 3 else None,
+    )

@@ -1,7 +1,7 @@
 """Pipeline parallelism: the split, the refusals, and PP=2 on two processes against one process
 (tests/workers/pipeline_checks.py): losses, clipped gradient norms, validation and final
-weights within 1e-5, with gradient accumulation; and a resume at pp_size 1 of a PP=2
-checkpoint."""
+weights within 1e-5, with gradient accumulation and uneven valid sets; resumes from PP=2 to 1
+and from 1 to 2 (reshard_on_resume); and, slow, PP=2 x FSDP2 and PP=2 x TP=2 on 4 processes."""
 
 from __future__ import annotations
 
@@ -112,14 +112,6 @@ def test_stages_compute_the_whole_model_and_keep_its_names() -> None:
     }
 
 
-@pytest.fixture(scope="module")
-def pipeline_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One two-process launch of every run of pipeline_checks.RUNS under gang.pp_size=2."""
-    out = tmp_path_factory.mktemp("pipeline_checks")
-    assert_ok(torchrun(2, "tests/workers/pipeline_checks.py", str(out)))
-    return out
-
-
 Reference = dict[str, tuple[Path, dict[str, Tensor]]]
 
 
@@ -132,6 +124,18 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
         name: (out / name, pipeline_checks.train(Gangs.single(), out / name, {"valid": valid}))
         for name, valid in (("valid", True), ("no_valid", False))
     }
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(tmp_path_factory: pytest.TempPathFactory, reference: Reference) -> Path:
+    """One two-process launch of every run of pipeline_checks.RUNS under pp_size=2, and of the
+    one-process reference resumed from its step 2 at pp_size=2."""
+    out = tmp_path_factory.mktemp("pipeline_checks")
+    one_process_run = reference["valid"][0]
+    assert_ok(
+        torchrun(2, "tests/workers/pipeline_checks.py", str(out), "two", str(one_process_run))
+    )
+    return out
 
 
 def _whole_weights(run_dir: Path) -> dict[str, Tensor]:
@@ -171,6 +175,16 @@ def test_pp2_equals_one_process(pipeline_runs: Path, reference: Reference, name:
     weights = _whole_weights(run_dir)
     assert weights.keys() == expected.keys()
     for key, value in weights.items():
+        torch.testing.assert_close(value, expected[key], rtol=0, atol=TOLERANCE, msg=key)
+
+
+@pytest.mark.distributed
+def test_resume_of_pp1_at_pp2(pipeline_runs: Path, reference: Reference) -> None:
+    """A one-process checkpoint of step 2 resumes at PP=2 and ends where one process ends."""
+    run_dir = pipeline_runs / "resume_1_to_2"
+    assert [r["step_nr"] for r in read_jsonl(run_dir / "metrics" / "train.jsonl")] == [3, 4]
+    _, expected = reference["valid"]
+    for key, value in _whole_weights(run_dir).items():
         torch.testing.assert_close(value, expected[key], rtol=0, atol=TOLERANCE, msg=key)
 
 
