@@ -31,13 +31,15 @@ from gangs.torch_versions import private_apis_refused, private_apis_supported
 
 @final
 class Gangs:
-    """The gangs of one process: all processes (``root``), its DP gang and its TP gang.
+    """The gangs of one process: all processes (``root``), its DP, TP and PP gangs.
 
     Ranks are laid out as ``root_rank = dp_rank * tp.size + tp_rank``: a TP gang is a run of
     consecutive ranks (on one machine when ``tp.size`` divides the processes per node), and a DP
     gang strides across them. With HSDP the DP ranks are further laid out as
     ``dp_rank = replicate_rank * dp_shard_size + shard_rank``: a shard group is a run of
-    consecutive DP ranks (one node), and replicas stride across nodes.
+    consecutive DP ranks (one node), and replicas stride across nodes. With pipeline parallelism
+    the stages are outermost: ``root_rank = pp_rank * (dp.size * tp.size) + dp_rank * tp.size +
+    tp_rank``, and the DP and TP gangs are those within one stage.
     """
 
     def __init__(
