@@ -12,6 +12,7 @@ from tests.conftest import assert_ok, make_tokenizer_dir, read_jsonl, torchrun
 from tests.recipes.test_lm import (
     TINY_TRAINING,
     last_model,
+    make_hf_model_dir,
     recipe_args,
     run_here,
     sentences,
@@ -33,8 +34,17 @@ def _config(tmp_path: Path) -> tuple[str, ...]:
 
 
 @pytest.mark.distributed
-def test_pp2_trains_as_one_process_does(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "model",
+    ["llama_debug", pytest.param("qwen2", marks=pytest.mark.slow)],
+)
+def test_pp2_trains_as_one_process_does(tmp_path: Path, model: str) -> None:
+    """The project's Llama from scratch, or a Hugging Face Qwen2 fine-tuned from its directory
+    (each stage loads its own weights)."""
     config = _config(tmp_path)
+    if model == "qwen2":
+        model_dir = make_hf_model_dir(tmp_path / "qwen2", architecture="Qwen2")
+        config = (f"model.hf_path={model_dir}", *config[2:])
     reference, piped = tmp_path / "one", tmp_path / "pp2"
     assert_ok(run_here(reference, *config))
     assert_ok(
