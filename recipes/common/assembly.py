@@ -61,7 +61,15 @@ class PipelineSplit:
     trains: see :mod:`models.pipeline`) and the stages' ids. Split on meta, parallelize the part,
     then make the :meth:`pipeline`."""
 
-    def __init__(self, model: nn.Module, gangs: Gangs, section: PipelineSection) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        gangs: Gangs,
+        section: PipelineSection,
+        split: Callable[..., tuple[list[nn.Module], nn.Module]] = split_model,
+    ) -> None:
+        """``split``: :func:`models.pipeline.split_model`'s signature, for a model of the
+        recipe's own (built with :func:`models.pipeline.split_by_layers`)."""
         self.ids = stage_ids(
             section.schedule,
             pp_rank=gangs.pp.rank,
@@ -69,7 +77,7 @@ class PipelineSplit:
             stages_per_rank=section.stages_per_rank,
         )
         num_stages = gangs.pp.size * section.stages_per_rank
-        self.stages, self.part = split_model(model, self.ids, num_stages, section.split)
+        self.stages, self.part = split(model, self.ids, num_stages, section.split)
         self._gangs = gangs
         self._section = section
 

@@ -16,7 +16,7 @@ model's).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, final
 
 from torch import Tensor, nn
@@ -122,42 +122,59 @@ def split_model(
     (``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``) split."""
     if isinstance(model, Llama):
         num_layers = model.args.num_layers
-        return _split(model, stage_ids, num_stages, split, LlamaStage, num_layers)
-    if _is_hf_decoder(model):
+        stage_type: type[LlamaStage] | type[HFDecoderStage] = LlamaStage
+    elif _is_hf_decoder(model):
         num_layers = len(model.get_submodule("model.layers"))  # type: ignore[arg-type]
-        return _split(model, stage_ids, num_stages, split, HFDecoderStage, num_layers)
-    raise ValueError(
-        f"{type(model).__name__} does not split into pipeline stages: the project's Llama "
-        "(model.name) and Hugging Face decoders with model.embed_tokens, model.layers, "
-        "model.norm and lm_head do. Use gang.pp_size=1."
+        stage_type = HFDecoderStage
+    else:
+        raise ValueError(
+            f"{type(model).__name__} does not split into pipeline stages: the project's Llama "
+            "(model.name) and Hugging Face decoders with model.embed_tokens, model.layers, "
+            "model.norm and lm_head do. Use gang.pp_size=1."
+        )
+    tied = model.get_submodule("lm_head").weight is model.get_submodule("model.embed_tokens").weight
+    return split_by_layers(
+        model,
+        stage_ids,
+        num_stages,
+        split,
+        num_layers=num_layers,
+        make_stage=lambda m, layers, first, last: stage_type(m, layers, first=first, last=last),
+        tied=tied,
     )
 
 
-def _split(
+StageFactory = Callable[[Any, Sequence[int], bool, bool], nn.Module]
+"""``(model, layers, first, last) -> stage``: the module of one stage (or of a rank's part)."""
+
+
+def split_by_layers(
     model: Any,
     stage_ids: Sequence[int],
     num_stages: int,
     split: Sequence[int] | None,
-    stage_type: Any,
+    *,
     num_layers: int,
+    make_stage: StageFactory,
+    tied: bool = False,
 ) -> tuple[list[nn.Module], nn.Module]:
+    """:func:`split_model` for a model of your own: ``make_stage`` builds the module of the given
+    layers (and of the embeddings with ``first``, the head with ``last``) under ``model``'s
+    names. ``tied``: the model ties its input and output embeddings, so its first and last stages
+    must be on one rank."""
     layers = split_layers(num_layers, num_stages, split)
     last = num_stages - 1
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
     if tied and (0 in stage_ids) != (last in stage_ids):
         raise ValueError(
             "The model ties its input and output embeddings, which the first and the last "
             "pipeline stages hold: they must be on one rank. Use pipeline.schedule=zbv or "
             "dualpipev (V-shaped: both on the first rank), or a model without tied embeddings."
         )
-    stages: list[nn.Module] = [
-        stage_type(model, layers[s], first=s == 0, last=s == last) for s in stage_ids
-    ]
+    stages = [make_stage(model, layers[s], s == 0, s == last) for s in stage_ids]
     if len(stages) == 1:
         return stages, stages[0]
     owned = sorted(i for s in stage_ids for i in layers[s])
-    part = stage_type(model, owned, first=0 in stage_ids, last=last in stage_ids)
-    return stages, part
+    return stages, make_stage(model, owned, 0 in stage_ids, last in stage_ids)
 
 
 def _is_hf_decoder(model: nn.Module) -> bool:
@@ -212,4 +229,11 @@ class HFDecoderStage(nn.Module):
         return x
 
 
-__all__ = ["HFDecoderStage", "LlamaStage", "split_layers", "split_model"]
+__all__ = [
+    "HFDecoderStage",
+    "LlamaStage",
+    "StageFactory",
+    "split_by_layers",
+    "split_layers",
+    "split_model",
+]
