@@ -27,6 +27,7 @@ from models.llama import DecoderLayer, Llama, LlamaArgs, tensor_parallel_plan
 from models.pipeline import split_model
 from runtime import MapDataReader, Trainer, parallelize_model
 from runtime.parallel.pipeline import Pipeline, stage_ids
+from tests.sync_detector import LAST, SyncWindow
 from tests.workers.leave import leave
 from units.lm import LMEvalUnit, LMTrainUnit
 
@@ -56,6 +57,8 @@ RUNS: dict[str, dict[str, Any]] = {
         "num_microbatches": 4,
         "valid": False,
     },
+    # No host sync in the steady steps (tests/sync_detector.py): steps 4 to 7, nothing due.
+    "host_sync": {"schedule": "1f1b", "num_microbatches": 2, "valid": False, "host_sync": True},
     # Saved at step 2 (of 4) for the resume at pp_size 1.
     "resume": {"schedule": "1f1b", "num_microbatches": 2, "max_num_steps": 2},
 }
@@ -163,26 +166,37 @@ def train(
     valid_reader = MapDataReader(
         dataset=Tokens(18, seed=2), batch_size=batch_size, collate=collate, gang=gangs.dp, seed=3
     )
+    watch = options.get("host_sync", False)
+    window = SyncWindow() if watch else None
     trainer = Trainer(
         unit=LMTrainUnit(model),
         data_reader=reader,
-        optimizer=torch.optim.AdamW(model.parameters(), lr=0.01),
+        # SGD where host syncs are watched: AdamW reads its step count on the host.
+        optimizer=(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            if watch
+            else torch.optim.AdamW(model.parameters(), lr=0.01)
+        ),
         checkpoint_manager=CheckpointManager(output_dir / "checkpoints", gangs),
         gangs=gangs,
         valid_units=[LMEvalUnit(model)] if valid else None,
         valid_data_readers=[valid_reader] if valid else None,
         validate_every_n_steps=2 if valid else None,
-        max_num_steps=max_num_steps or options.get("max_num_steps", NUM_STEPS),
+        max_num_steps=max_num_steps
+        or options.get("max_num_steps", LAST + 1 if watch else NUM_STEPS),
         max_gradient_norm=0.5,
-        publish_metrics_every_n_steps=1,
+        publish_metrics_every_n_steps=100 if watch else 1,
         metrics_dir=output_dir / "metrics",
-        checkpoint_every_n_steps=2,
+        checkpoint_every_n_steps=None if watch else 2,
+        callbacks=[] if window is None else [window],
         reshard_on_resume=resume_from is not None,
         resume_from=resume_from,
         progress=False,
         pipeline=pipeline,
     )
     trainer.run()
+    if window is not None:
+        (output_dir / f"syncs_{gangs.root.rank}.json").write_text(json.dumps(window.detector.syncs))
     # Whole tensors of the sharded ones (a collective within the stage's DP or TP gang).
     return {
         name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()

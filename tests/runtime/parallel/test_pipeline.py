@@ -189,6 +189,14 @@ def test_resume_of_pp1_at_pp2(pipeline_runs: Path, reference: Reference) -> None
 
 
 @pytest.mark.distributed
+def test_a_pipeline_step_makes_no_host_sync(pipeline_runs: Path) -> None:
+    """Steady steps of PP=2 with clipping read nothing off the device, on either stage."""
+    for rank in range(2):
+        syncs = json.loads((pipeline_runs / "host_sync" / f"syncs_{rank}.json").read_text())
+        assert syncs == [], syncs
+
+
+@pytest.mark.distributed
 def test_gangs_put_pp_outermost(pipeline_runs: Path) -> None:
     reports = [json.loads((pipeline_runs / f"gangs_{r}.json").read_text()) for r in range(2)]
     assert [r["pp_rank"] for r in reports] == [0, 1]
