@@ -34,7 +34,8 @@ class StageInputs:
 
     ``args`` go to the first stage's ``forward``, ``kwargs`` to every stage's (both split into
     microbatches along dim 0), ``target`` to :meth:`PipelineUnit.stage_loss` on the last stage,
-    split the same way. ``num_targets`` is the batch's target count (None: a mean loss).
+    split the same way. ``num_targets`` is the batch's target count (under pipeline
+    parallelism the loss is a sum and the count is needed: None is refused).
 
     ``target_padding``: a target value that counts for nothing in the loss (the LM units'
     ``IGNORE_INDEX``). A batch whose size the microbatches do not divide (a last, shorter

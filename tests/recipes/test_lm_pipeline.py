@@ -40,7 +40,7 @@ def _config(tmp_path: Path) -> tuple[str, ...]:
 )
 def test_pp2_trains_as_one_process_does(tmp_path: Path, model: str) -> None:
     """The project's Llama from scratch, or a Hugging Face Qwen2 fine-tuned from its directory
-    (each stage loads its own weights)."""
+    (each stage loads its own weights); the pipeline run checkpoints its activations."""
     config = _config(tmp_path)
     if model == "qwen2":
         model_dir = make_hf_model_dir(tmp_path / "qwen2", architecture="Qwen2")
@@ -50,7 +50,14 @@ def test_pp2_trains_as_one_process_does(tmp_path: Path, model: str) -> None:
     assert_ok(
         torchrun(
             2,
-            *recipe_args(piped, *config, "gang.pp_size=2", "pipeline.schedule=1f1b"),
+            *recipe_args(
+                piped,
+                *config,
+                "gang.pp_size=2",
+                "pipeline.schedule=1f1b",
+                # Per stage, in place: the same numbers.
+                "model.activation_checkpointing=true",
+            ),
         )
     )
     records = read_jsonl(piped / "metrics" / "train.jsonl")

@@ -70,18 +70,20 @@ class PipelineTrainStep(TrainStep[BatchT]):
 
         num_targets = 0
         num_examples = 0
-        counted: bool | None = None
         sums: list[Tensor] = []
         for batch in batches:
             inputs = unit.stage_inputs(batch)
-            if counted is not None and counted != (inputs.num_targets is not None):
+            if inputs.num_targets is None:
+                # A mean per pipeline microbatch, summed over them, would weigh each batch by
+                # its number of microbatches.
                 raise TrainerError(
-                    f"The unit gave a target count for some micro-batches of step {step_nr} and "
-                    "None for others. Give one or the other for every batch."
+                    f"The unit gave no target count for a micro-batch of step {step_nr}. Under "
+                    "pipeline parallelism stage_inputs gives num_targets and stage_loss a loss "
+                    "summed over them."
                 )
-            counted = inputs.num_targets is not None
-            num_targets += 1 if inputs.num_targets is None else inputs.num_targets
+            num_targets += inputs.num_targets
             num_examples += _num_examples(batch)
+            # The schedule interleaves the microbatches' forwards and backwards: one range.
             with self._range(FORWARD), self.autocast():
                 total = self._pipeline.step(inputs, loss_fn)
             if total is not None:
