@@ -72,6 +72,12 @@ FOUR_PROCESS_RUNS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 """Runs of ``pipeline_checks.py OUT four`` on four processes (the slow tests)."""
 
+EIGHT_PROCESS_RUNS: dict[str, dict[str, Any]] = {
+    "pp2_fsdp2_tp2": {"schedule": "1f1b", "num_microbatches": 2, "kind": "fsdp", "batch_size": 2,
+                      "tp_size": 2},
+}  # fmt: skip
+"""Runs of ``pipeline_checks.py OUT eight`` on eight processes (slow)."""
+
 
 @dataclass
 class Batch:
@@ -214,7 +220,7 @@ def main(output_dir: Path, which: str, one_process_run: Path | None) -> None:
     """The runs of ``which`` (``two`` or ``four``); with ``one_process_run`` (a run of
     :func:`train` on one process), also ``resume_1_to_2``: its step 2 resumed at PP=2."""
     root = setup_root_gang()
-    runs = dict(RUNS if which == "two" else FOUR_PROCESS_RUNS)
+    runs = dict({"two": RUNS, "four": FOUR_PROCESS_RUNS, "eight": EIGHT_PROCESS_RUNS}[which])
     if one_process_run is not None:
         runs["resume_1_to_2"] = {
             "schedule": "1f1b",

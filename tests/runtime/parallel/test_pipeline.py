@@ -1,11 +1,13 @@
 """Pipeline parallelism: the split, the refusals, and PP=2 on two processes against one process
 (tests/workers/pipeline_checks.py): losses, clipped gradient norms, validation and final
 weights within 1e-5, with gradient accumulation and uneven valid sets; resumes from PP=2 to 1
-and from 1 to 2 (reshard_on_resume); and, slow, PP=2 x FSDP2 and PP=2 x TP=2 on 4 processes."""
+and from 1 to 2 (reshard_on_resume); no host sync; and, slow, PP=2 x FSDP2 and PP=2 x TP=2 on 4
+processes, PP=2 x FSDP2 x TP=2 on 8."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -260,22 +262,36 @@ def test_tied_embeddings_need_the_first_and_last_stages_on_one_rank() -> None:
 
 
 @pytest.fixture(scope="module")
-def four_process_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One four-process launch of pipeline_checks.FOUR_PROCESS_RUNS: PP=2 x FSDP2 over DP=2, and
-    PP=2 x TP=2 with two stages a rank."""
-    out = tmp_path_factory.mktemp("pipeline_checks_4")
-    assert_ok(torchrun(4, "tests/workers/pipeline_checks.py", str(out), "four"))
-    return out
+def many_process_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
+    """``runs(nproc)``: the directory of one launch of pipeline_checks on 4 processes (PP=2 x
+    FSDP2 over DP=2, and PP=2 x TP=2 with two stages a rank) or 8 (PP=2 x FSDP2 x TP=2), each
+    made once."""
+    outs: dict[int, Path] = {}
+
+    def runs(nproc: int) -> Path:
+        if nproc not in outs:
+            out = tmp_path_factory.mktemp(f"pipeline_checks_{nproc}")
+            which = {4: "four", 8: "eight"}[nproc]
+            assert_ok(
+                torchrun(nproc, "tests/workers/pipeline_checks.py", str(out), which, timeout=600)
+            )
+            outs[nproc] = out
+        return outs[nproc]
+
+    return runs
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", sorted(FOUR_PROCESS_RUNS))
-def test_pp2_with_fsdp2_or_tp2_equals_one_process(
-    four_process_runs: Path, reference: Reference, name: str
+@pytest.mark.parametrize(
+    ("nproc", "name"),
+    [*((4, name) for name in sorted(FOUR_PROCESS_RUNS)), (8, "pp2_fsdp2_tp2")],
+)
+def test_pp2_with_fsdp2_and_tp2_equals_one_process(
+    many_process_runs: Callable[[int], Path], reference: Reference, nproc: int, name: str
 ) -> None:
     expected_dir, expected = reference["valid"]
-    run_dir = four_process_runs / name
+    run_dir = many_process_runs(nproc) / name
     _assert_close_records(
         run_dir / "metrics" / "train.jsonl",
         expected_dir / "metrics" / "train.jsonl",
