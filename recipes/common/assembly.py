@@ -78,6 +78,11 @@ class PipelineSplit:
         )
         num_stages = gangs.pp.size * section.stages_per_rank
         self.stages, self.part = split(model, self.ids, num_stages, section.split)
+        if not any(True for _ in self.part.parameters()):
+            raise ValueError(
+                f"PP rank {gangs.pp.rank} holds stages {self.ids} without any weight (their "
+                f"layers by pipeline.split: {section.split}). Give every rank a layer."
+            )
         self._gangs = gangs
         self._section = section
 

@@ -33,17 +33,37 @@ def _config(tmp_path: Path) -> tuple[str, ...]:
     )
 
 
+PIPELINES = {
+    "llama_debug": ("pipeline.schedule=1f1b",),
+    "qwen2": ("pipeline.schedule=1f1b",),
+    # Tied embeddings: a V-shaped schedule puts the first and last stages on rank 0.
+    "qwen2_tied": (
+        "pipeline.schedule=zbv",
+        "pipeline.stages_per_rank=2",
+        "pipeline.split=[0, 1, 1, 0]",
+    ),
+}
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "model",
-    ["llama_debug", pytest.param("qwen2", marks=pytest.mark.slow)],
+    [
+        "llama_debug",
+        pytest.param("qwen2", marks=pytest.mark.slow),
+        pytest.param("qwen2_tied", marks=pytest.mark.slow),
+    ],
 )
 def test_pp2_trains_as_one_process_does(tmp_path: Path, model: str) -> None:
     """The project's Llama from scratch, or a Hugging Face Qwen2 fine-tuned from its directory
-    (each stage loads its own weights); the pipeline run checkpoints its activations."""
+    (each stage loads its own weights), with tied embeddings too; the pipeline run checkpoints
+    its activations."""
     config = _config(tmp_path)
-    if model == "qwen2":
-        model_dir = make_hf_model_dir(tmp_path / "qwen2", architecture="Qwen2")
+    if model != "llama_debug":
+        tied = model == "qwen2_tied"
+        model_dir = make_hf_model_dir(
+            tmp_path / model, architecture="Qwen2", tie_word_embeddings=tied
+        )
         config = (f"model.hf_path={model_dir}", *config[2:])
     reference, piped = tmp_path / "one", tmp_path / "pp2"
     assert_ok(run_here(reference, *config))
@@ -54,7 +74,7 @@ def test_pp2_trains_as_one_process_does(tmp_path: Path, model: str) -> None:
                 piped,
                 *config,
                 "gang.pp_size=2",
-                "pipeline.schedule=1f1b",
+                *PIPELINES[model],
                 # Per stage, in place: the same numbers.
                 "model.activation_checkpointing=true",
             ),
