@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from models.llama import PRESETS
 from models.lora import LoraSection
+from models.pipeline import split_layers
 from recipes.common import (
     FsdpSection,
     GangSection,
@@ -221,6 +224,20 @@ class LMConfig:
                 "data_parallel=fsdp (or auto) across the DP ranks of a stage."
             )
         self.pipeline.check(pp_size, self.data.batch_size)
+        num_layers = self._num_layers()
+        if num_layers is not None:
+            # The same check as the split's, here so that it fails before the launch's work.
+            split_layers(num_layers, pp_size * self.pipeline.stages_per_rank, self.pipeline.split)
+
+    def _num_layers(self) -> int | None:
+        """The model's decoder layers, as its preset or config.json says (None: unknown)."""
+        if self.model.name in PRESETS:
+            return PRESETS[self.model.name]["num_layers"]
+        if self.model.hf_path is not None:
+            config = json.loads((self.model.hf_path / "config.json").read_text())
+            layers = config.get("num_hidden_layers")
+            return layers if isinstance(layers, int) else None
+        return None
 
     def _validate_lora(self) -> None:
         check_positive("lora.rank", self.lora.rank)

@@ -107,6 +107,14 @@ def test_pp2_trains_as_one_process_does(tmp_path: Path, model: str) -> None:
             "pipeline.schedule=zbv runs exactly two stages per rank",
         ),
         (("gang.pp_size=2", "task=dpo"), "gang.pp_size (2) trains task=pretrain"),
+        (
+            ("gang.pp_size=2", "pipeline.schedule=interleaved_1f1b", "pipeline.stages_per_rank=2"),
+            "The pipeline has 4 stages, but the model has only 2 layers",
+        ),
+        (
+            ("gang.pp_size=2", "pipeline.split=[2, 1]"),
+            "pipeline.split must give the layers of each of the 2 stages, summing to the model's",
+        ),
     ],
 )
 def test_refusals_exit_2_in_one_line(
