@@ -9,6 +9,7 @@ which stages a rank holds is the schedule's (:func:`stage_ids`).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Final, Literal, final
@@ -109,6 +110,11 @@ def stage_ids(schedule: str, *, pp_rank: int, pp_size: int, stages_per_rank: int
     return [pp_rank + i * pp_size for i in range(stages_per_rank)]
 
 
+def schedule_available(schedule: str) -> bool:
+    """Whether the installed torch has the schedule ``schedule`` (one of :data:`SCHEDULES`)."""
+    return _schedule_class(schedule) is not None
+
+
 def _schedule_class(schedule: str) -> Any:
     import torch.distributed.pipelining as pipelining
 
@@ -176,6 +182,13 @@ class Pipeline:
         cls = _schedule_class(schedule)
         first = self._stages if schedule not in _SINGLE else self._stages[0]
         self._schedule = cls(first, num_microbatches, loss_fn=self._loss, scale_grads=False)
+        # Without it the last stage concatenates every microbatch's output (the logits) for
+        # nothing; a torch whose step() lacks the switch concatenates them.
+        self._step_options = (
+            {"return_outputs": False}
+            if "return_outputs" in inspect.signature(self._schedule.step).parameters
+            else {}
+        )
 
     def _loss(self, output: Tensor, target: Tensor) -> Tensor:
         assert self._loss_fn is not None, "Pipeline.step sets the loss"
@@ -215,7 +228,7 @@ class Pipeline:
                 *inputs.args,
                 target=inputs.target,
                 losses=losses,
-                return_outputs=False,
+                **self._step_options,
                 **inputs.kwargs,
             )
         finally:
