@@ -243,6 +243,12 @@ def main(output_dir: Path, which: str, one_process_run: Path | None) -> None:
         (output_dir / f"gangs_{gangs.root.rank}.json").write_text(
             json.dumps({"repr": repr(gangs), "pp_rank": gangs.pp.rank, "dp": gangs.dp.size})
         )
+    if which == "two" and schedule_available("zbv"):
+        # Validation under a V-shaped schedule is refused at start, on every rank alike.
+        try:
+            train(gangs, output_dir / "zbv_valid", {**RUNS["zbv"], "valid": True})
+        except ValueError as ex:
+            (output_dir / f"zbv_valid_{root.rank}.txt").write_text(str(ex))
     leave(root)
 
 

@@ -201,6 +201,16 @@ def test_a_pipeline_step_makes_no_host_sync(pipeline_runs: Path) -> None:
 
 
 @pytest.mark.distributed
+def test_validation_under_a_v_shaped_schedule_is_refused_in_one_line(pipeline_runs: Path) -> None:
+    if not schedule_available("zbv"):
+        pytest.skip(f"torch {torch.__version__} has no zbv schedule")
+    for rank in range(2):
+        message = (pipeline_runs / f"zbv_valid_{rank}.txt").read_text()
+        assert message.startswith("pipeline.schedule=zbv cannot validate"), message
+        assert "\n" not in message
+
+
+@pytest.mark.distributed
 def test_gangs_put_pp_outermost(pipeline_runs: Path) -> None:
     reports = [json.loads((pipeline_runs / f"gangs_{r}.json").read_text()) for r in range(2)]
     assert [r["pp_rank"] for r in reports] == [0, 1]
