@@ -6,7 +6,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from recipes.common import FsdpSection, GangSection, OptimizerSection, TrainerSection
+from recipes.common import (
+    FsdpSection,
+    GangSection,
+    OptimizerSection,
+    PipelineSection,
+    TrainerSection,
+)
 from trainkit_utils.arguments import check_not_negative, check_positive
 
 
@@ -60,6 +66,7 @@ class CharLMConfig:
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     fsdp: FsdpSection = field(default_factory=FsdpSection)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
     data_parallel: Literal["auto", "ddp", "fsdp", "hsdp"] = "auto"
     """``auto``: HSDP with gang.dp_shard_size, else FSDP2 with TP, else DDP."""
     compile: bool = False
@@ -83,6 +90,14 @@ class CharLMConfig:
         ):
             check_positive(name, value)
         check_not_negative("optimizer.warmup_steps", self.optimizer.warmup_steps)
+        check_positive("gang.pp_size", self.gang.pp_size)
+        if self.gang.pp_size > 1:
+            if self.data_parallel == "hsdp" or self.gang.dp_shard_size is not None:
+                raise ValueError(
+                    f"gang.pp_size ({self.gang.pp_size}) with HSDP (gang.dp_shard_size) is not "
+                    "built yet. Use data_parallel=fsdp (or auto) across a stage's DP ranks."
+                )
+            self.pipeline.check(self.gang.pp_size, self.data.batch_size)
         check_not_negative("data.max_train_bytes", self.data.max_train_bytes)
         check_not_negative("data.max_valid_bytes", self.data.max_valid_bytes)
         if self.model.dim % self.model.num_heads != 0:

@@ -3,7 +3,7 @@ tensor-parallel plan, and its units."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -12,13 +12,16 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torcheval.metrics import Mean, Perplexity
 
 from gangs import Gangs
+from models.pipeline import split_by_layers
 from recipes.char_lm.config import CharLMConfig, ModelSection
 from recipes.char_lm.data import LMBatch
-from recipes.common import parallel_options
+from recipes.common import PipelineSplit, parallel_options
 from runtime import parallelize_model
 from runtime.data.text import TextBatch
+from runtime.parallel.pipeline import Pipeline
 from units import EvalUnit, TrainUnit
-from units.lm import summed_nll_loss
+from units.lm import IGNORE_INDEX, summed_nll_loss
+from units.pipeline import PipelineUnit, StageInputs
 
 
 class Attention(nn.Module):
@@ -86,6 +89,44 @@ class ByteTransformer(nn.Module):
         return self.head(self.norm(x))
 
 
+class ByteTransformerStage(nn.Module):
+    """The part of a :class:`ByteTransformer` pipeline stages hold, under its names: the token
+    and position embeddings on the first stage, the norm and head on the last."""
+
+    def __init__(
+        self, model: ByteTransformer, layers: Sequence[int], first: bool, last: bool
+    ) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.embed, self.pos = model.embed, model.pos
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        if last:
+            self.norm, self.head = model.norm, model.head
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.first:
+            positions = torch.arange(x.size(1), device=x.device)
+            x = self.embed(x) + self.pos(positions)
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.norm(x)) if self.last else x
+
+
+def split_byte_transformer(
+    model: ByteTransformer, stage_ids: Sequence[int], num_stages: int, split: Sequence[int] | None
+) -> tuple[list[nn.Module], nn.Module]:
+    """The stages ``stage_ids`` of ``model`` and the rank's part (see :mod:`models.pipeline`)."""
+    return split_by_layers(
+        model,
+        stage_ids,
+        num_stages,
+        split,
+        num_layers=len(model.blocks),
+        make_stage=ByteTransformerStage,
+    )
+
+
 def tensor_parallel_plan(model: ByteTransformer) -> dict[str, ParallelStyle]:
     """Attention and MLP projections, Megatron-style: column-wise in, row-wise out."""
     plan: dict[str, ParallelStyle] = {}
@@ -104,15 +145,30 @@ def build_model(config: CharLMConfig, gangs: Gangs, vocab_size: int = 256) -> nn
     The initial weights depend on ``trainer.seed`` alone, not on the layout: every module is
     initialized from a generator seeded by the seed and its name (see ``materialize_model``).
     """
+    return build_pipeline_model(config, gangs, vocab_size)[0]
+
+
+def build_pipeline_model(
+    config: CharLMConfig, gangs: Gangs, vocab_size: int = 256
+) -> tuple[nn.Module, Pipeline | None]:
+    """:func:`build_model`, and with ``gang.pp_size`` > 1 this rank's part of it (under the
+    whole model's names) and the pipeline over its stages."""
     with torch.device("meta" if config.model.meta_init else gangs.root.device):
         model = ByteTransformer(config.model, config.data.seq_len, vocab_size)
-    return parallelize_model(
+    plan = tensor_parallel_plan(model)
+    split = None
+    if gangs.pp.size > 1:
+        split = PipelineSplit(model, gangs, config.pipeline, split_byte_transformer)
+        model = split.part  # type: ignore[assignment]
+    model = parallelize_model(
         model,
         gangs,
         **parallel_options(config, gangs),
         block_types=(Block,),
-        tp_plan=tensor_parallel_plan(model),
+        tp_plan=plan,
+        pipeline_stages=() if split is None else split.stages,
     )
+    return model, None if split is None else split.pipeline()
 
 
 def flops_per_target(model: nn.Module, config: CharLMConfig) -> float:
@@ -130,7 +186,17 @@ def inputs_and_targets(batch: LMBatch | TextBatch) -> tuple[Tensor, Tensor]:
     return batch.inputs, batch.targets
 
 
-class CharLMTrainUnit(TrainUnit[LMBatch | TextBatch]):
+def _stage_inputs(batch: LMBatch | TextBatch) -> StageInputs:
+    inputs, targets = inputs_and_targets(batch)
+    return StageInputs(
+        args=(inputs,),
+        target=targets,
+        num_targets=batch.num_targets,
+        target_padding=IGNORE_INDEX,
+    )
+
+
+class CharLMTrainUnit(TrainUnit[LMBatch | TextBatch], PipelineUnit[LMBatch | TextBatch]):
     def __init__(
         self, model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor] = summed_nll_loss
     ) -> None:
@@ -141,11 +207,20 @@ class CharLMTrainUnit(TrainUnit[LMBatch | TextBatch]):
     def __call__(self, batch: LMBatch | TextBatch) -> tuple[Tensor, int | None]:
         inputs, targets = inputs_and_targets(batch)
         loss = self._loss_fn(self.model(inputs), targets)
-        self.metric_bag.nll_loss.update(loss.detach() / batch.num_targets, weight=batch.num_targets)
+        self.record_loss(batch, loss.detach())
         return loss, batch.num_targets
 
+    def stage_inputs(self, batch: LMBatch | TextBatch) -> StageInputs:
+        return _stage_inputs(batch)
 
-class CharLMEvalUnit(EvalUnit[LMBatch | TextBatch]):
+    def stage_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return self._loss_fn(output, target)
+
+    def record_loss(self, batch: LMBatch | TextBatch, loss: Tensor) -> None:
+        self.metric_bag.nll_loss.update(loss / batch.num_targets, weight=batch.num_targets)
+
+
+class CharLMEvalUnit(EvalUnit[LMBatch | TextBatch], PipelineUnit[LMBatch | TextBatch]):
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model)
         self.metric_bag.register_metric("nll_loss", Mean())
@@ -157,3 +232,17 @@ class CharLMEvalUnit(EvalUnit[LMBatch | TextBatch]):
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         self.metric_bag.nll_loss.update(loss, weight=batch.num_targets)
         self.metric_bag.perplexity.update(logits, targets)
+
+    def stage_inputs(self, batch: LMBatch | TextBatch) -> StageInputs:
+        return _stage_inputs(batch)
+
+    def stage_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return summed_nll_loss(output, target)
+
+    def record_loss(self, batch: LMBatch | TextBatch, loss: Tensor) -> None:
+        # Only the last stage has the logits: perplexity is exp of the summed loss over the
+        # targets, which is what torcheval's Perplexity accumulates from them.
+        self.metric_bag.nll_loss.update(loss / batch.num_targets, weight=batch.num_targets)
+        perplexity = self.metric_bag.perplexity
+        perplexity.sum_log_probs += loss.to(perplexity.sum_log_probs)
+        perplexity.num_total += batch.num_targets

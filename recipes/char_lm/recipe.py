@@ -12,7 +12,12 @@ from pathlib import Path
 
 from recipes.char_lm.config import CharLMConfig
 from recipes.char_lm.data import CharBatch, build_readers
-from recipes.char_lm.model import CharLMEvalUnit, CharLMTrainUnit, build_model, flops_per_target
+from recipes.char_lm.model import (
+    CharLMEvalUnit,
+    CharLMTrainUnit,
+    build_pipeline_model,
+    flops_per_target,
+)
 from recipes.common import adamw_with_schedule, setup_recipe_gangs, trainer_options
 from runtime import Trainer, compile_loss
 from units.lm import summed_nll_loss
@@ -23,7 +28,7 @@ def recipe(config: CharLMConfig, output_dir: Path) -> Trainer[CharBatch]:
     train_reader, valid_reader, vocab_size = build_readers(
         config.data, gangs, seed=config.trainer.seed
     )
-    model = build_model(config, gangs, vocab_size)
+    model, pipeline = build_pipeline_model(config, gangs, vocab_size)
     optimizer, lr_scheduler = adamw_with_schedule(
         model, config.optimizer, max_num_steps=config.trainer.max_num_steps
     )
@@ -36,6 +41,7 @@ def recipe(config: CharLMConfig, output_dir: Path) -> Trainer[CharBatch]:
         lr_scheduler=lr_scheduler,
         valid_units=[CharLMEvalUnit(model)] if valid_reader is not None else [],
         valid_data_readers=[valid_reader] if valid_reader is not None else [],
+        pipeline=pipeline,
         **trainer_options(
             config.trainer,
             output_dir=output_dir,

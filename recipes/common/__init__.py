@@ -9,6 +9,7 @@ from recipes.common.assembly import (
     BuildConfig,
     ParallelConfig,
     ParallelOptions,
+    PipelineSplit,
     adamw_with_schedule,
     data_parallel_kind,
     dtype_of,
@@ -24,6 +25,7 @@ from recipes.common.sections import (
     GangSection,
     LossSpikeSection,
     OptimizerSection,
+    PipelineSection,
     TrainerSection,
 )
 
@@ -35,6 +37,8 @@ __all__ = [
     "OptimizerSection",
     "ParallelConfig",
     "ParallelOptions",
+    "PipelineSection",
+    "PipelineSplit",
     "TrainerSection",
     "adamw_with_schedule",
     "data_parallel_kind",

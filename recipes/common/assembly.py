@@ -14,8 +14,16 @@ from torch import nn
 
 from checkpoint import CheckpointManager
 from gangs import Gangs, setup_gangs
-from recipes.common.sections import FsdpSection, GangSection, OptimizerSection, TrainerSection
+from models.pipeline import split_model
+from recipes.common.sections import (
+    FsdpSection,
+    GangSection,
+    OptimizerSection,
+    PipelineSection,
+    TrainerSection,
+)
 from runtime import DataParallelKind, PatienceEarlyStopper, TorchProfiler
+from runtime.parallel.pipeline import Pipeline, stage_ids
 
 
 class ParallelConfig(Protocol):
@@ -44,16 +52,60 @@ def setup_recipe_gangs(config: ParallelConfig) -> Gangs:
         force_process_group=shards_parameters(config),
         # Expert parallelism, in recipes whose gang section has it (recipes.lm).
         ep_size=getattr(config.gang, "ep_size", 1),
+        pp_size=config.gang.pp_size,
     )
 
 
+class PipelineSplit:
+    """A model split for pipeline parallelism: this rank's stages, its part (the module it
+    trains: see :mod:`models.pipeline`) and the stages' ids. Split on meta, parallelize the part,
+    then make the :meth:`pipeline`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        gangs: Gangs,
+        section: PipelineSection,
+        split: Callable[..., tuple[list[nn.Module], nn.Module]] = split_model,
+    ) -> None:
+        """``split``: :func:`models.pipeline.split_model`'s signature, for a model of the
+        recipe's own (built with :func:`models.pipeline.split_by_layers`)."""
+        self.ids = stage_ids(
+            section.schedule,
+            pp_rank=gangs.pp.rank,
+            pp_size=gangs.pp.size,
+            stages_per_rank=section.stages_per_rank,
+        )
+        num_stages = gangs.pp.size * section.stages_per_rank
+        self.stages, self.part = split(model, self.ids, num_stages, section.split)
+        if not any(True for _ in self.part.parameters()):
+            raise ValueError(
+                f"PP rank {gangs.pp.rank} holds stages {self.ids} without any weight (their "
+                f"layers by pipeline.split: {section.split}). Give every rank a layer."
+            )
+        self._gangs = gangs
+        self._section = section
+
+    def pipeline(self) -> Pipeline:
+        """The pipeline over the stages, once the part is materialized."""
+        return Pipeline(
+            stages=self.stages,
+            part=self.part,
+            ids=self.ids,
+            gangs=self._gangs,
+            schedule=self._section.schedule,
+            num_microbatches=self._section.microbatches(self._gangs.pp.size),
+        )
+
+
 def data_parallel_kind(config: ParallelConfig, gangs: Gangs) -> DataParallelKind:
-    """``auto``: HSDP with gang.dp_shard_size, else FSDP2 with TP, else DDP."""
+    """``auto``: HSDP with gang.dp_shard_size, else FSDP2 with TP or with pipeline stages over
+    DP ranks, else DDP."""
     if config.data_parallel != "auto":
         return config.data_parallel
     if config.gang.dp_shard_size is not None:
         return "hsdp"
-    return "fsdp" if gangs.tp.size > 1 else "ddp"
+    return "fsdp" if gangs.tp.size > 1 or (gangs.pp.size > 1 and gangs.dp.size > 1) else "ddp"
 
 
 class CheckpointingOptions(Protocol):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from runtime import LossSpikeGuard
+from runtime.parallel.pipeline import check_pipeline
 
 
 @dataclass
@@ -16,6 +17,41 @@ class GangSection:
     """HSDP: shard over this many DP ranks (a node), replicate across the groups of them."""
     timeout_minutes: int = 15
     """How long a collective may wait before the run fails, naming the ranks that hung."""
+    pp_size: int = 1
+    """Pipeline stages that split the model by layers, the outermost dim (1: no pipeline)."""
+
+
+@dataclass
+class PipelineSection:
+    """Pipeline parallelism's options, read with ``gang.pp_size`` > 1 (see docs/large-models.md)."""
+
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"] = "1f1b"
+    """torch.distributed.pipelining's schedule; interleaved_1f1b, zbv and dualpipev hold
+    several stages per rank."""
+    num_microbatches: int | None = None
+    """Microbatches each batch is split into (None: the fewest the schedule takes, gang.pp_size,
+    or twice that for zbv and dualpipev); it must divide data.batch_size."""
+    stages_per_rank: int = 1
+    """Stages each rank holds: 2 or more for interleaved_1f1b, exactly 2 for zbv and dualpipev."""
+    split: list[int] | None = None
+    """The decoder layers of each stage, in order (None: balanced)."""
+
+    def microbatches(self, pp_size: int) -> int:
+        """``num_microbatches``, or the fewest the schedule takes with ``pp_size`` ranks."""
+        if self.num_microbatches is not None:
+            return self.num_microbatches
+        return pp_size * (2 if self.schedule in ("zbv", "dualpipev") else 1)
+
+    def check(self, pp_size: int, batch_size: int | None) -> None:
+        """Refuse, in one line, a pipeline that cannot run (with ``pp_size`` > 1)."""
+        if pp_size > 1:
+            check_pipeline(
+                self.schedule,
+                pp_size=pp_size,
+                stages_per_rank=self.stages_per_rank,
+                num_microbatches=self.microbatches(pp_size),
+                batch_size=batch_size,
+            )
 
 
 @dataclass

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from models.llama import PRESETS
 from models.lora import LoraSection
-from recipes.common import FsdpSection, GangSection, OptimizerSection, TrainerSection
+from models.pipeline import split_layers
+from recipes.common import (
+    FsdpSection,
+    GangSection,
+    OptimizerSection,
+    PipelineSection,
+    TrainerSection,
+)
 from runtime.cli.config import exactly_one_of
 from runtime.data.text import PreferenceFields, is_prepared_dataset
 from trainkit_utils.arguments import check_positive
@@ -185,6 +194,7 @@ class LMConfig:
     optimizer: OptimizerSection = field(default_factory=lambda: OptimizerSection(lr=3e-4))
     trainer: TrainerSection = field(default_factory=TrainerSection)
     fsdp: FsdpSection = field(default_factory=FsdpSection)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
     lora: LoraSection = field(default_factory=LoraSection)
     preference: PreferenceSection = field(default_factory=PreferenceSection)
     grpo: GrpoSection = field(default_factory=GrpoSection)
@@ -227,8 +237,11 @@ class LMConfig:
             ("data.batch_size", self.data.batch_size),
             ("gang.tp_size", self.gang.tp_size),
             ("gang.ep_size", self.gang.ep_size),
+            ("gang.pp_size", self.gang.pp_size),
         ):
             check_positive(name, value)
+        if self.gang.pp_size > 1:
+            self._validate_pipeline()
         if self.lora.rank is not None:
             self._validate_lora()
         if self.gang.ep_size > 1 and model.hf_path is None:
@@ -242,6 +255,35 @@ class LMConfig:
                 "data.document_mask needs the project's model (model.name) and task=pretrain: a "
                 "Hugging Face model gets no per-document mask here. Leave document_mask false."
             )
+
+    def _validate_pipeline(self) -> None:
+        pp_size = self.gang.pp_size
+        if self.task not in ("pretrain", "sft") or self.lora.rank is not None:
+            raise ValueError(
+                f"gang.pp_size ({pp_size}) trains task=pretrain and task=sft without LoRA, but "
+                f"the task is {self.task}{' with lora.rank' if self.lora.rank else ''}. Use "
+                "gang.pp_size=1 for it."
+            )
+        if self.data_parallel == "hsdp" or self.gang.dp_shard_size is not None:
+            raise ValueError(
+                f"gang.pp_size ({pp_size}) with HSDP (gang.dp_shard_size) is not built yet. Use "
+                "data_parallel=fsdp (or auto) across the DP ranks of a stage."
+            )
+        self.pipeline.check(pp_size, self.data.batch_size)
+        num_layers = self._num_layers()
+        if num_layers is not None:
+            # The same check as the split's, here so that it fails before the launch's work.
+            split_layers(num_layers, pp_size * self.pipeline.stages_per_rank, self.pipeline.split)
+
+    def _num_layers(self) -> int | None:
+        """The model's decoder layers, as its preset or config.json says (None: unknown)."""
+        if self.model.name in PRESETS:
+            return PRESETS[self.model.name]["num_layers"]
+        if self.model.hf_path is not None:
+            config = json.loads((self.model.hf_path / "config.json").read_text())
+            layers = config.get("num_hidden_layers")
+            return layers if isinstance(layers, int) else None
+        return None
 
     def _validate_lora(self) -> None:
         check_positive("lora.rank", self.lora.rank)

@@ -17,10 +17,11 @@ from models.hf import hf_model
 from models.llama import Llama, hf_config, llama_args, tensor_parallel_plan
 from models.lora import LoraAdapters, apply_lora
 from models.moe import ExpertBiasUpdate, MoeLMTrainUnit, apply_expert_parallel, correction_biases
-from recipes.common import parallel_options
+from recipes.common import PipelineSplit, parallel_options
 from recipes.lm.config import LMConfig
 from runtime import InitSource, parallelize_model
 from runtime.data.text import Tokenizer
+from runtime.parallel.pipeline import Pipeline
 from trainkit_utils.modules import unwrap_model
 from units import TrainUnit
 from units.lm import LMTrainUnit
@@ -33,6 +34,8 @@ class BuiltModel:
     flops_per_token: float
     hf_config: dict[str, Any]
     lora: LoraAdapters | None = None
+    pipeline: Pipeline | None = None
+    """The pipeline over this rank's stages with gang.pp_size > 1; ``model`` is its part."""
 
 
 def build_model(
@@ -66,6 +69,11 @@ def build_model(
         lora, init_fn = apply_lora(model, config.lora, init_fn)
     flops = flops_per_token(model, hf, config.data.seq_len)
     expert_params = apply_expert_parallel(model, gangs)
+    split = None
+    if gangs.pp.size > 1 and not frozen:
+        # This rank keeps its stages' part of the model, under the whole model's names.
+        split = PipelineSplit(model, gangs, config.pipeline)
+        model = split.part
     model = parallelize_model(
         model,
         gangs,
@@ -74,8 +82,10 @@ def build_model(
         tp_plan=plan,
         init_fn=init_fn,
         expert_params=expert_params,
+        pipeline_stages=() if split is None else split.stages,
     )
-    return BuiltModel(model, block_types, flops, hf, lora)
+    pipeline = None if split is None else split.pipeline()
+    return BuiltModel(model, block_types, flops, hf, lora, pipeline)
 
 
 def bias_update(rate: float, unit: TrainUnit[Any], gangs: Gangs) -> ExpertBiasUpdate:

@@ -101,6 +101,7 @@ def build_trainer(config: LMConfig, output_dir: Path, gangs: Gangs) -> Trainer[A
         lr_scheduler=lr_scheduler,
         valid_units=[valid_unit] if valid_unit is not None and valid_reader is not None else [],
         valid_data_readers=[valid_reader] if valid_reader is not None else [],
+        pipeline=built.pipeline,
         **options,
     )
     if config.task == "grpo":

@@ -31,13 +31,15 @@ from gangs.torch_versions import private_apis_refused, private_apis_supported
 
 @final
 class Gangs:
-    """The gangs of one process: all processes (``root``), its DP gang and its TP gang.
+    """The gangs of one process: all processes (``root``), its DP, TP and PP gangs.
 
     Ranks are laid out as ``root_rank = dp_rank * tp.size + tp_rank``: a TP gang is a run of
     consecutive ranks (on one machine when ``tp.size`` divides the processes per node), and a DP
     gang strides across them. With HSDP the DP ranks are further laid out as
     ``dp_rank = replicate_rank * dp_shard_size + shard_rank``: a shard group is a run of
-    consecutive DP ranks (one node), and replicas stride across nodes.
+    consecutive DP ranks (one node), and replicas stride across nodes. With pipeline parallelism
+    the stages are outermost: ``root_rank = pp_rank * (dp.size * tp.size) + dp_rank * tp.size +
+    tp_rank``, and the DP and TP gangs are those within one stage.
     """
 
     def __init__(
@@ -50,8 +52,10 @@ class Gangs:
         ep: Gang | None = None,
         ep_replicas: Gang | None = None,
         expert_mesh: DeviceMesh | None = None,
+        pp: Gang | None = None,
     ) -> None:
         self._root = root
+        self._pp = pp or FakeGang(device=root.device)
         self._dp = dp
         self._tp = tp
         self._ep = ep or FakeGang(device=root.device)
@@ -79,6 +83,12 @@ class Gangs:
     def tp(self) -> Gang:
         """The tensor-parallel gang: the ranks that share a batch and shard the layers."""
         return self._tp
+
+    @property
+    def pp(self) -> Gang:
+        """The pipeline-parallel gang: the ranks that hold the stages of one model replica, in
+        stage order (the outermost mesh dim; size 1: no pipeline parallelism)."""
+        return self._pp
 
     @property
     def ep(self) -> Gang:
@@ -178,7 +188,8 @@ class Gangs:
     def __repr__(self) -> str:
         shard = "" if self.dp_shard_size is None else f", dp_shard={self.dp_shard_size}"
         ep = "" if self.ep.size == 1 else f", ep={self.ep.size}"
-        return f"Gangs(root={self.root.size}, dp={self.dp.size}{shard}{ep}, tp={self.tp.size})"
+        pp = "" if self.pp.size == 1 else f"pp={self.pp.size}, "
+        return f"Gangs(root={self.root.size}, {pp}dp={self.dp.size}{shard}{ep}, tp={self.tp.size})"
 
     @staticmethod
     def single(device: torch.device | None = None) -> Gangs:
@@ -234,7 +245,10 @@ def _public_dp_gang(mesh: DeviceMesh, root: Gang, timeout: timedelta | None) -> 
     shard``, the order of the flattened mesh).
     """
     tp_size = mesh["tp"].size()
-    members: list[list[int]] = mesh.mesh.reshape(-1, tp_size).T.tolist()
+    pp_size = mesh["pp"].size() if "pp" in (mesh.mesh_dim_names or ()) else 1
+    # [stage][dp rank][tp rank] -> one member list per stage and TP rank
+    by_stage = mesh.mesh.reshape(pp_size, -1, tp_size).transpose(1, 2)
+    members: list[list[int]] = by_stage.reshape(-1, by_stage.shape[-1]).tolist()
     if len(members[0]) == 1:
         return FakeGang(device=root.device)
     mine: dist.ProcessGroup | None = None
@@ -291,7 +305,12 @@ def setup_root_gang(
 
 
 def setup_parallel_gangs(
-    root: Gang, *, tp_size: int = 1, dp_shard_size: int | None = None, ep_size: int = 1
+    root: Gang,
+    *,
+    tp_size: int = 1,
+    dp_shard_size: int | None = None,
+    ep_size: int = 1,
+    pp_size: int = 1,
 ) -> Gangs:
     """Split ``root`` into DP and TP gangs with a DeviceMesh over them.
 
@@ -301,13 +320,27 @@ def setup_parallel_gangs(
 
     ``ep_size`` (expert parallelism) takes runs of ``ep_size`` consecutive DP ranks as EP gangs
     (:attr:`Gangs.ep`); the DP ranks that hold the same experts are :attr:`Gangs.ep_replicas`.
+
+    ``pp_size`` (pipeline parallelism) adds ``pp`` as the outermost mesh dim, ``("pp", <the DP
+    dims>, "tp")``: a stage's ranks are a run of ``root.size / pp_size`` consecutive ranks, and
+    :attr:`Gangs.pp` strides across the stages. The DP and TP gangs are those of one stage.
     """
-    _check_divides("tp_size", tp_size, root.size, f"the number of processes ({root.size})")
-    dp_size = root.size // tp_size
-    the_dp_size = f"the DP size ({dp_size} = {root.size} processes / {{tp_size}} {tp_size})"
+    _check_divides("pp_size", pp_size, root.size, f"the number of processes ({root.size})")
+    stage_size = root.size // pp_size
+    _check_divides("tp_size", tp_size, stage_size, _the_processes(root.size, pp_size))
+    dp_size = stage_size // tp_size
+    of_a_stage = "" if pp_size == 1 else " of a stage"
+    the_dp_size = (
+        f"the DP size ({dp_size} = {stage_size} processes{of_a_stage} / {{tp_size}} {tp_size})"
+    )
     _check_divides("ep_size", ep_size, dp_size, the_dp_size)
     if dp_shard_size is not None:
         _check_divides("dp_shard_size", dp_shard_size, dp_size, the_dp_size)
+    if pp_size > 1 and ep_size > 1:
+        raise GangSizeError(
+            f"{{pp_size}} ({pp_size}) and {{ep_size}} ({ep_size}) do not compose yet: expert "
+            "parallelism within pipeline stages is not built. Set one of them to 1."
+        )
     if root.size == 1 and not isinstance(root, ProcessGroupGang):
         return Gangs(root=root, dp=root, tp=root)
 
@@ -318,6 +351,8 @@ def setup_parallel_gangs(
     else:
         shape = (dp_size // dp_shard_size, dp_shard_size, tp_size)
         names = ("dp_replicate", "dp_shard", "tp")
+    if pp_size > 1:
+        shape, names = (pp_size, *shape), ("pp", *names)
     try:
         mesh = init_device_mesh(root.device.type, shape, mesh_dim_names=names)
     except (RuntimeError, ValueError) as ex:
@@ -344,6 +379,16 @@ def setup_parallel_gangs(
             None if expert_mesh is None else _gang_of(expert_mesh["ep_replicate"], root, timeout)
         ),
         expert_mesh=expert_mesh,
+        pp=_gang_of(mesh["pp"], root, timeout) if pp_size > 1 else None,
+    )
+
+
+def _the_processes(world_size: int, pp_size: int) -> str:
+    """The processes of one pipeline stage, as a size message names them."""
+    if pp_size == 1:
+        return f"the number of processes ({world_size})"
+    return (
+        f"the processes of a stage ({world_size // pp_size} = {world_size} / {{pp_size}} {pp_size})"
     )
 
 
@@ -365,7 +410,7 @@ class GangSizeError(GangError):
         return self.template.format_map({arg: names.get(arg, arg) for arg in GANG_SIZE_ARGUMENTS})
 
 
-GANG_SIZE_ARGUMENTS: Final = ("tp_size", "dp_shard_size", "ep_size")
+GANG_SIZE_ARGUMENTS: Final = ("tp_size", "dp_shard_size", "ep_size", "pp_size")
 """The arguments of :func:`setup_parallel_gangs` a :class:`GangSizeError` may name."""
 
 
@@ -409,6 +454,7 @@ def setup_gangs(
     timeout: timedelta = timedelta(minutes=15),
     force_process_group: bool = False,
     ep_size: int = 1,
+    pp_size: int = 1,
 ) -> Gangs:
     """:func:`setup_root_gang` and :func:`setup_parallel_gangs` in one call.
 
@@ -420,7 +466,7 @@ def setup_gangs(
     root = setup_root_gang(device, timeout, force_process_group=force_process_group)
     try:
         return setup_parallel_gangs(
-            root, tp_size=tp_size, dp_shard_size=dp_shard_size, ep_size=ep_size
+            root, tp_size=tp_size, dp_shard_size=dp_shard_size, ep_size=ep_size, pp_size=pp_size
         )
     except BaseException:
         if group_made_here and root.size == 1:

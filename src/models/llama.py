@@ -93,6 +93,21 @@ def rotary_cos_sin(args: LlamaArgs, positions: Tensor, dtype: torch.dtype) -> tu
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def rotary_and_mask(
+    args: LlamaArgs, x: Tensor, document_ids: Tensor | None, positions: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The rotary cos and sin of the hidden states ``x`` ``[batch, seq, dim]``, and the attention
+    mask: None (causal) without ``document_ids``, else causal within each packed document."""
+    seq_len = x.size(1)
+    if document_ids is None or positions is None:
+        cos, sin = rotary_cos_sin(args, torch.arange(seq_len, device=x.device), x.dtype)
+        return cos, sin, None
+    cos, sin = (t.unsqueeze(1) for t in rotary_cos_sin(args, positions, x.dtype))
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=x.device).tril()
+    mask = (document_ids[:, None, :, None] == document_ids[:, None, None, :]) & causal
+    return cos, sin, mask
+
+
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
@@ -181,16 +196,7 @@ class Llama(nn.Module):
         positions: Tensor | None = None,
     ) -> Tensor:
         x = self.model.embed_tokens(input_ids)
-        mask = None
-        if document_ids is None or positions is None:
-            positions = torch.arange(input_ids.size(1), device=input_ids.device)
-            cos, sin = rotary_cos_sin(self.args, positions, x.dtype)
-        else:
-            cos, sin = (t.unsqueeze(1) for t in rotary_cos_sin(self.args, positions, x.dtype))
-            causal = torch.ones(
-                input_ids.size(1), input_ids.size(1), dtype=torch.bool, device=x.device
-            ).tril()
-            mask = (document_ids[:, None, :, None] == document_ids[:, None, None, :]) & causal
+        cos, sin, mask = rotary_and_mask(self.args, x, document_ids, positions)
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask)
         result: Tensor = self.lm_head(self.model.norm(x))

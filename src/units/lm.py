@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torcheval.metrics import Max, Mean
 
+from units.pipeline import PipelineUnit, StageInputs
 from units.unit import EvalUnit, TrainUnit
 
 IGNORE_INDEX = -100
@@ -68,7 +69,23 @@ def logits_and_aux_loss(
     return output.logits, getattr(output, "aux_loss", None) if router_logits else None
 
 
-class LMTrainUnit(TrainUnit[TokenBatch]):
+def lm_stage_inputs(batch: TokenBatch) -> StageInputs:
+    """A token batch as a pipeline takes it: the input ids to the first stage, the packed
+    documents' ids and positions (if any) to every stage, the target ids to the loss."""
+    kwargs: dict[str, Tensor] = {}
+    document_ids = getattr(batch, "document_ids", None)
+    if document_ids is not None:
+        kwargs = {"document_ids": document_ids, "positions": batch.positions}  # type: ignore[attr-defined]
+    return StageInputs(
+        args=(batch.input_ids,),
+        kwargs=kwargs,
+        target=batch.target_ids,
+        num_targets=batch.num_targets,
+        target_padding=IGNORE_INDEX,
+    )
+
+
+class LMTrainUnit(TrainUnit[TokenBatch], PipelineUnit[TokenBatch]):
     """The summed cross entropy, published as ``nll_loss``; with ``aux_loss_coefficient``, plus
     that times the model's auxiliary loss (asked for as ``output_router_logits``), published as
     ``router_aux_loss``."""
@@ -90,9 +107,7 @@ class LMTrainUnit(TrainUnit[TokenBatch]):
         self.metric_bag.num_bad_lines.update(torch.tensor(getattr(batch, "num_bad_lines", 0)))
         logits, aux_loss = self.forward(batch)
         loss = summed_nll_loss(logits, batch.target_ids)
-        # A micro-batch of an SFT run may hold no response token; its mean is left out.
-        weight = max(batch.num_targets, 1)
-        self.metric_bag.nll_loss.update(loss.detach() / weight, weight=batch.num_targets)
+        self.record_loss(batch, loss.detach())
         if aux_loss is not None:
             # The model's mean auxiliary loss, weighted like a mean over the targets: the
             # Trainer divides the sum by the step's targets.
@@ -100,8 +115,25 @@ class LMTrainUnit(TrainUnit[TokenBatch]):
             self.metric_bag.router_aux_loss.update(aux_loss.detach(), weight=batch.num_targets)
         return loss, batch.num_targets
 
+    def stage_inputs(self, batch: TokenBatch) -> StageInputs:
+        if self.aux_loss_coefficient:
+            raise ValueError(
+                "A mixture of experts' auxiliary loss (aux_loss_coefficient) is not computed "
+                "under pipeline parallelism. Use gang.pp_size=1 for it."
+            )
+        self.metric_bag.num_bad_lines.update(torch.tensor(getattr(batch, "num_bad_lines", 0)))
+        return lm_stage_inputs(batch)
 
-class LMEvalUnit(EvalUnit[TokenBatch]):
+    def stage_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return summed_nll_loss(output, target)
+
+    def record_loss(self, batch: TokenBatch, loss: Tensor) -> None:
+        # A micro-batch of an SFT run may hold no response token; its mean is left out.
+        weight = max(batch.num_targets, 1)
+        self.metric_bag.nll_loss.update(loss / weight, weight=batch.num_targets)
+
+
+class LMEvalUnit(EvalUnit[TokenBatch], PipelineUnit[TokenBatch]):
     """The mean cross entropy over the valid targets, as ``nll_loss``."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -111,5 +143,14 @@ class LMEvalUnit(EvalUnit[TokenBatch]):
     def __call__(self, batch: TokenBatch) -> None:
         if batch.num_targets == 0:
             return
-        loss = summed_nll_loss(logits_of(self.model, batch), batch.target_ids)
-        self.metric_bag.nll_loss.update(loss / batch.num_targets, weight=batch.num_targets)
+        self.record_loss(batch, summed_nll_loss(logits_of(self.model, batch), batch.target_ids))
+
+    def stage_inputs(self, batch: TokenBatch) -> StageInputs:
+        return lm_stage_inputs(batch)
+
+    def stage_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        return summed_nll_loss(output, target)
+
+    def record_loss(self, batch: TokenBatch, loss: Tensor) -> None:
+        if batch.num_targets > 0:
+            self.metric_bag.nll_loss.update(loss / batch.num_targets, weight=batch.num_targets)

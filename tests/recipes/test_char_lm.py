@@ -218,3 +218,33 @@ def test_a_prepared_byte_dataset_trains_and_validates_in_process(tmp_path: Path)
     assert len(losses) == 4 and losses[-1] < losses[0]
     [valid] = read_jsonl(tmp_path / "run" / "metrics" / "valid.jsonl")
     assert valid["step_nr"] == 20
+
+
+@pytest.mark.slow
+def test_pipeline_stages_train_as_one_process_does(run_torchrun: RunTorch, tmp_path: Path) -> None:
+    """gang.pp_size=2 with interleaved 1F1B (two stages a rank, four blocks) against one process:
+    train losses, gradient norms, and the valid set's loss and perplexity (which every rank
+    records from the last stage's broadcast loss)."""
+    config = [
+        *TINY,
+        "model.num_layers=4",
+        "trainer.publish_metrics_every_n_steps=1",
+        "trainer.validate_every_n_steps=3",
+        "trainer.checkpoint_every_n_steps=3",
+        "trainer.max_num_steps=3",
+    ]
+    one, piped = tmp_path / "one", tmp_path / "pp2"
+    assert_ok(run_torchrun(1, "-m", "recipes.char_lm", str(one), "--config", *config))
+    pipeline = [
+        "gang.pp_size=2",
+        "pipeline.schedule=interleaved_1f1b",
+        "pipeline.stages_per_rank=2",
+    ]
+    assert_ok(run_torchrun(2, "-m", "recipes.char_lm", str(piped), "--config", *config, *pipeline))
+    for name, keys in (("train", ("loss", "grad_norm")), ("valid", ("nll_loss", "perplexity"))):
+        records = read_jsonl(piped / "metrics" / f"{name}.jsonl")
+        expected = read_jsonl(one / "metrics" / f"{name}.jsonl")
+        for key in keys:
+            assert [r[key] for r in records] == pytest.approx(
+                [r[key] for r in expected], rel=1e-5
+            ), key

@@ -3,7 +3,7 @@ compose in: TP, activation checkpointing, FSDP2/HSDP, materialize, DDP, compile.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +34,7 @@ def parallelize_model(
     reduce_dtype: torch.dtype | None = None,
     compile: bool = False,
     expert_params: Collection[Parameter] = (),
+    pipeline_stages: Sequence[Module] = (),
 ) -> Module:
     """Shard, wrap and initialize ``model`` (built under ``torch.device("meta")``) for ``gangs``.
 
@@ -49,8 +50,18 @@ def parallelize_model(
 
     ``expert_params`` (already sharded over the EP gang) are left alone by DDP and FSDP2.
 
+    ``pipeline_stages``: ``model`` is a rank's part of a pipeline (:mod:`models.pipeline`) and
+    these are its stages, which share its modules. The TP plan's entries for layers of other
+    ranks are left out, FSDP2 wraps each stage (whose ``forward`` the pipeline calls) rather than
+    the part, and DDP over two or more DP ranks is refused: the pipeline's stages sync FSDP2's
+    gradients, not DDP's.
+
     Returns the model to train: the DDP wrapper under DDP, else ``model`` itself.
     """
+    if pipeline_stages:
+        _check_pipeline_layout(kind, gangs)
+        names = {name for name, _ in model.named_modules()}
+        tp_plan = {name: style for name, style in (tp_plan or {}).items() if name in names}
     model = apply_tensor_parallel(model, gangs, tp_plan or {})
     if activation_checkpointing_every_n is not None:
         apply_activation_checkpointing(
@@ -58,15 +69,18 @@ def parallelize_model(
         )
     if kind != "ddp":
         # FSDP2 shards the meta parameters, so each rank allocates only its shards below.
-        model = apply_data_parallel(
-            model,
-            gangs,
-            kind=kind,
-            fsdp_units=block_types,
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            expert_params=expert_params,
-        )
+        for target in pipeline_stages or [model]:
+            sharded = apply_data_parallel(
+                target,
+                gangs,
+                kind=kind,
+                fsdp_units=block_types,
+                param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype,
+                expert_params=expert_params,
+            )
+            assert sharded is target  # fully_shard shards in place
+
     materialize_model(model, device=gangs.root.device, seed=seed, init_fn=init_fn)
     # A frozen model (a reference to compare against) has no gradient to synchronize: DDP,
     # which would refuse it, leaves it whole on each rank.
@@ -75,3 +89,11 @@ def parallelize_model(
     if compile:
         compile_blocks(model, block_types=block_types)
     return model
+
+
+def _check_pipeline_layout(kind: DataParallelKind, gangs: Gangs) -> None:
+    if kind == "ddp" and gangs.dp.size > 1:
+        raise ValueError(
+            f"Pipeline stages over a DP gang of {gangs.dp.size} shard with FSDP2 or HSDP, not "
+            "DDP. Use data_parallel=fsdp (kind='fsdp')."
+        )

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import TypeIs
 
-from gangs import Gang
+from gangs import Gang, ReduceOperation
 from gangs.torch_versions import private_apis_supported
 from runtime.parallel.process_group import process_group_exists
 from runtime.parallel.sparse_embeddings import sparse_parameters
@@ -119,8 +119,13 @@ class Gradients:
     over ``dp_gang`` on :meth:`normalize`, and counted in the norm and clipping like the others.
     """
 
-    def __init__(self, model: Module, *, dp_gang: Gang | None = None) -> None:
+    def __init__(
+        self, model: Module, *, dp_gang: Gang | None = None, pp_gang: Gang | None = None
+    ) -> None:
         self._model = model
+        # Under pipeline parallelism each rank holds other parameters: the norm sums the squares
+        # of every stage's (one all-reduce over the PP gang).
+        self._pp_gang = pp_gang if pp_gang is not None and pp_gang.size > 1 else None
         self._private = private_apis_supported()
         self._sparse = SparseGradients(dp_gang)
         self._sparse_params: list[Tensor] = []
@@ -204,11 +209,25 @@ class Gradients:
         grouped = self._grads()
         norms = [_group_norm(grads, self._private and plain) for grads, plain, _ in grouped]
         norms += self._sparse.norms(self._sparse_grads())
+        if self._pp_gang is not None:
+            return self._pipeline_norm(norms)
         if not norms:
             return torch.zeros((), dtype=torch.float32)
         # With one group, sqrt(norm ** 2) is norm exactly (binary floating point), so skip the ops.
         total = norms[0] if len(norms) == 1 else torch.stack([n**2 for n in norms]).sum().sqrt()
         return total.float()
+
+    def _pipeline_norm(self, norms: list[Tensor]) -> Tensor:
+        """The norm over every stage: this rank's squares summed over the PP gang, in float64."""
+        assert self._pp_gang is not None
+        device = self._pp_gang.device
+        squares = (
+            torch.stack([n.to(device) ** 2 for n in norms]).sum()
+            if norms
+            else torch.zeros((), dtype=torch.float64, device=device)
+        )
+        self._pp_gang.all_reduce(squares, ReduceOperation.SUM)
+        return squares.sqrt().float()
 
     def clip(self, max_norm: float, total_norm: Tensor) -> None:
         """Scale the gradients down so that their norm, ``total_norm`` now, is at most

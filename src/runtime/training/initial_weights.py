@@ -127,6 +127,9 @@ def load_initial_weights(
             source.skip,
             whole=len(sources) == 1,
             ties=ties,
+            # A pipeline stage's part holds some of the model: the source's other keys are the
+            # other stages'.
+            part=gangs.pp.size > 1,
         )
         twice = sorted(loaded.keys() & plan.sources.keys())
         if twice:
@@ -404,10 +407,12 @@ def _match_keys(
     *,
     whole: bool = True,
     ties: Sequence[tuple[str, ...]] = (),
+    part: bool = False,
 ) -> _KeyPlan:
     """Which model key each source key sets. ``whole``: every model key must be set or skipped
     (one source); otherwise the source may set part of the model. A key of a shared parameter
-    (``ties``) that the source stores under another of its names is not missing."""
+    (``ties``) that the source stores under another of its names is not missing. ``part``: the
+    model is part of the source's (a pipeline stage's), so keys it lacks are not unexpected."""
 
     def skipped(key: str) -> bool:
         return any(fnmatch.fnmatchcase(key, pattern) for pattern in skip)
@@ -421,7 +426,7 @@ def _match_keys(
         if whole
         else []
     )
-    unexpected = [k for k in by_model_key if k not in known and not skipped(k)]
+    unexpected = [] if part else [k for k in by_model_key if k not in known and not skipped(k)]
     if missing or unexpected:
         raise InitialWeightsError(
             f"The weights in {path} do not match the model: "

@@ -57,12 +57,14 @@ class Precision:
             )
 
 
-@final
 class TrainStep(Generic[BatchT]):
     """Runs ``unit`` over a step's micro-batches and updates the model with ``optimizer``.
 
     The gradients are scaled so that the update is the mean over all targets of the step, across
     gradient accumulation and the data-parallel gang: *sum of losses / total targets*.
+
+    Under pipeline parallelism :class:`~runtime.training.pipeline_step.PipelineTrainStep` runs
+    the forward and backward instead (:meth:`_forward_backward`); the rest is this class's.
     """
 
     def __init__(
@@ -100,7 +102,7 @@ class TrainStep(Generic[BatchT]):
             checks_gradients=not self._loss_scaler.enabled,
         )
         check_sparse_outside_ddp(self._model)
-        self._gradients = Gradients(self._model, dp_gang=gangs.dp)
+        self._gradients = Gradients(self._model, dp_gang=gangs.dp, pp_gang=gangs.pp)
         self._totals = StepTotals(gangs=gangs, check_losses=self.guard.skips)
         self._dp_size = gangs.dp.size
         self._switch_gradient_sync = gradient_sync_switch(self._model)

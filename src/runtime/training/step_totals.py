@@ -23,8 +23,8 @@ class StepTotals:
     ranks: :meth:`start` before the step's last backward, :meth:`wait` after it. One per
     :class:`~runtime.training.step.TrainStep`, for the whole run.
 
-    The sums run over the root gang; TP ranks of one DP rank see the same batch, so they count
-    each of them ``tp.size`` times, which :meth:`wait` divides out.
+    The sums run over the root gang; TP ranks (and PP ranks) of one DP rank see the same batch,
+    so they count each of them ``tp.size * pp.size`` times, which :meth:`wait` divides out.
     """
 
     def __init__(self, *, gangs: Gangs, check_losses: bool) -> None:
@@ -32,7 +32,7 @@ class StepTotals:
         """Whether this rank's losses of the last step started were finite (checked only with
         ``check_losses``)."""
         self._root_gang = gangs.root
-        self._tp_size = gangs.tp.size
+        self._copies = gangs.tp.size * gangs.pp.size
         self._check_losses = check_losses
         self._values: list[float] = []
         self._tensor: Tensor | None = None
@@ -60,4 +60,4 @@ class StepTotals:
             self._values = self._tensor.tolist()
             self._pending = self._tensor = None
         targets, examples, stops, non_finite = self._values
-        return targets / self._tp_size, examples / self._tp_size, stops, non_finite
+        return targets / self._copies, examples / self._copies, stops, non_finite

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 BatchT = TypeVar("BatchT")
 
 if TYPE_CHECKING:
+    from runtime.parallel.pipeline import Pipeline
     from runtime.training.initial_weights import InitFrom
 
 
@@ -128,9 +129,10 @@ class Trainer(Generic[BatchT]):
         resume_from: Path | None = None,
         checkpoint_exclude: Sequence[str] = (),
         loss_spike_guard: LossSpikeGuard | None = None,
+        pipeline: Pipeline | None = None,
     ) -> None:
         gangs = _resolve_gangs(gangs, root_gang, dp_gang, tp_gang)
-        _place_units(unit, valid_units or (), gangs.root.device)
+        valid_units = _prepare_units(unit, valid_units, pipeline, gangs)
         # The keywords above, each turned into the option group that uses it; from here on only
         # the groups travel.
         schedules = _schedules(
@@ -163,7 +165,8 @@ class Trainer(Generic[BatchT]):
             data_reader, valid_data_readers, batch_device
         )
         self._closed = False
-        self._train_step = TrainStep(
+        self._train_step = _make_train_step(
+            pipeline,
             unit=unit,
             optimizer=optimizer,
             gangs=gangs,
@@ -371,6 +374,39 @@ class Trainer(Generic[BatchT]):
             stack.callback(self._progress.close)
             stack.callback(self._checkpoint_manager.close)
             stack.callback(self._recorder.close)
+
+
+def _make_train_step(pipeline: Pipeline | None, **kwargs: Any) -> TrainStep[Any]:
+    """The step: :class:`TrainStep`, or under pipeline parallelism (``gangs.pp.size > 1``) the
+    :class:`~runtime.training.pipeline_step.PipelineTrainStep` over ``pipeline``."""
+    if pipeline is None:
+        return TrainStep(**kwargs)
+    from runtime.training.pipeline_step import PipelineTrainStep
+
+    return PipelineTrainStep(pipeline=pipeline, **kwargs)
+
+
+def _prepare_units(
+    unit: TrainUnit[Any],
+    valid_units: Sequence[EvalUnit[Any]] | None,
+    pipeline: Pipeline | None,
+    gangs: Gangs,
+) -> Sequence[EvalUnit[Any]] | None:
+    """Place the units (:func:`_place_units`) and return the valid units as the Validator runs
+    them: under pipeline parallelism each through the pipeline (forward only). A pipeline comes
+    with a PP gang, and a PP gang with a pipeline."""
+    _place_units(unit, valid_units or (), gangs.root.device)
+    if (pipeline is None) != (gangs.pp.size == 1):
+        raise ValueError(
+            f"pipeline must be given exactly when the gangs have a PP gang (gangs.pp.size is "
+            f"{gangs.pp.size}, pipeline is {'not ' if pipeline is None else ''}given). Build "
+            "it with runtime.parallel.pipeline.Pipeline over setup_gangs(pp_size=...)."
+        )
+    if pipeline is None or not valid_units:
+        return valid_units
+    from runtime.training.pipeline_step import PipelineEvalUnit
+
+    return [PipelineEvalUnit(unit, pipeline, gangs.pp) for unit in valid_units]
 
 
 def _place_units(

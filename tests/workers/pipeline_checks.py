@@ -1,0 +1,260 @@
+"""Pipeline-parallel runs of a tiny Llama in one ``torchrun`` launch, for tests/runtime/parallel/
+test_pipeline.py.
+
+Usage: ``torchrun --nproc-per-node 2 tests/workers/pipeline_checks.py OUT [two [ONE_RUN]]``
+(or ``--nproc-per-node 4 ... OUT four``); ``ONE_RUN``, a one-process run of :func:`train`, is
+resumed from its step 2 at PP=2 too. Each run of :data:`RUNS` (:data:`FOUR_PROCESS_RUNS`)
+trains under ``pp_size=2`` into ``OUT/NAME`` (metrics, checkpoints), and the first DP and TP
+rank of each stage saves its part's whole weights to ``OUT/NAME/part_{pp_rank}.pt``. :func:`train` is also the one-process
+reference the tests compare with (``pp_size`` 1).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from checkpoint import CheckpointManager
+from gangs import Gangs, setup_parallel_gangs, setup_root_gang
+from models.llama import DecoderLayer, Llama, LlamaArgs, tensor_parallel_plan
+from models.pipeline import split_model
+from runtime import MapDataReader, Trainer, parallelize_model
+from runtime.parallel.pipeline import Pipeline, schedule_available, stage_ids
+from tests.sync_detector import LAST, SyncWindow
+from tests.workers.leave import leave
+from units.lm import LMEvalUnit, LMTrainUnit
+
+ARGS = LlamaArgs(
+    vocab_size=32, dim=16, num_layers=4, num_heads=2, num_kv_heads=2, ffn_dim=32, max_seq_len=8
+)
+SEQ_LEN = 8
+
+RUNS: dict[str, dict[str, Any]] = {
+    # Gradient accumulation (2 micro-batches a step, each split into pipeline microbatches),
+    # clipping that bites, and a valid set of 18 examples: one process reads 4 batches of 4 and
+    # one of 2 (the pipeline infers its shapes again, or pads it), two DP ranks batches of 2
+    # and a last one of 1 (padded).
+    # The valid set's last batch of 2 is padded to the 4 microbatches.
+    "1f1b": {"schedule": "1f1b", "num_microbatches": 4},
+    "interleaved_1f1b": {
+        "schedule": "interleaved_1f1b",
+        "stages_per_rank": 2,
+        "num_microbatches": 2,
+    },
+    "gpipe": {"schedule": "gpipe", "num_microbatches": 2},
+    # torch's V-shaped schedules cannot run forward only: no valid set.
+    "zbv": {"schedule": "zbv", "stages_per_rank": 2, "num_microbatches": 4, "valid": False},
+    "dualpipev": {
+        "schedule": "dualpipev",
+        "stages_per_rank": 2,
+        "num_microbatches": 4,
+        "valid": False,
+    },
+    # No host sync in the steady steps (tests/sync_detector.py): steps 4 to 7, nothing due.
+    "host_sync": {"schedule": "1f1b", "num_microbatches": 2, "valid": False, "host_sync": True},
+    # Saved at step 2 (of 4) for the resume at pp_size 1.
+    "resume": {"schedule": "1f1b", "num_microbatches": 2, "max_num_steps": 2},
+}
+NUM_STEPS = 4
+
+FOUR_PROCESS_RUNS: dict[str, dict[str, Any]] = {
+    # pp outermost: ranks 0-1 are stage 0 (a DP or TP pair), ranks 2-3 stage 1.
+    "pp2_fsdp2": {"schedule": "1f1b", "num_microbatches": 2, "kind": "fsdp", "batch_size": 2},
+    "pp2_tp2": {"schedule": "interleaved_1f1b", "stages_per_rank": 2, "num_microbatches": 2,
+                "tp_size": 2},
+}  # fmt: skip
+"""Runs of ``pipeline_checks.py OUT four`` on four processes (the slow tests)."""
+
+EIGHT_PROCESS_RUNS: dict[str, dict[str, Any]] = {
+    "pp2_fsdp2_tp2": {"schedule": "1f1b", "num_microbatches": 2, "kind": "fsdp", "batch_size": 2,
+                      "tp_size": 2},
+}  # fmt: skip
+"""Runs of ``pipeline_checks.py OUT eight`` on eight processes (slow)."""
+
+
+@dataclass
+class Batch:
+    input_ids: Tensor
+    target_ids: Tensor
+    num_targets: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.size(0)
+
+
+class Tokens(torch.utils.data.Dataset[Tensor]):
+    def __init__(self, size: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, ARGS.vocab_size, (size, SEQ_LEN + 1), generator=gen)
+        # Every third example has its last half masked out, so batches differ in targets.
+        self.tokens[::3, SEQ_LEN // 2 + 1 :] = -100
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> Tensor:
+        return self.tokens[index]
+
+
+def collate(examples: list[Tensor]) -> Batch:
+    tokens = torch.stack(examples)
+    inputs = tokens[:, :-1].clamp(min=0)
+    targets = tokens[:, 1:]
+    return Batch(inputs, targets, int((targets != -100).sum()))
+
+
+def whole_model() -> Llama:
+    torch.manual_seed(0)
+    model = Llama(ARGS)
+    return model
+
+
+def train(
+    gangs: Gangs,
+    output_dir: Path,
+    options: dict[str, Any],
+    *,
+    resume_from: Path | None = None,
+    max_num_steps: int | None = None,
+) -> dict[str, Tensor]:
+    """One run; returns this rank's weights, whole (its part's under pipeline parallelism).
+
+    The model is built on meta and materialized from the seed (each weight from its name), so
+    every layout starts from the same weights."""
+    with torch.device("meta"):
+        whole = Llama(ARGS)
+    model: nn.Module = whole
+    pipeline, stages = None, []
+    if gangs.pp.size > 1:
+        schedule = options["schedule"]
+        per_rank = options.get("stages_per_rank", 1)
+        ids = stage_ids(
+            schedule, pp_rank=gangs.pp.rank, pp_size=gangs.pp.size, stages_per_rank=per_rank
+        )
+        stages, model = split_model(whole, ids, gangs.pp.size * per_rank)
+    model = parallelize_model(
+        model,
+        gangs,
+        kind=options.get("kind", "ddp"),
+        block_types=(DecoderLayer,),
+        seed=2,
+        tp_plan=tensor_parallel_plan(whole) if gangs.tp.size > 1 else None,
+        init_fn=whole.init_module,
+        pipeline_stages=stages,
+    )
+    if gangs.pp.size > 1:
+        pipeline = Pipeline(
+            stages=stages,
+            part=model,
+            ids=ids,
+            gangs=gangs,
+            schedule=schedule,
+            num_microbatches=options["num_microbatches"],
+        )
+    batch_size = options.get("batch_size", 4)
+    reader = MapDataReader(
+        dataset=Tokens(24, seed=1),
+        batch_size=batch_size,
+        collate=collate,
+        gang=gangs.dp,
+        num_accumulate=2,
+        seed=3,
+    )
+    valid = options.get("valid", True)
+    valid_reader = MapDataReader(
+        dataset=Tokens(18, seed=2), batch_size=batch_size, collate=collate, gang=gangs.dp, seed=3
+    )
+    watch = options.get("host_sync", False)
+    window = SyncWindow() if watch else None
+    trainer = Trainer(
+        unit=LMTrainUnit(model),
+        data_reader=reader,
+        # SGD where host syncs are watched: AdamW reads its step count on the host.
+        optimizer=(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            if watch
+            else torch.optim.AdamW(model.parameters(), lr=0.01)
+        ),
+        checkpoint_manager=CheckpointManager(output_dir / "checkpoints", gangs),
+        gangs=gangs,
+        valid_units=[LMEvalUnit(model)] if valid else None,
+        valid_data_readers=[valid_reader] if valid else None,
+        validate_every_n_steps=2 if valid else None,
+        max_num_steps=max_num_steps
+        or options.get("max_num_steps", LAST + 1 if watch else NUM_STEPS),
+        max_gradient_norm=0.5,
+        publish_metrics_every_n_steps=100 if watch else 1,
+        metrics_dir=output_dir / "metrics",
+        checkpoint_every_n_steps=None if watch else 2,
+        callbacks=[] if window is None else [window],
+        reshard_on_resume=resume_from is not None,
+        resume_from=resume_from,
+        progress=False,
+        pipeline=pipeline,
+    )
+    trainer.run()
+    if window is not None:
+        (output_dir / f"syncs_{gangs.root.rank}.json").write_text(json.dumps(window.detector.syncs))
+    # Whole tensors of the sharded ones (a collective within the stage's DP or TP gang).
+    return {
+        name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+        for name, value in model.state_dict().items()
+    }
+
+
+def save_part(gangs: Gangs, run_dir: Path, part: dict[str, Tensor]) -> None:
+    """The first DP and TP rank of each stage saves its part as ``part_{pp_rank}.pt``."""
+    if gangs.dp.rank == 0 and gangs.tp.rank == 0:
+        torch.save(part, run_dir / f"part_{gangs.pp.rank}.pt")
+
+
+def main(output_dir: Path, which: str, one_process_run: Path | None) -> None:
+    """The runs of ``which`` (``two`` or ``four``); with ``one_process_run`` (a run of
+    :func:`train` on one process), also ``resume_1_to_2``: its step 2 resumed at PP=2."""
+    root = setup_root_gang()
+    runs = dict({"two": RUNS, "four": FOUR_PROCESS_RUNS, "eight": EIGHT_PROCESS_RUNS}[which])
+    if one_process_run is not None:
+        runs["resume_1_to_2"] = {
+            "schedule": "1f1b",
+            "num_microbatches": 2,
+            "resume_from": str(one_process_run / "checkpoints" / "step_2"),
+        }
+    for name, options in runs.items():
+        if not schedule_available(options["schedule"]):
+            continue  # the test skips it too
+        run_dir = output_dir / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        gangs = setup_parallel_gangs(root, pp_size=2, tp_size=options.get("tp_size", 1))
+        resume_from = options.get("resume_from")
+        try:
+            part = train(gangs, run_dir, options, resume_from=resume_from and Path(resume_from))
+        except BaseException as ex:
+            ex.add_note(f"(in pipeline_checks.py's run {name})")
+            raise
+        save_part(gangs, run_dir, part)
+        (output_dir / f"gangs_{gangs.root.rank}.json").write_text(
+            json.dumps({"repr": repr(gangs), "pp_rank": gangs.pp.rank, "dp": gangs.dp.size})
+        )
+    if which == "two" and schedule_available("zbv"):
+        # Validation under a V-shaped schedule is refused at start, on every rank alike.
+        try:
+            train(gangs, output_dir / "zbv_valid", {**RUNS["zbv"], "valid": True})
+        except ValueError as ex:
+            (output_dir / f"zbv_valid_{root.rank}.txt").write_text(str(ex))
+    leave(root)
+
+
+if __name__ == "__main__":
+    main(
+        Path(sys.argv[1]),
+        sys.argv[2] if len(sys.argv) > 2 else "two",
+        Path(sys.argv[3]) if len(sys.argv) > 3 else None,
+    )
