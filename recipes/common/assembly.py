@@ -44,6 +44,8 @@ def setup_recipe_gangs(config: ParallelConfig) -> Gangs:
         force_process_group=shards_parameters(config),
         # Expert parallelism, in recipes whose gang section has it (recipes.lm).
         ep_size=getattr(config.gang, "ep_size", 1),
+        # Sequence parallelism, likewise (recipes.lm).
+        sp_size=getattr(config.gang, "sp_size", 1),
     )
 
 

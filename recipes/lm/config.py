@@ -77,6 +77,10 @@ class DataSection:
 class LMGangSection(GangSection):
     ep_size: int = 1
     """Expert parallelism: split each MoE layer's experts over this many DP ranks (1: off)."""
+    sp_size: int = 1
+    """Sequence parallelism (Ulysses): split every sequence over this many ranks, which read the
+    same batches; attention gathers the whole sequence for its share of the heads (1: off).
+    The DP size is processes / (sp_size x tp_size); data.seq_len must divide by it."""
 
 
 @dataclass
@@ -181,8 +185,11 @@ class LMConfig:
             ("data.batch_size", self.data.batch_size),
             ("gang.tp_size", self.gang.tp_size),
             ("gang.ep_size", self.gang.ep_size),
+            ("gang.sp_size", self.gang.sp_size),
         ):
             check_positive(name, value)
+        if self.gang.sp_size > 1:
+            self._validate_sequence_parallel()
         if self.lora.rank is not None:
             self._validate_lora()
         if self.gang.ep_size > 1 and model.hf_path is None:
@@ -195,6 +202,23 @@ class LMConfig:
             raise ValueError(
                 "data.document_mask needs the project's model (model.name) and task=pretrain: a "
                 "Hugging Face model gets no per-document mask here. Leave document_mask false."
+            )
+
+    def _validate_sequence_parallel(self) -> None:
+        sp_size = self.gang.sp_size
+        if self.task not in ("pretrain", "sft"):
+            raise ValueError(
+                f"gang.sp_size ({sp_size}) splits the sequences of task=pretrain or task=sft, "
+                f"but task is {self.task}, whose loss needs each sequence whole. Use "
+                "gang.sp_size=1."
+            )
+        if self.task == "pretrain" and self.data.seq_len % sp_size != 0:
+            low = self.data.seq_len - self.data.seq_len % sp_size
+            options = " or ".join(str(n) for n in (low, low + sp_size) if n > 0)
+            raise ValueError(
+                f"data.seq_len ({self.data.seq_len}) does not split over gang.sp_size "
+                f"({sp_size}): each SP rank keeps seq_len / sp_size positions. Use "
+                f"data.seq_len={options}."
             )
 
     def _validate_lora(self) -> None:

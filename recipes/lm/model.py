@@ -21,6 +21,7 @@ from recipes.common import parallel_options
 from recipes.lm.config import LMConfig
 from runtime import InitSource, parallelize_model
 from runtime.data.text import Tokenizer
+from runtime.parallel.sequence import apply_sequence_parallel
 from trainkit_utils.modules import unwrap_model
 from units import TrainUnit
 from units.lm import LMTrainUnit
@@ -66,6 +67,7 @@ def build_model(
         lora, init_fn = apply_lora(model, config.lora, init_fn)
     flops = flops_per_token(model, hf, config.data.seq_len)
     expert_params = apply_expert_parallel(model, gangs)
+    model = apply_sequence_parallel(model, gangs)
     model = parallelize_model(
         model,
         gangs,

@@ -50,10 +50,21 @@ class Gangs:
         ep: Gang | None = None,
         ep_replicas: Gang | None = None,
         expert_mesh: DeviceMesh | None = None,
+        sp: Gang | None = None,
+        dp_sp: Gang | None = None,
+        dp_sp_mesh: DeviceMesh | None = None,
     ) -> None:
         self._root = root
         self._dp = dp
         self._tp = tp
+        self._sp = sp or FakeGang(device=root.device)
+        self._dp_sp = dp_sp or (dp if self._sp.size == 1 else None)
+        if self._dp_sp is None or self._dp_sp.size != dp.size * self._sp.size:
+            raise GangError(
+                f"The DP x SP gang must hold the DP gang ({dp.size}) times the SP gang "
+                f"({self._sp.size}). Make the gangs with setup_gangs(sp_size=...)."
+            )
+        self._dp_sp_mesh = dp_sp_mesh
         self._ep = ep or FakeGang(device=root.device)
         self._ep_replicas = ep_replicas or (dp if self._ep.size == 1 else None)
         if self._ep_replicas is None or self._ep.size * self._ep_replicas.size != dp.size:
@@ -79,6 +90,27 @@ class Gangs:
     def tp(self) -> Gang:
         """The tensor-parallel gang: the ranks that share a batch and shard the layers."""
         return self._tp
+
+    @property
+    def sp(self) -> Gang:
+        """The sequence-parallel gang: consecutive ranks (beside TP) that read the same batch and
+        each keep ``1 / sp.size`` of every sequence (size 1: no SP)."""
+        return self._sp
+
+    @property
+    def dp_sp(self) -> Gang:
+        """The ranks whose losses and gradients add up: the DP gang times the SP gang (the DP
+        gang itself without SP). DDP and FSDP2 reduce gradients over it; the Trainer sums
+        target counts and the units' metrics over it."""
+        assert self._dp_sp is not None  # __init__
+        return self._dp_sp
+
+    @property
+    def dp_sp_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of :attr:`dp_sp`, that FSDP2 shards over (:attr:`dp_mesh` without SP)."""
+        if self._dp_sp_mesh is None:
+            return self.dp_mesh
+        return self._dp_sp_mesh["dp_sp"]
 
     @property
     def ep(self) -> Gang:
@@ -122,7 +154,8 @@ class Gangs:
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The ``("dp", "tp")`` mesh, or ``("dp_replicate", "dp_shard", "tp")`` with HSDP."""
+        """The ``("dp", "tp")`` mesh, ``("dp_replicate", "dp_shard", "tp")`` with HSDP, or
+        ``("dp", "sp", "tp")`` with SP."""
         if self._device_mesh is None:
             raise GangError(
                 "A DeviceMesh needs torch.distributed, but this process runs alone (WORLD_SIZE is "
@@ -154,6 +187,10 @@ class Gangs:
 
     @property
     def tp_mesh(self) -> DeviceMesh:
+        # Under SP, the TP dim of the mesh that FSDP2's dp_sp dim is cut from: FSDP2 composes
+        # with TP only over two dims of one mesh.
+        if self._dp_sp_mesh is not None:
+            return self._dp_sp_mesh["tp"]
         return self.device_mesh["tp"]
 
     @property
@@ -178,7 +215,8 @@ class Gangs:
     def __repr__(self) -> str:
         shard = "" if self.dp_shard_size is None else f", dp_shard={self.dp_shard_size}"
         ep = "" if self.ep.size == 1 else f", ep={self.ep.size}"
-        return f"Gangs(root={self.root.size}, dp={self.dp.size}{shard}{ep}, tp={self.tp.size})"
+        sp = "" if self.sp.size == 1 else f", sp={self.sp.size}"
+        return f"Gangs(root={self.root.size}, dp={self.dp.size}{shard}{ep}{sp}, tp={self.tp.size})"
 
     @staticmethod
     def single(device: torch.device | None = None) -> Gangs:
@@ -291,7 +329,12 @@ def setup_root_gang(
 
 
 def setup_parallel_gangs(
-    root: Gang, *, tp_size: int = 1, dp_shard_size: int | None = None, ep_size: int = 1
+    root: Gang,
+    *,
+    tp_size: int = 1,
+    dp_shard_size: int | None = None,
+    ep_size: int = 1,
+    sp_size: int = 1,
 ) -> Gangs:
     """Split ``root`` into DP and TP gangs with a DeviceMesh over them.
 
@@ -301,10 +344,31 @@ def setup_parallel_gangs(
 
     ``ep_size`` (expert parallelism) takes runs of ``ep_size`` consecutive DP ranks as EP gangs
     (:attr:`Gangs.ep`); the DP ranks that hold the same experts are :attr:`Gangs.ep_replicas`.
+
+    ``sp_size`` (sequence parallelism) makes the mesh ``("dp", "sp", "tp")``: runs of
+    ``sp_size`` consecutive TP groups are SP gangs (:attr:`Gangs.sp`), which read the same
+    batches, so the DP size (the data shards) is ``processes / (sp_size * tp_size)``. Their
+    gradients add up over :attr:`Gangs.dp_sp`, a second ``("dp_sp", "tp")`` mesh of the same
+    ranks made with the public ``DeviceMesh`` constructor. SP composes with FSDP2, DDP and TP,
+    not yet with HSDP or EP.
     """
     _check_divides("tp_size", tp_size, root.size, f"the number of processes ({root.size})")
-    dp_size = root.size // tp_size
-    the_dp_size = f"the DP size ({dp_size} = {root.size} processes / {{tp_size}} {tp_size})"
+    _check_divides(
+        "sp_size",
+        sp_size,
+        root.size // tp_size,
+        f"the processes over TP ({root.size // tp_size} = {root.size} processes / "
+        f"{{tp_size}} {tp_size})",
+    )
+    dp_size = root.size // (tp_size * sp_size)
+    over = f" / {{sp_size}} {sp_size}" if sp_size > 1 else ""
+    the_dp_size = f"the DP size ({dp_size} = {root.size} processes / {{tp_size}} {tp_size}{over})"
+    if sp_size > 1 and (dp_shard_size is not None or ep_size > 1):
+        other = "{dp_shard_size} (HSDP)" if dp_shard_size is not None else "{ep_size} (EP)"
+        raise GangSizeError(
+            f"{{sp_size}} {sp_size} does not compose with {other} yet. Use FSDP2 or DDP over "
+            "DP x SP (leave out dp_shard_size), or set {sp_size} to 1."
+        )
     _check_divides("ep_size", ep_size, dp_size, the_dp_size)
     if dp_shard_size is not None:
         _check_divides("dp_shard_size", dp_shard_size, dp_size, the_dp_size)
@@ -313,7 +377,9 @@ def setup_parallel_gangs(
 
     shape: tuple[int, ...]
     names: tuple[str, ...]
-    if dp_shard_size is None:
+    if sp_size > 1:
+        shape, names = (dp_size, sp_size, tp_size), ("dp", "sp", "tp")
+    elif dp_shard_size is None:
         shape, names = (dp_size, tp_size), ("dp", "tp")
     else:
         shape = (dp_size // dp_shard_size, dp_shard_size, tp_size)
@@ -334,6 +400,7 @@ def setup_parallel_gangs(
     else:
         dp = _public_dp_gang(mesh, root, timeout)
     expert_mesh = _expert_mesh(mesh, ep_size, timeout) if ep_size > 1 else None
+    dp_sp_mesh = _dp_sp_mesh(mesh, timeout) if sp_size > 1 else None
     return Gangs(
         root=root,
         dp=dp,
@@ -344,7 +411,22 @@ def setup_parallel_gangs(
             None if expert_mesh is None else _gang_of(expert_mesh["ep_replicate"], root, timeout)
         ),
         expert_mesh=expert_mesh,
+        sp=None if dp_sp_mesh is None else _gang_of(mesh["sp"], root, timeout),
+        dp_sp=None if dp_sp_mesh is None else _gang_of(dp_sp_mesh["dp_sp"], root, timeout),
+        dp_sp_mesh=dp_sp_mesh,
     )
+
+
+def _dp_sp_mesh(mesh: DeviceMesh, timeout: timedelta | None) -> DeviceMesh:
+    """The ``("dp_sp", "tp")`` view of the ``("dp", "sp", "tp")`` ``mesh``: the DP and SP dims
+    as one, over which gradients add up, and TP beside it. One mesh of its own (public API,
+    every rank makes every group in one order) rather than the private ``_flatten``."""
+    tp_size = mesh.mesh.shape[-1]
+    names = ("dp_sp", "tp")
+    dp_sp_mesh = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, tp_size), mesh_dim_names=names)
+    for name in names:
+        _set_timeout(dp_sp_mesh[name].get_group(), timeout)
+    return dp_sp_mesh
 
 
 class GangSizeError(GangError):
@@ -365,7 +447,7 @@ class GangSizeError(GangError):
         return self.template.format_map({arg: names.get(arg, arg) for arg in GANG_SIZE_ARGUMENTS})
 
 
-GANG_SIZE_ARGUMENTS: Final = ("tp_size", "dp_shard_size", "ep_size")
+GANG_SIZE_ARGUMENTS: Final = ("tp_size", "dp_shard_size", "ep_size", "sp_size")
 """The arguments of :func:`setup_parallel_gangs` a :class:`GangSizeError` may name."""
 
 
@@ -409,6 +491,7 @@ def setup_gangs(
     timeout: timedelta = timedelta(minutes=15),
     force_process_group: bool = False,
     ep_size: int = 1,
+    sp_size: int = 1,
 ) -> Gangs:
     """:func:`setup_root_gang` and :func:`setup_parallel_gangs` in one call.
 
@@ -420,7 +503,7 @@ def setup_gangs(
     root = setup_root_gang(device, timeout, force_process_group=force_process_group)
     try:
         return setup_parallel_gangs(
-            root, tp_size=tp_size, dp_shard_size=dp_shard_size, ep_size=ep_size
+            root, tp_size=tp_size, dp_shard_size=dp_shard_size, ep_size=ep_size, sp_size=sp_size
         )
     except BaseException:
         if group_made_here and root.size == 1:

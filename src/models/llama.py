@@ -9,6 +9,7 @@ logits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -93,9 +94,23 @@ def rotary_cos_sin(args: LlamaArgs, positions: Tensor, dtype: torch.dtype) -> tu
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """Attention of ``[batch, heads, seq, head_dim]`` queries, keys and values: causal, or
+    within ``mask`` (``[batch, 1, seq, seq]``, True where a query may see a key)."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
+"""What :class:`Attention` calls between its projections: :func:`sdpa_attention`, or a wrapper
+of it (sequence parallelism's all-to-alls, :mod:`runtime.parallel.sequence`)."""
+
+
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
+        self.attention_fn: AttentionFn = sdpa_attention
         self.head_dim = args.dim // args.num_heads
         self.num_groups = args.num_heads // args.num_kv_heads
         kv_dim = args.num_kv_heads * self.head_dim
@@ -116,10 +131,7 @@ class Attention(nn.Module):
         # Each key/value head serves num_groups consecutive query heads, as in Hugging Face.
         k = k.repeat_interleave(self.num_groups, dim=1)
         v = v.repeat_interleave(self.num_groups, dim=1)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = self.attention_fn(q, k, v, mask)
         result: Tensor = self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
         return result
 
@@ -164,7 +176,12 @@ class Llama(nn.Module):
     """``forward(input_ids [batch, seq]) -> logits [batch, seq, vocab_size]``.
 
     With ``document_ids`` and ``positions`` (of packed sequences), attention stays inside each
-    document and rotary positions restart at each document's first token.
+    document and rotary positions restart at each document's first token. ``position_ids``
+    (Hugging Face's name) gives the rotary positions alone, attention staying causal.
+
+    Under sequence parallelism (:mod:`runtime.parallel.sequence`) ``input_ids`` and the
+    positions are this rank's part of each sequence, and ``document_ids`` the whole sequence's:
+    attention sees the whole sequence.
     """
 
     def __init__(self, args: LlamaArgs) -> None:
@@ -179,17 +196,21 @@ class Llama(nn.Module):
         *,
         document_ids: Tensor | None = None,
         positions: Tensor | None = None,
+        position_ids: Tensor | None = None,
     ) -> Tensor:
         x = self.model.embed_tokens(input_ids)
         mask = None
-        if document_ids is None or positions is None:
+        if positions is None or document_ids is None:
+            positions = position_ids
+            document_ids = None
+        if positions is None:
             positions = torch.arange(input_ids.size(1), device=input_ids.device)
             cos, sin = rotary_cos_sin(self.args, positions, x.dtype)
         else:
             cos, sin = (t.unsqueeze(1) for t in rotary_cos_sin(self.args, positions, x.dtype))
-            causal = torch.ones(
-                input_ids.size(1), input_ids.size(1), dtype=torch.bool, device=x.device
-            ).tril()
+        if document_ids is not None:
+            seq = document_ids.size(1)
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
             mask = (document_ids[:, None, :, None] == document_ids[:, None, None, :]) & causal
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask)
@@ -266,10 +287,12 @@ def describe(args: LlamaArgs) -> str:
 
 __all__ = [
     "PRESETS",
+    "AttentionFn",
     "DecoderLayer",
     "Llama",
     "LlamaArgs",
     "hf_config",
     "llama_args",
+    "sdpa_attention",
     "tensor_parallel_plan",
 ]

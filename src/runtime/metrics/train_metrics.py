@@ -255,7 +255,8 @@ class TrainMetrics:
                 ),
             ]
         )
-        self._gangs.dp.all_reduce(sums, ReduceOperation.SUM)
+        # Over DP x SP: under sequence parallelism each rank holds a part of the targets.
+        self._gangs.dp_sp.all_reduce(sums, ReduceOperation.SUM)
         loss_total, num_targets = sums.tolist()
         elapsed = max(time.perf_counter() - self._start, 1e-9)
         steps = max(counts.num_steps, 1)
@@ -278,7 +279,7 @@ class TrainMetrics:
         if mfu is not None:
             values["mfu"] = mfu
         values.update(extra_values)
-        values.update(self._unit_metrics.sync_and_compute(self._gangs.dp))
+        values.update(self._unit_metrics.sync_and_compute(self._gangs.dp_sp))
         self._unit_metrics.reset_non_persistent_metrics()
         self.reset()
         return values

@@ -24,7 +24,9 @@ class StepTotals:
     :class:`~runtime.training.step.TrainStep`, for the whole run.
 
     The sums run over the root gang; TP ranks of one DP rank see the same batch, so they count
-    each of them ``tp.size`` times, which :meth:`wait` divides out.
+    each of them ``tp.size`` times, which :meth:`wait` divides out. SP ranks see the same
+    examples too, but each counts only the targets of its part of the sequences: their
+    examples are divided by ``sp.size`` as well, their targets are not.
     """
 
     def __init__(self, *, gangs: Gangs, check_losses: bool) -> None:
@@ -33,6 +35,7 @@ class StepTotals:
         ``check_losses``)."""
         self._root_gang = gangs.root
         self._tp_size = gangs.tp.size
+        self._sp_size = gangs.sp.size
         self._check_losses = check_losses
         self._values: list[float] = []
         self._tensor: Tensor | None = None
@@ -60,4 +63,5 @@ class StepTotals:
             self._values = self._tensor.tolist()
             self._pending = self._tensor = None
         targets, examples, stops, non_finite = self._values
-        return targets / self._tp_size, examples / self._tp_size, stops, non_finite
+        examples_per_batch = self._tp_size * self._sp_size
+        return targets / self._tp_size, examples / examples_per_batch, stops, non_finite

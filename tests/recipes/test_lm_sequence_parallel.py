@@ -1,0 +1,116 @@
+"""recipes.lm under sequence parallelism (``gang.sp_size``): in float32, the losses, clipped
+gradient norms, validation scores and final weights of SP=2 on two processes equal those of one
+process, for the project's Llama on packed prepared data with document masks and gradient
+accumulation, and for a Hugging Face Llama whose key/value heads are fewer than the SP ranks;
+and the layouts SP cannot run are refused in one line before a launch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.cli.config import load_config
+from runtime.data.text import HuggingFaceTokenizer, prepare_dataset
+from tests.conftest import WORDS, assert_ok, make_tokenizer_dir, read_jsonl, torchrun
+from tests.recipes.test_lm import (
+    TINY_TRAINING,
+    last_model,
+    make_hf_llama_dir,
+    recipe_args,
+    repeated,
+    run_here,
+    write_jsonl,
+)
+
+pytest.importorskip("transformers")
+
+EXACT = (
+    "trainer.dtype=float32",
+    "trainer.amp=false",
+    "trainer.max_gradient_norm=0.5",  # clipped: the norm must agree for the update to
+    "data.num_accumulate=2",
+    "trainer.max_num_steps=4",
+    "trainer.validate_every_n_steps=2",
+    "trainer.checkpoint_every_n_steps=4",
+)
+
+
+def train_metrics(out: Path, key: str) -> list[float]:
+    return [float(r[key]) for r in read_jsonl(out / "metrics" / "train.jsonl") if key in r]
+
+
+def valid_scores(out: Path) -> list[float]:
+    return [float(r["nll_loss"]) for r in read_jsonl(out / "metrics" / "valid.jsonl")]
+
+
+def assert_same_run(one: Path, sp: Path) -> None:
+    for key in ("loss", "grad_norm", "num_targets", "batch_size"):
+        assert train_metrics(sp, key) == pytest.approx(train_metrics(one, key), abs=1e-5), key
+    assert len(train_metrics(one, "loss")) == 4
+    assert valid_scores(sp) == pytest.approx(valid_scores(one), abs=1e-5)
+    assert len(valid_scores(one)) == 2
+    reference, weights = last_model(one), last_model(sp)
+    assert weights.keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(weights[name], tensor, atol=1e-5, rtol=0, msg=name)
+
+
+def test_sp2_on_packed_prepared_data_equals_one_process(tmp_path: Path) -> None:
+    """The project's Llama: document masks over the whole sequence, positions kept."""
+    tokenizer_dir = make_tokenizer_dir(tmp_path / "tokenizer", WORDS)
+    tokenizer = HuggingFaceTokenizer(tokenizer_dir)
+    for split, seed in (("train", 0), ("valid", 1)):
+        text = tmp_path / f"{split}.txt"
+        text.write_text("".join(line + "\n" for line in repeated(120, seed=seed)))
+        prepare_dataset(tmp_path / split, [text], tokenizer=tokenizer, num_workers=0)
+    config = (
+        *TINY_TRAINING,
+        *EXACT,
+        "model.name=llama_debug",
+        "data.document_mask=true",
+        f"tokenizer.path={tokenizer_dir}",
+        f"data.train={tmp_path / 'train'}",
+        f"data.valid={tmp_path / 'valid'}",
+    )
+    assert_ok(run_here(tmp_path / "one", *config))
+    sp = torchrun(2, *recipe_args(tmp_path / "sp", *config, "gang.sp_size=2"), timeout=300)
+    assert_ok(sp)
+    assert_same_run(tmp_path / "one", tmp_path / "sp")
+
+
+def test_sp2_hugging_face_llama_with_one_kv_head_equals_one_process(tmp_path: Path) -> None:
+    """sdpa wrapped through transformers' AttentionInterface; the one key/value head is
+    repeated for the two SP ranks; positions given as position_ids."""
+    model_dir = make_hf_llama_dir(tmp_path / "model", num_key_value_heads=1)
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": s} for s in repeated(200, seed=2)])
+    valid = write_jsonl(tmp_path / "valid.jsonl", [{"text": s} for s in repeated(30, seed=3)])
+    config = (
+        *TINY_TRAINING,
+        *EXACT,
+        f"model.hf_path={model_dir}",
+        f"data.train={train}",
+        f"data.valid={valid}",
+    )
+    assert_ok(run_here(tmp_path / "one", *config))
+    sp = torchrun(2, *recipe_args(tmp_path / "sp", *config, "gang.sp_size=2"), timeout=300)
+    assert_ok(sp)
+    assert_same_run(tmp_path / "one", tmp_path / "sp")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("data.seq_len=30", r"data.seq_len \(30\) does not split over gang.sp_size \(4\)"),
+        ("task=dpo", "whose loss needs each sequence whole"),
+    ],
+)
+def test_a_layout_sp_cannot_run_is_refused_by_the_config(change: str, message: str) -> None:
+    from recipes.lm import LMConfig
+
+    with pytest.raises(ValueError, match=message):
+        load_config(
+            LMConfig,
+            overrides=["model.name=llama_debug", "data.train=x.jsonl", "gang.sp_size=4", change],
+        )
