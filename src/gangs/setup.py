@@ -352,6 +352,16 @@ def setup_parallel_gangs(
     ranks made with the public ``DeviceMesh`` constructor. SP composes with FSDP2, DDP and TP,
     not yet with HSDP or EP.
     """
+    if sp_size > 1 and (dp_shard_size is not None or ep_size > 1):
+        other, fix = (
+            (f"{{dp_shard_size}} {dp_shard_size} (HSDP)", "leave out {dp_shard_size} (FSDP2)")
+            if dp_shard_size is not None
+            else (f"{{ep_size}} {ep_size} (EP)", "set {ep_size} to 1")
+        )
+        raise GangSizeError(
+            f"{{sp_size}} {sp_size} does not compose with {other} yet. Either {fix}, or set "
+            "{sp_size} to 1."
+        )
     _check_divides("tp_size", tp_size, root.size, f"the number of processes ({root.size})")
     _check_divides(
         "sp_size",
@@ -363,12 +373,6 @@ def setup_parallel_gangs(
     dp_size = root.size // (tp_size * sp_size)
     over = f" / {{sp_size}} {sp_size}" if sp_size > 1 else ""
     the_dp_size = f"the DP size ({dp_size} = {root.size} processes / {{tp_size}} {tp_size}{over})"
-    if sp_size > 1 and (dp_shard_size is not None or ep_size > 1):
-        other = "{dp_shard_size} (HSDP)" if dp_shard_size is not None else "{ep_size} (EP)"
-        raise GangSizeError(
-            f"{{sp_size}} {sp_size} does not compose with {other} yet. Use FSDP2 or DDP over "
-            "DP x SP (leave out dp_shard_size), or set {sp_size} to 1."
-        )
     _check_divides("ep_size", ep_size, dp_size, the_dp_size)
     if dp_shard_size is not None:
         _check_divides("dp_shard_size", dp_shard_size, dp_size, the_dp_size)

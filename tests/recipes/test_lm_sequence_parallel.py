@@ -6,6 +6,7 @@ and the layouts SP cannot run are refused in one line before a launch."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,32 @@ def test_a_layout_sp_cannot_run_is_refused_by_the_config(change: str, message: s
             LMConfig,
             overrides=["model.name=llama_debug", "data.train=x.jsonl", "gang.sp_size=4", change],
         )
+
+
+def test_sp2_sft_on_masked_targets_equals_one_process(tmp_path: Path) -> None:
+    """Examples padded to the longest, then to a length the SP ranks divide; a rank whose half
+    holds only prompt tokens has no targets, and still takes part in the all-to-alls."""
+    model_dir = make_hf_llama_dir(tmp_path / "model")
+    rng = random.Random(5)
+
+    def records(count: int) -> list[dict[str, object]]:
+        return [
+            {
+                "prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 14))),
+                "response": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 4))),
+            }
+            for _ in range(count)
+        ]
+
+    config = (
+        *TINY_TRAINING,
+        *EXACT,
+        "task=sft",
+        f"model.hf_path={model_dir}",
+        f"data.train={write_jsonl(tmp_path / 'train.jsonl', records(80))}",
+        f"data.valid={write_jsonl(tmp_path / 'valid.jsonl', records(12))}",
+    )
+    assert_ok(run_here(tmp_path / "one", *config))
+    sp = torchrun(2, *recipe_args(tmp_path / "sp", *config, "gang.sp_size=2"), timeout=300)
+    assert_ok(sp)
+    assert_same_run(tmp_path / "one", tmp_path / "sp")

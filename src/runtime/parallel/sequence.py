@@ -90,14 +90,16 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
         ctx.group = group
+        x = x.contiguous()  # empty_like keeps strides: both must be dense in dim-0 order
         out = torch.empty_like(x)
-        dist.all_to_all_single(out, x.contiguous(), group=group)
+        dist.all_to_all_single(out, x, group=group)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        grad = grad.contiguous()
         out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
+        dist.all_to_all_single(out, grad, group=ctx.group)
         return out, None
 
 
@@ -236,48 +238,61 @@ def _hf_attention_modules(model: Module) -> list[Module]:
 
 
 def sp_group(gangs: Gangs) -> dist.ProcessGroup:
+    """The process group of the SP gang."""
     gang: Gang = gangs.sp
-    assert isinstance(gang, ProcessGroupGang), gang
+    if not isinstance(gang, ProcessGroupGang):
+        raise SequenceParallelError(
+            f"Sequence parallelism needs an SP gang of processes, but it is {gang!r}. Make the "
+            "gangs with setup_gangs(sp_size=N) under torchrun."
+        )
     return gang.as_process_group()
 
 
-def apply_sequence_parallel(model: Module, gangs: Gangs) -> Module:
-    """Wrap the attention of ``model`` for the SP gang (a no-op without SP); call it before
-    data parallelism wraps the model. Refuses in one line a model whose attention cannot be
-    wrapped, and heads that ``sp_size x tp_size`` does not divide."""
-    size, tp_size = gangs.sp.size, gangs.tp.size
-    if size == 1:
-        return model
-    group = sp_group(gangs)
+def check_model(model: Module, sp_size: int, tp_size: int) -> str:
+    """What :func:`apply_sequence_parallel` would wrap in ``model``: ``"llama"`` (the project's)
+    or the Hugging Face attention implementation; a one-line :class:`SequenceParallelError`
+    for a model it cannot wrap or heads that ``sp_size x tp_size`` does not divide."""
     if isinstance(model, Llama):
-        check_heads(model.args.num_heads, size, tp_size)
-        for module in model.modules():
-            if isinstance(module, LlamaAttention):
-                module.attention_fn = UlyssesAttention(group, size, module.attention_fn)
-        return model
+        check_heads(model.args.num_heads, sp_size, tp_size)
+        return "llama"
     config = getattr(model, "config", None)
-    implementation = getattr(config, "_attn_implementation", None)
-    modules = _hf_attention_modules(model)
-    if config is None or not modules:
+    if config is None or not _hf_attention_modules(model):
         raise SequenceParallelError(
             f"Sequence parallelism cannot wrap the attention of {type(model).__name__}: it "
             "wraps the project's Llama and Hugging Face models with sdpa or eager attention. "
             "Set gang.sp_size to 1 for this model."
         )
+    implementation = getattr(config, "_attn_implementation", None)
     if implementation not in HF_IMPLEMENTATIONS:
         raise SequenceParallelError(
             f"Sequence parallelism wraps sdpa and eager attention, but {type(model).__name__} "
             f"uses {implementation!r}. Load it with attn_implementation='sdpa', or set "
             "gang.sp_size to 1."
         )
-    check_heads(config.num_attention_heads, size, tp_size)
+    check_heads(config.num_attention_heads, sp_size, tp_size)
+    return str(implementation)
+
+
+def apply_sequence_parallel(model: Module, gangs: Gangs) -> Module:
+    """Wrap the attention of ``model`` for the SP gang (a no-op without SP), before data
+    parallelism wraps the model; :func:`check_model` refuses what it cannot wrap."""
+    size = gangs.sp.size
+    if size == 1:
+        return model
+    kind = check_model(model, size, gangs.tp.size)
+    group = sp_group(gangs)
+    if kind == "llama":
+        for module in model.modules():
+            if isinstance(module, LlamaAttention):
+                module.attention_fn = UlyssesAttention(group, size, module.attention_fn)
+        return model
     _register_hf_attention()
-    for module in modules:
+    for module in _hf_attention_modules(model):
         _SP_GROUPS[module] = (group, size)
     for sub in model.modules():
         sub_config = getattr(sub, "config", None)
-        if getattr(sub_config, "_attn_implementation", None) == implementation:
-            sub_config._attn_implementation = _HF_NAME.format(implementation)  # type: ignore[union-attr]
+        if getattr(sub_config, "_attn_implementation", None) == kind:
+            sub_config._attn_implementation = _HF_NAME.format(kind)  # type: ignore[union-attr]
     return model
 
 
@@ -288,6 +303,7 @@ __all__ = [
     "all_to_all_dim0",
     "apply_sequence_parallel",
     "check_heads",
+    "check_model",
     "check_sequence_length",
     "heads_to_sequence",
     "repeat_kv_for",
