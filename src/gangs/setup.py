@@ -352,30 +352,9 @@ def setup_parallel_gangs(
     ranks made with the public ``DeviceMesh`` constructor. SP composes with FSDP2, DDP and TP,
     not yet with HSDP or EP.
     """
-    if sp_size > 1 and (dp_shard_size is not None or ep_size > 1):
-        other, fix = (
-            (f"{{dp_shard_size}} {dp_shard_size} (HSDP)", "leave out {dp_shard_size} (FSDP2)")
-            if dp_shard_size is not None
-            else (f"{{ep_size}} {ep_size} (EP)", "set {ep_size} to 1")
-        )
-        raise GangSizeError(
-            f"{{sp_size}} {sp_size} does not compose with {other} yet. Either {fix}, or set "
-            "{sp_size} to 1."
-        )
-    _check_divides("tp_size", tp_size, root.size, f"the number of processes ({root.size})")
-    _check_divides(
-        "sp_size",
-        sp_size,
-        root.size // tp_size,
-        f"the processes over TP ({root.size // tp_size} = {root.size} processes / "
-        f"{{tp_size}} {tp_size})",
+    dp_size = _check_sizes(
+        root.size, tp_size=tp_size, sp_size=sp_size, ep_size=ep_size, dp_shard_size=dp_shard_size
     )
-    dp_size = root.size // (tp_size * sp_size)
-    over = f" / {{sp_size}} {sp_size}" if sp_size > 1 else ""
-    the_dp_size = f"the DP size ({dp_size} = {root.size} processes / {{tp_size}} {tp_size}{over})"
-    _check_divides("ep_size", ep_size, dp_size, the_dp_size)
-    if dp_shard_size is not None:
-        _check_divides("dp_shard_size", dp_shard_size, dp_size, the_dp_size)
     if root.size == 1 and not isinstance(root, ProcessGroupGang):
         return Gangs(root=root, dp=root, tp=root)
 
@@ -431,6 +410,37 @@ def _dp_sp_mesh(mesh: DeviceMesh, timeout: timedelta | None) -> DeviceMesh:
     for name in names:
         _set_timeout(dp_sp_mesh[name].get_group(), timeout)
     return dp_sp_mesh
+
+
+def _check_sizes(
+    world: int, *, tp_size: int, sp_size: int, ep_size: int, dp_shard_size: int | None
+) -> int:
+    """The DP size of ``world`` processes with these sizes, or a :class:`GangSizeError` that
+    names the sizes that would fit."""
+    if sp_size > 1 and (dp_shard_size is not None or ep_size > 1):
+        other, fix = (
+            (f"{{dp_shard_size}} {dp_shard_size} (HSDP)", "leave out {dp_shard_size} (FSDP2)")
+            if dp_shard_size is not None
+            else (f"{{ep_size}} {ep_size} (EP)", "set {ep_size} to 1")
+        )
+        raise GangSizeError(
+            f"{{sp_size}} {sp_size} does not compose with {other} yet. Either {fix}, or set "
+            "{sp_size} to 1."
+        )
+    _check_divides("tp_size", tp_size, world, f"the number of processes ({world})")
+    _check_divides(
+        "sp_size",
+        sp_size,
+        world // tp_size,
+        f"the processes over TP ({world // tp_size} = {world} processes / {{tp_size}} {tp_size})",
+    )
+    dp_size = world // (tp_size * sp_size)
+    over = f" / {{sp_size}} {sp_size}" if sp_size > 1 else ""
+    the_dp_size = f"the DP size ({dp_size} = {world} processes / {{tp_size}} {tp_size}{over})"
+    _check_divides("ep_size", ep_size, dp_size, the_dp_size)
+    if dp_shard_size is not None:
+        _check_divides("dp_shard_size", dp_shard_size, dp_size, the_dp_size)
+    return dp_size
 
 
 class GangSizeError(GangError):

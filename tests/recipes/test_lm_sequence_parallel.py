@@ -198,3 +198,28 @@ def test_sp2_sft_on_masked_targets_equals_one_process(tmp_path: Path) -> None:
     sp = torchrun(2, *recipe_args(tmp_path / "sp", *config, "gang.sp_size=2"), timeout=300)
     assert_ok(sp)
     assert_same_run(tmp_path / "one", tmp_path / "sp")
+
+
+def test_heads_that_sp_does_not_divide_are_refused_in_one_line_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    from tests.faults.test_bad_config import rank_stderr_lines
+
+    model_dir = make_hf_llama_dir(
+        tmp_path / "model", hidden_size=24, num_attention_heads=3, num_key_value_heads=1
+    )
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": s} for s in repeated(20, seed=2)])
+    out, logs = tmp_path / "run", tmp_path / "torchrun_logs"
+    args = [*TINY_TRAINING, f"model.hf_path={model_dir}", f"data.train={train}", "gang.sp_size=2"]
+    result = torchrun(
+        2, "--log-dir", str(logs), "--redirects", "2", "-m", "recipes.lm", str(out),
+        "--config", *args, timeout=300,
+    )  # fmt: skip
+    expected = (
+        "error: The model's 3 attention heads do not split over sp_size 2 x tp_size 1: each SP "
+        "rank attends with num_heads / (sp_size x tp_size) heads. With tp_size 1, use sp_size 1 "
+        "or 3."
+    )
+    for lines in rank_stderr_lines(logs):
+        assert [line for line in lines if line.startswith("error: ")] == [expected], lines
+    assert "exitcode  : 2" in result.stderr, result.stderr[-3000:]
