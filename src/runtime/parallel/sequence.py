@@ -18,7 +18,7 @@ inverse, so its backward is one more of it). Both give the same bits.
   function it names is registered with ``transformers``' ``AttentionInterface`` under a name of
   ours (``trainkit_sp_sdpa``, ``trainkit_sp_eager``) that calls it between the all-to-alls. No
   modeling code changes; attention is causal over the whole sequence (the recipes give Hugging
-  Face models no padding or document mask).
+  Face models no padding or document mask), so a model with sliding windows is refused.
 
 Any other model is refused in one line. Heads must divide by ``sp_size`` (after tensor
 parallelism has split them: ``sp_size x tp_size`` in all); key/value heads are repeated when
@@ -188,6 +188,8 @@ def _hf_attention(implementation: str) -> Callable[..., tuple[Tensor, Any]]:
         **kwargs: Any,
     ) -> tuple[Tensor, Any]:
         group, size = _SP_GROUPS[module]
+        if kwargs.get("sliding_window") is not None:  # check_model refuses such models
+            raise SequenceParallelError("Sequence parallelism cannot wrap sliding windows.")
         factor = repeat_kv_for(query.size(1), key.size(1), size)
         if factor > 1:
             key = key.repeat_interleave(factor, dim=1)
@@ -269,8 +271,26 @@ def check_model(model: Module, sp_size: int, tp_size: int) -> str:
             f"uses {implementation!r}. Load it with attn_implementation='sdpa', or set "
             "gang.sp_size to 1."
         )
+    window = _sliding_window(model, config)
+    if window is not None:
+        raise SequenceParallelError(
+            f"Sequence parallelism runs causal attention over the whole sequence, but "
+            f"{type(model).__name__} attends within a sliding window of {window} tokens. Set "
+            "gang.sp_size to 1 for this model."
+        )
     check_heads(config.num_attention_heads, sp_size, tp_size)
     return str(implementation)
+
+
+def _sliding_window(model: Module, config: Any) -> int | None:
+    """The smallest sliding window a layer of the Hugging Face ``model`` attends within: its
+    attention modules' ``sliding_window`` (Qwen2, Gemma 2), else the config's (Mistral)."""
+    modules = _hf_attention_modules(model)
+    if any(hasattr(module, "sliding_window") for module in modules):
+        windows = [getattr(module, "sliding_window", None) for module in modules]
+        return min((w for w in windows if w is not None), default=None)
+    window = getattr(config, "sliding_window", None)
+    return window if isinstance(window, int) else None
 
 
 def apply_sequence_parallel(model: Module, gangs: Gangs) -> Module:

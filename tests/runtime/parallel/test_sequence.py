@@ -157,6 +157,30 @@ def test_a_hugging_face_model_with_another_attention_is_refused() -> None:
 
 
 @pytest.mark.parametrize(
+    ("family", "options"),
+    [
+        ("Mistral", {}),
+        ("Qwen2", {"use_sliding_window": True, "layer_types": ["sliding_attention"]}),
+    ],
+)
+def test_a_hugging_face_model_with_sliding_windows_is_refused(
+    family: str, options: dict[str, object]
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=10, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=1, sliding_window=16, **options,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    with pytest.raises(SequenceParallelError, match="within a sliding window of 16 tokens"):
+        check_model(model, 2, 1)
+    if family == "Qwen2":  # windows configured but used by no layer
+        config.layer_types = ["full_attention"]
+        assert check_model(transformers.Qwen2ForCausalLM(config), 2, 1) == "sdpa"
+
+
+@pytest.mark.parametrize(
     ("heads", "kv_heads", "size", "factor"),
     [(4, 2, 2, 1), (4, 1, 2, 2), (8, 2, 4, 2), (8, 1, 8, 8), (6, 3, 2, 2)],
 )
