@@ -115,7 +115,8 @@ def test_sp2_on_packed_prepared_data_equals_one_process(tmp_path: Path) -> None:
 
 def test_sp2_hugging_face_llama_with_one_kv_head_equals_one_process(tmp_path: Path) -> None:
     """sdpa wrapped through transformers' AttentionInterface; the one key/value head is
-    repeated for the two SP ranks; positions given as position_ids."""
+    repeated for the two SP ranks; positions given as position_ids. The SP run checkpoints its
+    activations: the recomputed forward makes its all-to-alls again, in step on both ranks."""
     model_dir = make_hf_llama_dir(tmp_path / "model", num_key_value_heads=1)
     train = write_jsonl(tmp_path / "train.jsonl", [{"text": s} for s in repeated(200, seed=2)])
     valid = write_jsonl(tmp_path / "valid.jsonl", [{"text": s} for s in repeated(30, seed=3)])
@@ -127,7 +128,13 @@ def test_sp2_hugging_face_llama_with_one_kv_head_equals_one_process(tmp_path: Pa
         f"data.valid={valid}",
     )
     assert_ok(run_here(tmp_path / "one", *config))
-    sp = torchrun(2, *recipe_args(tmp_path / "sp", *config, "gang.sp_size=2"), timeout=300)
+    sp = torchrun(
+        2,
+        *recipe_args(
+            tmp_path / "sp", *config, "gang.sp_size=2", "model.activation_checkpointing=true"
+        ),
+        timeout=300,
+    )
     assert_ok(sp)
     assert_same_run(tmp_path / "one", tmp_path / "sp")
 
