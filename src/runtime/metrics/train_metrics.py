@@ -375,7 +375,8 @@ def describe_devices(gangs: Gangs) -> str:
     else:
         name = f"CPU ({torch.get_num_threads()} threads)"
         memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    sp = f" x sp_size {gangs.sp.size}" if gangs.sp.size > 1 else ""
     return (
-        f"{name}, {gangs.root.size} processes (dp_size {gangs.dp.size} x tp_size {gangs.tp.size}), "
-        f"{memory / 2**20:.0f} MiB of memory in use on rank {gangs.root.rank}"
+        f"{name}, {gangs.root.size} processes (dp_size {gangs.dp.size}{sp} x tp_size "
+        f"{gangs.tp.size}), {memory / 2**20:.0f} MiB of memory in use on rank {gangs.root.rank}"
     )
