@@ -401,13 +401,16 @@ def setup_parallel_gangs(
 
 
 def _dp_sp_mesh(mesh: DeviceMesh, timeout: timedelta | None) -> DeviceMesh:
-    """The ``("dp_sp", "tp")`` view of the ``("dp", "sp", "tp")`` ``mesh``: the DP and SP dims
-    as one, over which gradients add up, and TP beside it. One mesh of its own (public API,
-    every rank makes every group in one order) rather than the private ``_flatten``."""
-    tp_size = mesh.mesh.shape[-1]
-    names = ("dp_sp", "tp")
-    dp_sp_mesh = DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, tp_size), mesh_dim_names=names)
-    for name in names:
+    """The ``(..., "dp_sp", "tp")`` view of the ``(..., "dp", "sp", "tp")`` ``mesh``: the DP and
+    SP dims as one, over which gradients add up, TP beside it, and any dims before DP (a
+    pipeline's) kept. One mesh of its own (public API, every rank makes every group in one
+    order) rather than the private ``_flatten``."""
+    names = tuple(mesh.mesh_dim_names or ())
+    lead = names[: names.index("dp")]
+    shape = mesh.mesh.shape
+    ranks = mesh.mesh.reshape(*shape[: len(lead)], -1, shape[-1])
+    dp_sp_mesh = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=(*lead, "dp_sp", "tp"))
+    for name in ("dp_sp", "tp"):
         _set_timeout(dp_sp_mesh[name].get_group(), timeout)
     return dp_sp_mesh
 
