@@ -96,7 +96,13 @@ def rotary_cos_sin(args: LlamaArgs, positions: Tensor, dtype: torch.dtype) -> tu
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """Attention of ``[batch, heads, seq, head_dim]`` queries, keys and values: causal, or
-    within ``mask`` (``[batch, 1, seq, seq]``, True where a query may see a key)."""
+    within ``mask`` (``[batch, 1, seq, seq]``, True where a query may see a key). Keys and
+    values may have fewer heads, each serving a group of consecutive query heads, as in
+    Hugging Face."""
+    groups = q.size(1) // k.size(1)
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -112,7 +118,6 @@ class Attention(nn.Module):
         super().__init__()
         self.attention_fn: AttentionFn = sdpa_attention
         self.head_dim = args.dim // args.num_heads
-        self.num_groups = args.num_heads // args.num_kv_heads
         kv_dim = args.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(args.dim, args.dim, bias=False)
         self.k_proj = nn.Linear(args.dim, kv_dim, bias=False)
@@ -128,9 +133,8 @@ class Attention(nn.Module):
         )
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        # Each key/value head serves num_groups consecutive query heads, as in Hugging Face.
-        k = k.repeat_interleave(self.num_groups, dim=1)
-        v = v.repeat_interleave(self.num_groups, dim=1)
+        # Keys and values keep their own heads: attention_fn repeats them (after sequence
+        # parallelism's all-to-all, which then moves fewer of them).
         out = self.attention_fn(q, k, v, mask)
         result: Tensor = self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
         return result

@@ -2,8 +2,9 @@
 ``two_rank_checks.py``'s launch with its DP gang of two as the SP gang: each rank holds half of
 every sequence, and its outputs and gradients must equal the matching half of one process's.
 
-- ``attention_<path>``: the project's Llama attention function, causal and with a document mask,
-  over the private (``_functional_collectives``) and the public all-to-all;
+- ``attention_<path>``: the project's Llama attention function, causal with one key/value head
+  and with a document mask and two, over the private (``_functional_collectives``) and the
+  public all-to-all;
 - ``hf_<implementation>``: a tiny Hugging Face Llama with one key/value head (repeated for the
   two ranks), its ``sdpa`` and ``eager`` attention wrapped, logits and every gradient.
 
@@ -34,7 +35,10 @@ def _sp_gangs(gangs: Gangs) -> Gangs:
 def _attention(gangs: Gangs, masked: bool) -> float:
     rank, size = gangs.root.rank, gangs.root.size
     generator = torch.Generator().manual_seed(3)
-    q, k, v, upstream = (torch.randn(2, 4, 8, 16, generator=generator) for _ in range(4))
+    q, upstream = (torch.randn(2, 4, 8, 16, generator=generator) for _ in range(2))
+    # Grouped-query attention: 1 key/value head (repeated for the 2 SP ranks), or 2.
+    kv_heads = 2 if masked else 1
+    k, v = (torch.randn(2, kv_heads, 8, 16, generator=generator) for _ in range(2))
     mask = None
     if masked:
         documents = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2], [0, 0, 0, 0, 0, 1, 1, 1]])

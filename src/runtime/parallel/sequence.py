@@ -146,13 +146,18 @@ def repeat_kv_for(num_heads: int, num_kv_heads: int, size: int) -> int:
 
 class UlyssesAttention:
     """An ``attention_fn`` of :class:`models.llama.Attention` (``(q, k, v, mask) -> out``, all
-    ``[batch, heads, seq, dim]``) run over the SP ``group``: q, k, v hold this rank's positions;
-    ``mask`` (a document mask, or None: causal) spans the whole sequence."""
+    ``[batch, heads, seq, dim]``, keys and values with their own, fewer heads) run over the SP
+    ``group``: q, k, v hold this rank's positions; ``mask`` (a document mask, or None: causal)
+    spans the whole sequence. Key/value heads are repeated only as far as the SP size needs."""
 
     def __init__(self, group: dist.ProcessGroup, size: int, inner: Callable[..., Tensor]) -> None:
         self.group, self.size, self.inner = group, size, inner
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        factor = repeat_kv_for(q.size(1), k.size(1), self.size)
+        if factor > 1:
+            k = k.repeat_interleave(factor, dim=1)
+            v = v.repeat_interleave(factor, dim=1)
         q, k, v = (heads_to_sequence(t, self.group, self.size) for t in (q, k, v))
         out = self.inner(q, k, v, mask)
         return sequence_to_heads(out, self.group, self.size)
