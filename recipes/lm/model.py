@@ -95,7 +95,8 @@ def bias_update(rate: float, unit: TrainUnit[Any], gangs: Gangs) -> ExpertBiasUp
             f"experts' routers (DeepSeek-V3's), but {type(unwrap_model(unit.model)).__name__} "
             "has none. Leave it unset (null)."
         )
-    return ExpertBiasUpdate(load, biases, gangs.dp, rate)
+    # The load over every rank's tokens: DP (x SP).
+    return ExpertBiasUpdate(load, biases, gangs.dp_sp, rate)
 
 
 def lora_trainer_options(lora: LoraAdapters, base: Path) -> dict[str, Any]:

@@ -65,12 +65,14 @@ class Gangs:
                 f"({self._sp.size}). Make the gangs with setup_gangs(sp_size=...)."
             )
         self._dp_sp_mesh = dp_sp_mesh
+        # Experts split over the ranks that hold different tokens: DP x SP.
+        tokens = self._dp_sp
         self._ep = ep or FakeGang(device=root.device)
-        self._ep_replicas = ep_replicas or (dp if self._ep.size == 1 else None)
-        if self._ep_replicas is None or self._ep.size * self._ep_replicas.size != dp.size:
+        self._ep_replicas = ep_replicas or (tokens if self._ep.size == 1 else None)
+        if self._ep_replicas is None or self._ep.size * self._ep_replicas.size != tokens.size:
             raise GangError(
                 f"The EP gang ({self._ep.size}) times its replicas' gang must make up the DP "
-                f"gang ({dp.size}). Make the gangs with setup_gangs(ep_size=...)."
+                f"x SP gang ({tokens.size}). Make the gangs with setup_gangs(ep_size=...)."
             )
         self._device_mesh = device_mesh
         self._dp_mesh = None if device_mesh is None else _whole_dp_mesh(device_mesh, dp)
@@ -349,8 +351,8 @@ def setup_parallel_gangs(
     ``sp_size`` consecutive TP groups are SP gangs (:attr:`Gangs.sp`), which read the same
     batches, so the DP size (the data shards) is ``processes / (sp_size * tp_size)``. Their
     gradients add up over :attr:`Gangs.dp_sp`, a second ``("dp_sp", "tp")`` mesh of the same
-    ranks made with the public ``DeviceMesh`` constructor. SP composes with FSDP2, DDP and TP,
-    not yet with HSDP or EP.
+    ranks made with the public ``DeviceMesh`` constructor. SP composes with FSDP2, DDP, TP and
+    EP (whose gangs are then runs of consecutive DP x SP ranks), not yet with HSDP.
     """
     dp_size = _check_sizes(
         root.size, tp_size=tp_size, sp_size=sp_size, ep_size=ep_size, dp_shard_size=dp_shard_size
@@ -420,15 +422,10 @@ def _check_sizes(
 ) -> int:
     """The DP size of ``world`` processes with these sizes, or a :class:`GangSizeError` that
     names the sizes that would fit."""
-    if sp_size > 1 and (dp_shard_size is not None or ep_size > 1):
-        other, fix = (
-            (f"{{dp_shard_size}} {dp_shard_size} (HSDP)", "leave out {dp_shard_size} (FSDP2)")
-            if dp_shard_size is not None
-            else (f"{{ep_size}} {ep_size} (EP)", "set {ep_size} to 1")
-        )
+    if sp_size > 1 and dp_shard_size is not None:
         raise GangSizeError(
-            f"{{sp_size}} {sp_size} does not compose with {other} yet. Either {fix}, or set "
-            "{sp_size} to 1."
+            f"{{sp_size}} {sp_size} does not compose with {{dp_shard_size}} {dp_shard_size} "
+            "(HSDP) yet. Either leave out {dp_shard_size} (FSDP2), or set {sp_size} to 1."
         )
     _check_divides("tp_size", tp_size, world, f"the number of processes ({world})")
     _check_divides(
@@ -440,7 +437,16 @@ def _check_sizes(
     dp_size = world // (tp_size * sp_size)
     over = f" / {{sp_size}} {sp_size}" if sp_size > 1 else ""
     the_dp_size = f"the DP size ({dp_size} = {world} processes / {{tp_size}} {tp_size}{over})"
-    _check_divides("ep_size", ep_size, dp_size, the_dp_size)
+    if sp_size > 1:
+        # Experts split over the ranks that hold different tokens: DP x SP.
+        _check_divides(
+            "ep_size",
+            ep_size,
+            dp_size * sp_size,
+            f"the DP x SP size ({dp_size * sp_size} = {world} processes / {{tp_size}} {tp_size})",
+        )
+    else:
+        _check_divides("ep_size", ep_size, dp_size, the_dp_size)
     if dp_shard_size is not None:
         _check_divides("dp_shard_size", dp_shard_size, dp_size, the_dp_size)
     return dp_size
@@ -487,8 +493,8 @@ def _gang_of(dim_mesh: DeviceMesh, root: Gang, timeout: timedelta | None) -> Gan
 
 
 def _expert_mesh(mesh: DeviceMesh, ep_size: int, timeout: timedelta | None) -> DeviceMesh:
-    """The ``("ep_replicate", "ep", "tp")`` view of ``mesh``: its ranks by DP rank, then TP rank,
-    with each run of ``ep_size`` consecutive DP ranks an EP gang. One mesh, not groups of its
+    """The ``("ep_replicate", "ep", "tp")`` view of ``mesh``: its ranks by DP rank (by DP x SP
+    rank with SP), then TP rank, with each run of ``ep_size`` consecutive such ranks an EP gang. One mesh, not groups of its
     own, because FSDP2 shards a DTensor over a second dim only of the mesh that holds the first.
     Every rank makes every group, in one order (the public ``DeviceMesh`` constructor)."""
     tp_size = mesh.mesh.shape[-1]

@@ -195,6 +195,8 @@ def test_four_processes_sp_gangs_are_consecutive_and_gradients_add_over_dp_x_sp(
 
 
 def test_sp_size_must_divide_the_processes_and_compose() -> None:
+    from gangs.setup import _check_sizes
+
     with pytest.raises(
         GangError,
         match=r"^sp_size is 2, but must divide the processes over TP \(1 = 1 processes / "
@@ -203,8 +205,13 @@ def test_sp_size_must_divide_the_processes_and_compose() -> None:
         setup_parallel_gangs(FakeGang(), sp_size=2)
     single = Gangs.single()
     assert single.sp.size == 1 and single.dp_sp is single.dp
-    with pytest.raises(GangError, match=r"^sp_size 2 does not compose with ep_size 2 \(EP\) yet"):
-        setup_parallel_gangs(FakeGang(), sp_size=2, ep_size=2)
+    # Experts split over the ranks with different tokens: DP x SP.
+    assert _check_sizes(4, tp_size=1, sp_size=2, ep_size=4, dp_shard_size=None) == 2
+    with pytest.raises(
+        GangError,
+        match=r"^ep_size is 3, but must divide the DP x SP size \(4 = 4 processes / tp_size 1\)",
+    ):
+        _check_sizes(4, tp_size=1, sp_size=2, ep_size=3, dp_shard_size=None)
     with pytest.raises(GangError, match=r"^sp_size 2 does not compose with dp_shard_size 2"):
         setup_parallel_gangs(FakeGang(), sp_size=2, dp_shard_size=2)
 

@@ -230,3 +230,26 @@ def test_heads_that_sp_does_not_divide_are_refused_in_one_line_on_every_rank(
     for lines in rank_stderr_lines(logs):
         assert [line for line in lines if line.startswith("error: ")] == [expected], lines
     assert "exitcode  : 2" in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_sp2_x_ep2_equals_sp2_without_experts_split(tmp_path: Path) -> None:
+    """A tiny Qwen3-MoE: EP=2 over the two SP ranks (the ranks with different tokens) against
+    the same SP=2 run with every expert on each rank. Both compute the load-balancing loss over
+    each rank's own tokens (as DP does), so they agree; one process would not."""
+    from tests.recipes.families import FAMILY_BY_NAME, make_family_dir
+
+    model_dir = make_family_dir(FAMILY_BY_NAME["Qwen3-MoE"], tmp_path / "model")
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": s} for s in repeated(200, seed=2)])
+    valid = write_jsonl(tmp_path / "valid.jsonl", [{"text": s} for s in repeated(30, seed=3)])
+    config = (
+        *TINY_TRAINING,
+        *EXACT,
+        f"model.hf_path={model_dir}",
+        f"data.train={train}",
+        f"data.valid={valid}",
+        "gang.sp_size=2",
+    )
+    for name, extra in (("sp", ()), ("sp_ep", ("gang.ep_size=2",))):
+        assert_ok(torchrun(2, *recipe_args(tmp_path / name, *config, *extra), timeout=300))
+    assert_same_run(tmp_path / "sp", tmp_path / "sp_ep")
