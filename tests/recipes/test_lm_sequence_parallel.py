@@ -253,3 +253,24 @@ def test_sp2_x_ep2_equals_sp2_without_experts_split(tmp_path: Path) -> None:
     for name, extra in (("sp", ()), ("sp_ep", ("gang.ep_size=2",))):
         assert_ok(torchrun(2, *recipe_args(tmp_path / name, *config, *extra), timeout=300))
     assert_same_run(tmp_path / "sp", tmp_path / "sp_ep")
+
+
+@pytest.mark.slow
+def test_sp2_lora_equals_one_process(tmp_path: Path) -> None:
+    """LoRA adapters on the projections around the wrapped attention."""
+    pytest.importorskip("peft")
+    model_dir = make_hf_llama_dir(tmp_path / "model")
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": s} for s in repeated(200, seed=2)])
+    valid = write_jsonl(tmp_path / "valid.jsonl", [{"text": s} for s in repeated(30, seed=3)])
+    config = (
+        *TINY_TRAINING,
+        *EXACT,
+        f"model.hf_path={model_dir}",
+        f"data.train={train}",
+        f"data.valid={valid}",
+        "lora.rank=4",
+    )
+    assert_ok(run_here(tmp_path / "one", *config))
+    sp = torchrun(2, *recipe_args(tmp_path / "sp", *config, "gang.sp_size=2"), timeout=300)
+    assert_ok(sp)
+    assert_same_run(tmp_path / "one", tmp_path / "sp")
