@@ -67,6 +67,8 @@ class WorldLayout:
             return "parameters replicated over the DP ranks" if self.dp_size > 1 else "no DP"
         if self.dp_shard_size == self.dp_size:
             return f"parameters sharded over all {self.dp_size} DP ranks (FSDP2)"
+        if self.dp_shard_size > self.dp_size:  # sequence parallelism: over DP x SP
+            return f"parameters sharded over all {self.dp_shard_size} DP x SP ranks (FSDP2)"
         return (
             f"parameters sharded over {self.dp_shard_size} DP ranks and replicated "
             f"{self.dp_size // self.dp_shard_size} times (HSDP)"
