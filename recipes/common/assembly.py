@@ -53,6 +53,8 @@ def setup_recipe_gangs(config: ParallelConfig) -> Gangs:
         # Expert parallelism, in recipes whose gang section has it (recipes.lm).
         ep_size=getattr(config.gang, "ep_size", 1),
         pp_size=config.gang.pp_size,
+        # Sequence parallelism, in recipes whose gang section has it (recipes.lm).
+        sp_size=getattr(config.gang, "sp_size", 1),
     )
 
 

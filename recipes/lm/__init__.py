@@ -10,11 +10,11 @@ from recipes.lm.config import (
     LMConfig,
     LMGangSection,
     ModelSection,
-    PreferenceSection,
     TokenizerSection,
 )
 from recipes.lm.data import build_readers, load_recipe_tokenizer, packed_valid_set
 from recipes.lm.model import BuiltModel, bias_update, build_model
+from recipes.lm.preference import PreferenceSection
 from recipes.lm.recipe import build_trainer, recipe
 from recipes.lm.units import build_reference, build_units
 

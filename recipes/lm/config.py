@@ -19,11 +19,11 @@ from recipes.common import (
     PipelineSection,
     TrainerSection,
 )
+from recipes.lm.preference import PreferenceSection
 from runtime.cli.config import exactly_one_of
-from runtime.data.text import PreferenceFields, is_prepared_dataset
+from runtime.data.text import is_prepared_dataset
 from trainkit_utils.arguments import check_positive
 from units.grpo import GrpoOptions
-from units.preference import PREFERENCE_TASKS, PreferenceOptions, PreferenceTask
 
 
 @dataclass
@@ -87,56 +87,10 @@ class DataSection:
 class LMGangSection(GangSection):
     ep_size: int = 1
     """Expert parallelism: split each MoE layer's experts over this many DP ranks (1: off)."""
-
-
-@dataclass
-class PreferenceSection(PreferenceOptions):
-    """task=dpo|simpo|orpo|cpo: the method's options (:class:`units.preference.PreferenceOptions`)
-    and the data's fields."""
-
-    precompute_reference: bool = False
-    """DPO: compute the reference's log-probabilities of every pair once before training (kept
-    under OUTPUT_DIR/reference_logps/), then free the reference: no reference forward per step."""
-    prompt_field: str = "prompt"
-    """The record field of the prompt (a string or chat messages)."""
-    chosen_field: str = "chosen"
-    """The record field of the preferred completion."""
-    rejected_field: str = "rejected"
-    """The record field of the other completion."""
-
-    @property
-    def fields(self) -> PreferenceFields:
-        return PreferenceFields(self.prompt_field, self.chosen_field, self.rejected_field)
-
-    def check_task(self, task: str) -> None:
-        """Refuse every option that ``task`` would ignore: one set away from its default."""
-        for option in dataclasses.fields(self):
-            value = getattr(self, option.name)
-            if value == option.default:
-                continue
-            tasks = _OPTION_TASKS.get(option.name, PREFERENCE_TASKS)
-            if task not in tasks:
-                raise ValueError(
-                    f"preference.{option.name} applies to task={'|'.join(tasks)}, but the task "
-                    f"is {task}, which ignores it. Leave it at its default ({option.default})."
-                )
-        if self.label_smoothing and task == "dpo" and self.loss_type != "robust":
-            raise ValueError(
-                "preference.label_smoothing applies to task=dpo with loss_type=robust and to "
-                "task=simpo|cpo, but the task is dpo, which ignores it under loss_type "
-                f"{self.loss_type}. Set preference.loss_type=robust, or leave label_smoothing "
-                "at its default (0.0)."
-            )
-
-
-# The tasks that read each option that not every preference task reads.
-_OPTION_TASKS: dict[str, tuple[PreferenceTask, ...]] = {
-    "loss_type": ("dpo",),
-    "precompute_reference": ("dpo",),
-    "label_smoothing": ("dpo", "simpo", "cpo"),
-    "simpo_gamma": ("simpo",),
-    "cpo_alpha": ("cpo",),
-}
+    sp_size: int = 1
+    """Sequence parallelism (Ulysses): split every sequence over this many ranks, which read the
+    same batches; attention gathers the whole sequence for its share of the heads (1: off).
+    The DP size is processes / (sp_size x tp_size); data.seq_len must divide by it."""
 
 
 @dataclass
@@ -238,10 +192,13 @@ class LMConfig:
             ("gang.tp_size", self.gang.tp_size),
             ("gang.ep_size", self.gang.ep_size),
             ("gang.pp_size", self.gang.pp_size),
+            ("gang.sp_size", self.gang.sp_size),
         ):
             check_positive(name, value)
         if self.gang.pp_size > 1:
             self._validate_pipeline()
+        if self.gang.sp_size > 1:
+            self._validate_sequence_parallel()
         if self.lora.rank is not None:
             self._validate_lora()
         if self.gang.ep_size > 1 and model.hf_path is None:
@@ -284,6 +241,23 @@ class LMConfig:
             layers = config.get("num_hidden_layers")
             return layers if isinstance(layers, int) else None
         return None
+
+    def _validate_sequence_parallel(self) -> None:
+        sp_size = self.gang.sp_size
+        if self.task not in ("pretrain", "sft"):
+            raise ValueError(
+                f"gang.sp_size ({sp_size}) splits the sequences of task=pretrain or task=sft, "
+                f"but task is {self.task}, whose loss needs each sequence whole. Use "
+                "gang.sp_size=1."
+            )
+        if self.task == "pretrain" and self.data.seq_len % sp_size != 0:
+            low = self.data.seq_len - self.data.seq_len % sp_size
+            options = " or ".join(str(n) for n in (low, low + sp_size) if n > 0)
+            raise ValueError(
+                f"data.seq_len ({self.data.seq_len}) does not split over gang.sp_size "
+                f"({sp_size}): each SP rank keeps seq_len / sp_size positions. Use "
+                f"data.seq_len={options}."
+            )
 
     def _validate_lora(self) -> None:
         check_positive("lora.rank", self.lora.rank)

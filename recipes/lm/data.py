@@ -13,6 +13,7 @@ from torch import Tensor
 from gangs import Gangs
 from recipes.lm.config import LMConfig
 from runtime import DataReader, MapDataReader, SyncMode
+from runtime.data.sequence import SequenceSplitReader
 from runtime.data.text import (
     InstructionDataset,
     InstructionFields,
@@ -43,7 +44,18 @@ def build_readers(
     config: LMConfig, tokenizer: Tokenizer, gangs: Gangs, preference: PreferenceData | None = None
 ) -> tuple[DataReader[Any], DataReader[Any] | None]:
     """The train and valid readers; ``preference``: the pairs of a preference task, if read
-    already."""
+    already. Under sequence parallelism each keeps this SP rank's part of every sequence."""
+    train, valid = _build_readers(config, tokenizer, gangs, preference)
+    if gangs.sp.size == 1:
+        return train, valid
+    return SequenceSplitReader(train, gangs.sp), (
+        None if valid is None else SequenceSplitReader(valid, gangs.sp)
+    )
+
+
+def _build_readers(
+    config: LMConfig, tokenizer: Tokenizer, gangs: Gangs, preference: PreferenceData | None
+) -> tuple[DataReader[Any], DataReader[Any] | None]:
     data, seed = config.data, config.trainer.seed
     if config.task in PREFERENCE_TASKS:
         pairs = preference or preference_data(config, tokenizer)

@@ -22,6 +22,7 @@ from recipes.lm.config import LMConfig
 from runtime import InitSource, parallelize_model
 from runtime.data.text import Tokenizer
 from runtime.parallel.pipeline import Pipeline
+from runtime.parallel.sequence import apply_sequence_parallel
 from trainkit_utils.modules import unwrap_model
 from units import TrainUnit
 from units.lm import LMTrainUnit
@@ -69,6 +70,7 @@ def build_model(
         lora, init_fn = apply_lora(model, config.lora, init_fn)
     flops = flops_per_token(model, hf, config.data.seq_len)
     expert_params = apply_expert_parallel(model, gangs)
+    model = apply_sequence_parallel(model, gangs)
     split = None
     if gangs.pp.size > 1 and not frozen:
         # This rank keeps its stages' part of the model, under the whole model's names.
@@ -103,7 +105,8 @@ def bias_update(rate: float, unit: TrainUnit[Any], gangs: Gangs) -> ExpertBiasUp
             f"experts' routers (DeepSeek-V3's), but {type(unwrap_model(unit.model)).__name__} "
             "has none. Leave it unset (null)."
         )
-    return ExpertBiasUpdate(load, biases, gangs.dp, rate)
+    # The load over every rank's tokens: DP (x SP).
+    return ExpertBiasUpdate(load, biases, gangs.dp_sp, rate)
 
 
 def lora_trainer_options(lora: LoraAdapters, base: Path) -> dict[str, Any]:

@@ -57,13 +57,18 @@ class WorldLayout:
 
     def __str__(self) -> str:
         processes = "1 process" if self.world_size == 1 else f"{self.world_size} processes"
-        return f"{processes} (dp_size {self.dp_size} x tp_size {self.tp_size})"
+        # The rest of the world is sequence parallelism (SP ranks share a DP rank).
+        sp_size = self.world_size // (self.dp_size * self.tp_size)
+        sp = f" x sp_size {sp_size}" if sp_size > 1 else ""
+        return f"{processes} (dp_size {self.dp_size}{sp} x tp_size {self.tp_size})"
 
     def describe_sharding(self) -> str:
         if self.dp_shard_size is None or self.dp_shard_size == 1:
             return "parameters replicated over the DP ranks" if self.dp_size > 1 else "no DP"
         if self.dp_shard_size == self.dp_size:
             return f"parameters sharded over all {self.dp_size} DP ranks (FSDP2)"
+        if self.dp_shard_size > self.dp_size:  # sequence parallelism: over DP x SP
+            return f"parameters sharded over all {self.dp_shard_size} DP x SP ranks (FSDP2)"
         return (
             f"parameters sharded over {self.dp_shard_size} DP ranks and replicated "
             f"{self.dp_size // self.dp_shard_size} times (HSDP)"

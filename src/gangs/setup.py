@@ -52,18 +52,31 @@ class Gangs:
         ep: Gang | None = None,
         ep_replicas: Gang | None = None,
         expert_mesh: DeviceMesh | None = None,
+        sp: Gang | None = None,
+        dp_sp: Gang | None = None,
+        dp_sp_mesh: DeviceMesh | None = None,
         pp: Gang | None = None,
     ) -> None:
         self._root = root
         self._pp = pp or FakeGang(device=root.device)
         self._dp = dp
         self._tp = tp
+        self._sp = sp or FakeGang(device=root.device)
+        self._dp_sp = dp_sp or (dp if self._sp.size == 1 else None)
+        if self._dp_sp is None or self._dp_sp.size != dp.size * self._sp.size:
+            raise GangError(
+                f"The DP x SP gang must hold the DP gang ({dp.size}) times the SP gang "
+                f"({self._sp.size}). Make the gangs with setup_gangs(sp_size=...)."
+            )
+        self._dp_sp_mesh = dp_sp_mesh
+        # Experts split over the ranks that hold different tokens: DP x SP.
+        tokens = self._dp_sp
         self._ep = ep or FakeGang(device=root.device)
-        self._ep_replicas = ep_replicas or (dp if self._ep.size == 1 else None)
-        if self._ep_replicas is None or self._ep.size * self._ep_replicas.size != dp.size:
+        self._ep_replicas = ep_replicas or (tokens if self._ep.size == 1 else None)
+        if self._ep_replicas is None or self._ep.size * self._ep_replicas.size != tokens.size:
             raise GangError(
                 f"The EP gang ({self._ep.size}) times its replicas' gang must make up the DP "
-                f"gang ({dp.size}). Make the gangs with setup_gangs(ep_size=...)."
+                f"x SP gang ({tokens.size}). Make the gangs with setup_gangs(ep_size=...)."
             )
         self._device_mesh = device_mesh
         self._dp_mesh = None if device_mesh is None else _whole_dp_mesh(device_mesh, dp)
@@ -89,6 +102,27 @@ class Gangs:
         """The pipeline-parallel gang: the ranks that hold the stages of one model replica, in
         stage order (the outermost mesh dim; size 1: no pipeline parallelism)."""
         return self._pp
+
+    @property
+    def sp(self) -> Gang:
+        """The sequence-parallel gang: consecutive ranks (beside TP) that read the same batch and
+        each keep ``1 / sp.size`` of every sequence (size 1: no SP)."""
+        return self._sp
+
+    @property
+    def dp_sp(self) -> Gang:
+        """The ranks whose losses and gradients add up: the DP gang times the SP gang (the DP
+        gang itself without SP). DDP and FSDP2 reduce gradients over it; the Trainer sums
+        target counts and the units' metrics over it."""
+        assert self._dp_sp is not None  # __init__
+        return self._dp_sp
+
+    @property
+    def dp_sp_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of :attr:`dp_sp`, that FSDP2 shards over (:attr:`dp_mesh` without SP)."""
+        if self._dp_sp_mesh is None:
+            return self.dp_mesh
+        return self._dp_sp_mesh["dp_sp"]
 
     @property
     def ep(self) -> Gang:
@@ -132,7 +166,8 @@ class Gangs:
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The ``("dp", "tp")`` mesh, or ``("dp_replicate", "dp_shard", "tp")`` with HSDP."""
+        """The ``("dp", "tp")`` mesh, ``("dp_replicate", "dp_shard", "tp")`` with HSDP, or
+        ``("dp", "sp", "tp")`` with SP."""
         if self._device_mesh is None:
             raise GangError(
                 "A DeviceMesh needs torch.distributed, but this process runs alone (WORLD_SIZE is "
@@ -164,6 +199,10 @@ class Gangs:
 
     @property
     def tp_mesh(self) -> DeviceMesh:
+        # Under SP, the TP dim of the mesh that FSDP2's dp_sp dim is cut from: FSDP2 composes
+        # with TP only over two dims of one mesh.
+        if self._dp_sp_mesh is not None:
+            return self._dp_sp_mesh["tp"]
         return self.device_mesh["tp"]
 
     @property
@@ -188,8 +227,11 @@ class Gangs:
     def __repr__(self) -> str:
         shard = "" if self.dp_shard_size is None else f", dp_shard={self.dp_shard_size}"
         ep = "" if self.ep.size == 1 else f", ep={self.ep.size}"
+        sp = "" if self.sp.size == 1 else f", sp={self.sp.size}"
         pp = "" if self.pp.size == 1 else f"pp={self.pp.size}, "
-        return f"Gangs(root={self.root.size}, {pp}dp={self.dp.size}{shard}{ep}, tp={self.tp.size})"
+        return (
+            f"Gangs(root={self.root.size}, {pp}dp={self.dp.size}{shard}{ep}{sp}, tp={self.tp.size})"
+        )
 
     @staticmethod
     def single(device: torch.device | None = None) -> Gangs:
@@ -310,6 +352,7 @@ def setup_parallel_gangs(
     tp_size: int = 1,
     dp_shard_size: int | None = None,
     ep_size: int = 1,
+    sp_size: int = 1,
     pp_size: int = 1,
 ) -> Gangs:
     """Split ``root`` into DP and TP gangs with a DeviceMesh over them.
@@ -321,32 +364,34 @@ def setup_parallel_gangs(
     ``ep_size`` (expert parallelism) takes runs of ``ep_size`` consecutive DP ranks as EP gangs
     (:attr:`Gangs.ep`); the DP ranks that hold the same experts are :attr:`Gangs.ep_replicas`.
 
+    ``sp_size`` (sequence parallelism) makes the mesh ``("dp", "sp", "tp")``: runs of
+    ``sp_size`` consecutive TP groups are SP gangs (:attr:`Gangs.sp`), which read the same
+    batches, so the DP size (the data shards) is ``processes / (sp_size * tp_size)``. Their
+    gradients add up over :attr:`Gangs.dp_sp`, a second ``("dp_sp", "tp")`` mesh of the same
+    ranks made with the public ``DeviceMesh`` constructor. SP composes with FSDP2, DDP, TP and
+    EP (whose gangs are then runs of consecutive DP x SP ranks), not yet with HSDP.
+
     ``pp_size`` (pipeline parallelism) adds ``pp`` as the outermost mesh dim, ``("pp", <the DP
     dims>, "tp")``: a stage's ranks are a run of ``root.size / pp_size`` consecutive ranks, and
-    :attr:`Gangs.pp` strides across the stages. The DP and TP gangs are those of one stage.
+    :attr:`Gangs.pp` strides across the stages. The DP and TP gangs are those of one stage. It
+    composes with DDP, FSDP2, HSDP and TP, not yet with EP or SP.
     """
-    _check_divides("pp_size", pp_size, root.size, f"the number of processes ({root.size})")
-    stage_size = root.size // pp_size
-    _check_divides("tp_size", tp_size, stage_size, _the_processes(root.size, pp_size))
-    dp_size = stage_size // tp_size
-    of_a_stage = "" if pp_size == 1 else " of a stage"
-    the_dp_size = (
-        f"the DP size ({dp_size} = {stage_size} processes{of_a_stage} / {{tp_size}} {tp_size})"
+    dp_size = _check_sizes(
+        root.size,
+        tp_size=tp_size,
+        sp_size=sp_size,
+        ep_size=ep_size,
+        dp_shard_size=dp_shard_size,
+        pp_size=pp_size,
     )
-    _check_divides("ep_size", ep_size, dp_size, the_dp_size)
-    if dp_shard_size is not None:
-        _check_divides("dp_shard_size", dp_shard_size, dp_size, the_dp_size)
-    if pp_size > 1 and ep_size > 1:
-        raise GangSizeError(
-            f"{{pp_size}} ({pp_size}) and {{ep_size}} ({ep_size}) do not compose yet: expert "
-            "parallelism within pipeline stages is not built. Set one of them to 1."
-        )
     if root.size == 1 and not isinstance(root, ProcessGroupGang):
         return Gangs(root=root, dp=root, tp=root)
 
     shape: tuple[int, ...]
     names: tuple[str, ...]
-    if dp_shard_size is None:
+    if sp_size > 1:
+        shape, names = (dp_size, sp_size, tp_size), ("dp", "sp", "tp")
+    elif dp_shard_size is None:
         shape, names = (dp_size, tp_size), ("dp", "tp")
     else:
         shape = (dp_size // dp_shard_size, dp_shard_size, tp_size)
@@ -369,6 +414,7 @@ def setup_parallel_gangs(
     else:
         dp = _public_dp_gang(mesh, root, timeout)
     expert_mesh = _expert_mesh(mesh, ep_size, timeout) if ep_size > 1 else None
+    dp_sp_mesh = _dp_sp_mesh(mesh, timeout) if sp_size > 1 else None
     return Gangs(
         root=root,
         dp=dp,
@@ -379,8 +425,79 @@ def setup_parallel_gangs(
             None if expert_mesh is None else _gang_of(expert_mesh["ep_replicate"], root, timeout)
         ),
         expert_mesh=expert_mesh,
+        sp=None if dp_sp_mesh is None else _gang_of(mesh["sp"], root, timeout),
+        dp_sp=None if dp_sp_mesh is None else _gang_of(dp_sp_mesh["dp_sp"], root, timeout),
+        dp_sp_mesh=dp_sp_mesh,
         pp=_gang_of(mesh["pp"], root, timeout) if pp_size > 1 else None,
     )
+
+
+def _dp_sp_mesh(mesh: DeviceMesh, timeout: timedelta | None) -> DeviceMesh:
+    """The ``(..., "dp_sp", "tp")`` view of the ``(..., "dp", "sp", "tp")`` ``mesh``: the DP and
+    SP dims as one, over which gradients add up, TP beside it, and any dims before DP (a
+    pipeline's) kept. One mesh of its own (public API, every rank makes every group in one
+    order) rather than the private ``_flatten``."""
+    names = tuple(mesh.mesh_dim_names or ())
+    lead = names[: names.index("dp")]
+    shape = mesh.mesh.shape
+    ranks = mesh.mesh.reshape(*shape[: len(lead)], -1, shape[-1])
+    dp_sp_mesh = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=(*lead, "dp_sp", "tp"))
+    for name in ("dp_sp", "tp"):
+        _set_timeout(dp_sp_mesh[name].get_group(), timeout)
+    return dp_sp_mesh
+
+
+def _check_sizes(
+    world_size: int,
+    *,
+    tp_size: int,
+    sp_size: int,
+    ep_size: int,
+    dp_shard_size: int | None,
+    pp_size: int,
+) -> int:
+    """The DP size of ``world_size`` processes with these sizes, or a :class:`GangSizeError`
+    that names the sizes that would fit. With pipeline stages the other sizes divide the
+    processes of one stage."""
+    for other, size in (("ep_size", ep_size), ("sp_size", sp_size)):
+        if pp_size > 1 and size > 1:
+            raise GangSizeError(
+                f"{{pp_size}} ({pp_size}) and {{{other}}} ({size}) do not compose yet: they are "
+                "not built within pipeline stages. Set one of them to 1."
+            )
+    _check_divides("pp_size", pp_size, world_size, f"the number of processes ({world_size})")
+    world = world_size // pp_size
+    if sp_size > 1 and dp_shard_size is not None:
+        raise GangSizeError(
+            f"{{sp_size}} {sp_size} does not compose with {{dp_shard_size}} {dp_shard_size} "
+            "(HSDP) yet. Either leave out {dp_shard_size} (FSDP2), or set {sp_size} to 1."
+        )
+    _check_divides("tp_size", tp_size, world, _the_processes(world_size, pp_size))
+    _check_divides(
+        "sp_size",
+        sp_size,
+        world // tp_size,
+        f"the processes over TP ({world // tp_size} = {world} processes / {{tp_size}} {tp_size})",
+    )
+    dp_size = world // (tp_size * sp_size)
+    over = f" / {{sp_size}} {sp_size}" if sp_size > 1 else ""
+    of_a_stage = "" if pp_size == 1 else " of a stage"
+    the_dp_size = (
+        f"the DP size ({dp_size} = {world} processes{of_a_stage} / {{tp_size}} {tp_size}{over})"
+    )
+    if sp_size > 1:
+        # Experts split over the ranks that hold different tokens: DP x SP.
+        _check_divides(
+            "ep_size",
+            ep_size,
+            dp_size * sp_size,
+            f"the DP x SP size ({dp_size * sp_size} = {world} processes / {{tp_size}} {tp_size})",
+        )
+    else:
+        _check_divides("ep_size", ep_size, dp_size, the_dp_size)
+    if dp_shard_size is not None:
+        _check_divides("dp_shard_size", dp_shard_size, dp_size, the_dp_size)
+    return dp_size
 
 
 def _the_processes(world_size: int, pp_size: int) -> str:
@@ -410,7 +527,7 @@ class GangSizeError(GangError):
         return self.template.format_map({arg: names.get(arg, arg) for arg in GANG_SIZE_ARGUMENTS})
 
 
-GANG_SIZE_ARGUMENTS: Final = ("tp_size", "dp_shard_size", "ep_size", "pp_size")
+GANG_SIZE_ARGUMENTS: Final = ("tp_size", "dp_shard_size", "ep_size", "sp_size", "pp_size")
 """The arguments of :func:`setup_parallel_gangs` a :class:`GangSizeError` may name."""
 
 
@@ -433,8 +550,8 @@ def _gang_of(dim_mesh: DeviceMesh, root: Gang, timeout: timedelta | None) -> Gan
 
 
 def _expert_mesh(mesh: DeviceMesh, ep_size: int, timeout: timedelta | None) -> DeviceMesh:
-    """The ``("ep_replicate", "ep", "tp")`` view of ``mesh``: its ranks by DP rank, then TP rank,
-    with each run of ``ep_size`` consecutive DP ranks an EP gang. One mesh, not groups of its
+    """The ``("ep_replicate", "ep", "tp")`` view of ``mesh``: its ranks by DP rank (by DP x SP
+    rank with SP), then TP rank, with each run of ``ep_size`` consecutive such ranks an EP gang. One mesh, not groups of its
     own, because FSDP2 shards a DTensor over a second dim only of the mesh that holds the first.
     Every rank makes every group, in one order (the public ``DeviceMesh`` constructor)."""
     tp_size = mesh.mesh.shape[-1]
@@ -454,6 +571,7 @@ def setup_gangs(
     timeout: timedelta = timedelta(minutes=15),
     force_process_group: bool = False,
     ep_size: int = 1,
+    sp_size: int = 1,
     pp_size: int = 1,
 ) -> Gangs:
     """:func:`setup_root_gang` and :func:`setup_parallel_gangs` in one call.
@@ -466,7 +584,12 @@ def setup_gangs(
     root = setup_root_gang(device, timeout, force_process_group=force_process_group)
     try:
         return setup_parallel_gangs(
-            root, tp_size=tp_size, dp_shard_size=dp_shard_size, ep_size=ep_size, pp_size=pp_size
+            root,
+            tp_size=tp_size,
+            dp_shard_size=dp_shard_size,
+            ep_size=ep_size,
+            sp_size=sp_size,
+            pp_size=pp_size,
         )
     except BaseException:
         if group_made_here and root.size == 1:

@@ -9,6 +9,7 @@ logits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -97,22 +98,46 @@ def rotary_and_mask(
     args: LlamaArgs, x: Tensor, document_ids: Tensor | None, positions: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """The rotary cos and sin of the hidden states ``x`` ``[batch, seq, dim]``, and the attention
-    mask: None (causal) without ``document_ids``, else causal within each packed document."""
-    seq_len = x.size(1)
-    if document_ids is None or positions is None:
-        cos, sin = rotary_cos_sin(args, torch.arange(seq_len, device=x.device), x.dtype)
+    mask. ``positions`` (``[batch, seq]``): each token's position, in its packed document or in
+    the whole sequence of which ``x`` is a part; None: ``0 .. seq - 1``. The mask is None (causal)
+    without ``document_ids``, else causal within each packed document (``document_ids`` of the
+    whole sequences, ``[batch, seq]``)."""
+    if positions is None:
+        cos, sin = rotary_cos_sin(args, torch.arange(x.size(1), device=x.device), x.dtype)
+    else:
+        cos, sin = (t.unsqueeze(1) for t in rotary_cos_sin(args, positions, x.dtype))
+    if document_ids is None:
         return cos, sin, None
-    cos, sin = (t.unsqueeze(1) for t in rotary_cos_sin(args, positions, x.dtype))
+    seq_len = document_ids.size(1)
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=x.device).tril()
     mask = (document_ids[:, None, :, None] == document_ids[:, None, None, :]) & causal
     return cos, sin, mask
 
 
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """Attention of ``[batch, heads, seq, head_dim]`` queries, keys and values: causal, or
+    within ``mask`` (``[batch, 1, seq, seq]``, True where a query may see a key). Keys and
+    values may have fewer heads, each serving a group of consecutive query heads, as in
+    Hugging Face."""
+    groups = q.size(1) // k.size(1)
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
+"""What :class:`Attention` calls between its projections: :func:`sdpa_attention`, or a wrapper
+of it (sequence parallelism's all-to-alls, :mod:`runtime.parallel.sequence`)."""
+
+
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
+        self.attention_fn: AttentionFn = sdpa_attention
         self.head_dim = args.dim // args.num_heads
-        self.num_groups = args.num_heads // args.num_kv_heads
         kv_dim = args.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(args.dim, args.dim, bias=False)
         self.k_proj = nn.Linear(args.dim, kv_dim, bias=False)
@@ -128,13 +153,9 @@ class Attention(nn.Module):
         )
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        # Each key/value head serves num_groups consecutive query heads, as in Hugging Face.
-        k = k.repeat_interleave(self.num_groups, dim=1)
-        v = v.repeat_interleave(self.num_groups, dim=1)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # Keys and values keep their own heads: attention_fn repeats them (after sequence
+        # parallelism's all-to-all, which then moves fewer of them).
+        out = self.attention_fn(q, k, v, mask)
         result: Tensor = self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
         return result
 
@@ -179,7 +200,12 @@ class Llama(nn.Module):
     """``forward(input_ids [batch, seq]) -> logits [batch, seq, vocab_size]``.
 
     With ``document_ids`` and ``positions`` (of packed sequences), attention stays inside each
-    document and rotary positions restart at each document's first token.
+    document and rotary positions restart at each document's first token. ``position_ids``
+    (Hugging Face's name) gives the rotary positions alone, attention staying causal.
+
+    Under sequence parallelism (:mod:`runtime.parallel.sequence`) ``input_ids`` and the
+    positions are this rank's part of each sequence, and ``document_ids`` the whole sequence's:
+    attention sees the whole sequence.
     """
 
     def __init__(self, args: LlamaArgs) -> None:
@@ -194,8 +220,12 @@ class Llama(nn.Module):
         *,
         document_ids: Tensor | None = None,
         positions: Tensor | None = None,
+        position_ids: Tensor | None = None,
     ) -> Tensor:
         x = self.model.embed_tokens(input_ids)
+        if positions is None or document_ids is None:
+            # No packed documents: positions in the whole sequence (a part of it under SP).
+            positions, document_ids = position_ids, None
         cos, sin, mask = rotary_and_mask(self.args, x, document_ids, positions)
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask)
@@ -272,10 +302,12 @@ def describe(args: LlamaArgs) -> str:
 
 __all__ = [
     "PRESETS",
+    "AttentionFn",
     "DecoderLayer",
     "Llama",
     "LlamaArgs",
     "hf_config",
     "llama_args",
+    "sdpa_attention",
     "tensor_parallel_plan",
 ]

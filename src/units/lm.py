@@ -9,7 +9,8 @@ weighted by the micro-batch's targets, as a mean over the targets would hold it
 
 A batch is anything with ``input_ids``, ``target_ids`` and ``num_targets``
 (:class:`TokenBatch`); with ``document_ids`` and ``positions`` too, the model gets them (the
-project's Llama keeps attention inside each packed document).
+project's Llama keeps attention inside each packed document); with ``positions`` alone (a part of
+each sequence under sequence parallelism) it gets them as ``position_ids``.
 """
 
 from __future__ import annotations
@@ -55,15 +56,21 @@ def logits_and_aux_loss(
 ) -> tuple[Tensor, Tensor | None]:
     """The logits of a batch and, with ``router_logits``, the MoE model's load-balancing loss."""
     document_ids = getattr(batch, "document_ids", None)
+    positions = getattr(batch, "positions", None)
     if document_ids is not None:
-        output = model(batch.input_ids, document_ids=document_ids, positions=batch.positions)
-    elif router_logits:
-        output = model(input_ids=batch.input_ids, output_router_logits=True)
-    elif getattr(batch, "attention_mask", None) is not None:
-        # Padded rows (GRPO's left-padded prompts): a Hugging Face model's mask.
-        output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        output = model(batch.input_ids, document_ids=document_ids, positions=positions)
     else:
-        output = model(input_ids=batch.input_ids)
+        kwargs: dict[str, Any] = {}
+        if positions is not None:
+            # A part of each sequence (sequence parallelism): its positions in the whole one.
+            kwargs["position_ids"] = positions
+        if router_logits:
+            kwargs["output_router_logits"] = True
+        attention_mask = getattr(batch, "attention_mask", None)
+        if attention_mask is not None:
+            # Padded rows (GRPO's left-padded prompts): a Hugging Face model's mask.
+            kwargs["attention_mask"] = attention_mask
+        output = model(input_ids=batch.input_ids, **kwargs)
     if isinstance(output, Tensor):
         return output, None
     return output.logits, getattr(output, "aux_loss", None) if router_logits else None
@@ -141,8 +148,8 @@ class LMEvalUnit(EvalUnit[TokenBatch], PipelineUnit[TokenBatch]):
         self.metric_bag.register_metric("nll_loss", Mean())
 
     def __call__(self, batch: TokenBatch) -> None:
-        if batch.num_targets == 0:
-            return
+        # A batch without targets still runs: under sequence parallelism its forward takes part
+        # in the all-to-alls of the SP ranks that hold targets (record_loss leaves it out).
         self.record_loss(batch, summed_nll_loss(logits_of(self.model, batch), batch.target_ids))
 
     def stage_inputs(self, batch: TokenBatch) -> StageInputs:

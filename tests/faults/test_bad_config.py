@@ -173,6 +173,11 @@ def rank_stderr_lines(log_dir: Path) -> list[list[str]]:
             "error: gang.ep_size is 2, but LlamaForCausalLM has no stacked experts to split. "
             "Use gang.ep_size=1 for a dense model.",
         ),
+        (
+            "gang.sp_size=4",
+            "error: gang.sp_size is 4, but must divide the processes over TP (2 = 2 processes / "
+            "gang.tp_size 1). Use one of 1, 2.",
+        ),
     ],
 )
 def test_a_gang_size_refused_under_torchrun_reads_the_same_on_every_rank(

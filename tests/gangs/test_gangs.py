@@ -100,6 +100,8 @@ def four_process_layouts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     }
     # Expert parallelism over 4 DP ranks, and over the 2 DP ranks beside TP.
     cases |= {"ep": (1, None, None, 2), "ep_tp": (2, None, None, 2)}
+    # Sequence parallelism beside DP, and beside TP.
+    cases |= {"sp": (1, None, None, 1, 2), "sp_tp": (2, None, None, 1, 2)}
     assert_ok(torchrun(4, WORKER, str(out), "--cases", json.dumps(cases)))
     return out
 
@@ -164,6 +166,54 @@ def test_four_processes_ep_gangs_are_consecutive_dp_ranks_and_replicas_stride(
         assert report["ep_members"] == [float(rank % 2), float(rank % 2 + 2)]
         assert "ep_replicas_members" in report and len(report["ep_replicas_members"]) == 1
         assert report["expert_mesh"] == [["ep_replicate", "ep", "tp"], [[[0, 1], [2, 3]]]]
+
+
+@pytest.mark.distributed
+def test_four_processes_sp_gangs_are_consecutive_and_gradients_add_over_dp_x_sp(
+    four_process_layouts: Path,
+) -> None:
+    for rank, report in enumerate(four_process_reports(four_process_layouts, "sp")):
+        start = rank - rank % 2
+        assert report["mesh"] == [["dp", "sp", "tp"], [[[0], [1]], [[2], [3]]]]
+        assert report["sp_members"] == [float(start), float(start + 1)]
+        # The DP gang counts data shards: the SP ranks of one share a DP rank.
+        assert report["dp_members"] == [float(rank % 2), float(rank % 2 + 2)]
+        assert report["dp"] == [rank // 2, 2]
+        assert report["dp_sp_members"] == [0.0, 1.0, 2.0, 3.0]
+        assert report["dp_sp_mesh"] == [0, 1, 2, 3]
+        assert set(report["sp_timeouts"]) == {14 * 60.0}
+    for rank, report in enumerate(four_process_reports(four_process_layouts, "sp_tp")):
+        # rank = (dp_rank * sp_size + sp_rank) * tp_size + tp_rank, with one DP rank
+        assert report["mesh"] == [["dp", "sp", "tp"], [[[0, 1], [2, 3]]]]
+        assert report["tp_members"] == [float(rank - rank % 2), float(rank - rank % 2 + 1)]
+        assert report["sp_members"] == [float(rank % 2), float(rank % 2 + 2)]
+        assert report["dp"] == [0, 1]
+        assert report["dp_sp_members"] == report["sp_members"]
+        # FSDP2's dp_sp dim and TP's dim are cut from one mesh.
+        assert report["dp_sp_mesh"] == [rank % 2, rank % 2 + 2]
+        assert report["tp_mesh"] == [rank - rank % 2, rank - rank % 2 + 1]
+
+
+def test_sp_size_must_divide_the_processes_and_compose() -> None:
+    from gangs.setup import _check_sizes
+
+    with pytest.raises(
+        GangError,
+        match=r"^sp_size is 2, but must divide the processes over TP \(1 = 1 processes / "
+        r"tp_size 1\)\. Use one of 1\.$",
+    ):
+        setup_parallel_gangs(FakeGang(), sp_size=2)
+    single = Gangs.single()
+    assert single.sp.size == 1 and single.dp_sp is single.dp
+    # Experts split over the ranks with different tokens: DP x SP.
+    assert _check_sizes(4, tp_size=1, sp_size=2, ep_size=4, dp_shard_size=None) == 2
+    with pytest.raises(
+        GangError,
+        match=r"^ep_size is 3, but must divide the DP x SP size \(4 = 4 processes / tp_size 1\)",
+    ):
+        _check_sizes(4, tp_size=1, sp_size=2, ep_size=3, dp_shard_size=None)
+    with pytest.raises(GangError, match=r"^sp_size 2 does not compose with dp_shard_size 2"):
+        setup_parallel_gangs(FakeGang(), sp_size=2, dp_shard_size=2)
 
 
 def test_ep_size_must_divide_the_dp_size() -> None:

@@ -2,7 +2,7 @@
 
 Usage: ``gang_check.py OUT TP_SIZE [DP_SHARD_SIZE]`` writes ``OUT/rank_R.json``;
 ``gang_check.py OUT --cases JSON`` checks several layouts of one launch (one torchrun start-up),
-JSON mapping each case's name to ``[tp_size, dp_shard_size, torch path(, ep_size)]``, into
+JSON mapping each case's name to ``[tp_size, dp_shard_size, torch path(, ep_size(, sp_size))]``, into
 ``OUT/NAME/rank_R.json``. The torch path is ``private`` or ``public`` (gangs.torch_versions).
 """
 
@@ -103,6 +103,14 @@ def check(gangs: Gangs) -> dict[str, object]:
         report["ep_mesh"] = gangs.ep_mesh.mesh.tolist()
         expert_mesh = gangs.expert_mesh
         report["expert_mesh"] = [list(expert_mesh.mesh_dim_names or ()), expert_mesh.mesh.tolist()]
+    if gangs.sp.size > 1:
+        for gang_name, gang in (("sp", gangs.sp), ("dp_sp", gangs.dp_sp)):
+            members = torch.zeros(gang.size, 1)
+            gang.all_gather(members, value)
+            report[f"{gang_name}_members"] = members.flatten().tolist()
+        report["dp_sp_mesh"] = gangs.dp_sp_mesh.mesh.tolist()
+        report["tp_mesh"] = gangs.tp_mesh.mesh.tolist()
+        report["sp_timeouts"] = _timeouts(gangs.sp, gangs.dp_sp, gangs.tp_mesh)
     everyone = root.make_gang(list(range(root.size)))
     report["timeouts"] = _timeouts(root, gangs.dp, gangs.tp, everyone, mesh)
     root.barrier()
@@ -111,14 +119,18 @@ def check(gangs: Gangs) -> dict[str, object]:
 
 def main(output_dir: Path, cases: dict[str, tuple[Any, ...]]) -> None:
     root = setup_root_gang(timeout=GANG_TIMEOUT)
-    for name, (tp_size, dp_shard_size, torch_path, *ep) in cases.items():
+    for name, (tp_size, dp_shard_size, torch_path, *more) in cases.items():
         if torch_path is not None:
             os.environ[PRIVATE_APIS_ENV_VAR] = torch_path
         case_dir = output_dir / name
         case_dir.mkdir(parents=True, exist_ok=True)
         try:
             gangs = setup_parallel_gangs(
-                root, tp_size=tp_size, dp_shard_size=dp_shard_size, ep_size=ep[0] if ep else 1
+                root,
+                tp_size=tp_size,
+                dp_shard_size=dp_shard_size,
+                ep_size=more[0] if more else 1,
+                sp_size=more[1] if len(more) > 1 else 1,
             )
             report = check(gangs)
         except BaseException as ex:

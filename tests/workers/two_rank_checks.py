@@ -7,7 +7,8 @@ two-rank mode of ``checkpoint_check.py`` (by its name), ``agreement`` (``agreeme
 ``readers`` (``tests/runtime/data/data_worker.py``), ``equivalence``, ``good_runs`` and ``norm_runs`` (runs
 of ``train_toy.py``), ``collectives`` (``collective_count.py`` under DDP and FSDP2), ``host_sync``
 (make test's layouts), ``large_model`` (cases of ``large_model.py``), ``preference_dp`` (a DPO
-run of ``recipes.lm``), ``grpo_dp`` (a GRPO one), ``expert_parallel`` and ``ddp_options``. The runs
+run of ``recipes.lm``), ``grpo_dp`` (a GRPO one), ``expert_parallel``, ``sequence_parallel``
+(Ulysses attention) and ``ddp_options``. The runs
 and cases are those the tests define. A check that writes its own files returns None.
 """
 
@@ -38,6 +39,7 @@ from tests.workers import (
     host_sync,
     large_model,
     preference_dp,
+    sequence_parallel,
     train_toy,
 )
 from tests.workers.leave import leave
@@ -55,6 +57,7 @@ CHECKS: dict[str, Callable[[Path, Gangs], Any]] = {
     "preference_dp": preference_dp.run,
     "grpo_dp": grpo_dp.run,
     "expert_parallel": lambda out, gangs: expert_parallel.run_all(gangs.root, out),
+    "sequence_parallel": lambda _, gangs: sequence_parallel.run(gangs),
     # Last: the case DDP refuses leaves its reducer mid-iteration.
     "ddp_options": lambda out, gangs: ddp_options.run_all(gangs, out, DDP_CASES),
 }

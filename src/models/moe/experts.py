@@ -75,9 +75,10 @@ class _ExpertGradients(torch.autograd.Function):
 
     The Trainer scales every gradient for a DP average (DDP and FSDP2 average the dense ones),
     but an expert's gradient already holds the contributions of every rank of its EP gang
-    (their tokens came to it): summed over its replicas, it must be divided by the DP size.
-    FSDP2, which shards the experts over their replicas, averages over them (divides by DP size
-    / EP size), so here it is divided by the EP size only. Reducing per micro-batch is exact:
+    (their tokens came to it): summed over its replicas, it must be divided by the DP size (DP x
+    SP under sequence parallelism, whose ranks hold different tokens and over which the Trainer
+    averages). FSDP2, which shards the experts over their replicas, averages over them (divides
+    by that size / EP size), so here it is divided by the EP size only. Reducing per micro-batch is exact:
     the sum is linear, so it commutes with accumulation."""
 
     @staticmethod
@@ -95,7 +96,7 @@ class _ExpertGradients(torch.autograd.Function):
         grad = grad.contiguous()
         if gangs.ep_replicas.size > 1:
             gangs.ep_replicas.all_reduce(grad, ReduceOperation.SUM)
-        return grad / gangs.dp.size, None, None
+        return grad / gangs.dp_sp.size, None, None
 
 
 def _all_to_all(rows: Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> Tensor:
@@ -191,10 +192,11 @@ def apply_expert_parallel(model: nn.Module, gangs: Gangs) -> list[nn.Parameter]:
     counts = {num_experts(module) for module in modules}
     if any(count % gangs.ep.size for count in counts):
         count = max(counts)
-        fits = [str(n) for n in range(1, count + 1) if count % n == 0 and gangs.dp.size % n == 0]
+        ranks = gangs.dp_sp.size  # the ranks with different tokens: DP (x SP)
+        fits = [str(n) for n in range(1, count + 1) if count % n == 0 and ranks % n == 0]
         raise ValueError(
             f"gang.ep_size is {gangs.ep.size}, but must divide the number of experts of every "
-            f"MoE layer ({count}) and the DP size ({gangs.dp.size}). Use one of {', '.join(fits)}."
+            f"MoE layer ({count}) and the DP size ({ranks}). Use one of {', '.join(fits)}."
         )
     params = []
     for module in modules:

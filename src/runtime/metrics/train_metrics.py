@@ -255,7 +255,8 @@ class TrainMetrics:
                 ),
             ]
         )
-        self._gangs.dp.all_reduce(sums, ReduceOperation.SUM)
+        # Over DP x SP: under sequence parallelism each rank holds a part of the targets.
+        self._gangs.dp_sp.all_reduce(sums, ReduceOperation.SUM)
         loss_total, num_targets = sums.tolist()
         elapsed = max(time.perf_counter() - self._start, 1e-9)
         steps = max(counts.num_steps, 1)
@@ -278,7 +279,7 @@ class TrainMetrics:
         if mfu is not None:
             values["mfu"] = mfu
         values.update(extra_values)
-        values.update(self._unit_metrics.sync_and_compute(self._gangs.dp))
+        values.update(self._unit_metrics.sync_and_compute(self._gangs.dp_sp))
         self._unit_metrics.reset_non_persistent_metrics()
         self.reset()
         return values
@@ -374,7 +375,8 @@ def describe_devices(gangs: Gangs) -> str:
     else:
         name = f"CPU ({torch.get_num_threads()} threads)"
         memory = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    sp = f" x sp_size {gangs.sp.size}" if gangs.sp.size > 1 else ""
     return (
-        f"{name}, {gangs.root.size} processes (dp_size {gangs.dp.size} x tp_size {gangs.tp.size}), "
-        f"{memory / 2**20:.0f} MiB of memory in use on rank {gangs.root.rank}"
+        f"{name}, {gangs.root.size} processes (dp_size {gangs.dp.size}{sp} x tp_size "
+        f"{gangs.tp.size}), {memory / 2**20:.0f} MiB of memory in use on rank {gangs.root.rank}"
     )

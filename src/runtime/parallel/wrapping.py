@@ -60,7 +60,9 @@ def apply_data_parallel(
     gradient_as_bucket_view: bool = False,
     expert_params: Collection[Parameter] = (),
 ) -> Module:
-    """Replicate (DDP), shard (FSDP2) or shard-and-replicate (HSDP) ``model`` over the DP gang.
+    """Replicate (DDP), shard (FSDP2) or shard-and-replicate (HSDP) ``model`` over the DP gang
+    (over DP x SP, :attr:`gangs.Gangs.dp_sp`, with sequence parallelism: SP ranks hold the same
+    parameters, and the gradients of their parts of the sequences add up).
 
     A model that is not on the meta device is moved to ``gangs.root.device`` first, on one
     process too.
@@ -117,7 +119,7 @@ def apply_data_parallel(
     if not has_meta_tensors(model):
         # The model leaves on the gangs' device whatever the layout (a no-op when it is there).
         model.to(gangs.root.device)
-    if gangs.dp.size == 1 and not _shards_alone(kind, gangs):
+    if gangs.dp_sp.size == 1 and not _shards_alone(kind, gangs):
         mixed_precision = param_dtype is not None or reduce_dtype is not None
         if mixed_precision and gangs.root.size == 1:
             raise ValueError(
@@ -130,7 +132,7 @@ def apply_data_parallel(
     if kind != "ddp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = gangs.hsdp_mesh if kind == "hsdp" else gangs.dp_mesh
+        mesh = gangs.hsdp_mesh if kind == "hsdp" else gangs.dp_sp_mesh
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         ignored = _shard_experts(model, gangs, expert_params, policy) or None
         for module in model.modules():
@@ -218,7 +220,7 @@ def _wrap_ddp(
     return DDP(
         model,
         device_ids=device_ids,
-        process_group=gangs.dp.as_process_group(),
+        process_group=gangs.dp_sp.as_process_group(),
         find_unused_parameters=options["find_unused_parameters"],
         static_graph=options["static_graph"],
         gradient_as_bucket_view=options["gradient_as_bucket_view"],
@@ -255,4 +257,4 @@ def _leave_sparse_out_of_ddp(
     DDP._set_params_and_buffers_to_ignore_for_model(model, [*sparse, *expert_names])  # type: ignore[no-untyped-call]
     with torch.no_grad():
         for param in sparse.values():
-            gangs.dp.broadcast(param.data, source_rank=0)
+            gangs.dp_sp.broadcast(param.data, source_rank=0)

@@ -82,7 +82,8 @@ def evaluate_units(
                 unit.set_step_nr(step_nr)
                 _run_unit(unit, reader, gangs.dp, autocast=autocast, max_num_steps=max_num_steps)
                 reader.reset()
-                values = unit.metric_bag.sync_and_compute(gangs.dp)
+                # Over DP x SP: each SP rank scored its part of the sequences.
+                values = unit.metric_bag.sync_and_compute(gangs.dp_sp)
                 unit.metric_bag.reset_metrics()
                 name = run_name(unit, run_prefix)
                 recorder.record(name, step_nr, values)

@@ -61,7 +61,9 @@ class TrainStep(Generic[BatchT]):
     """Runs ``unit`` over a step's micro-batches and updates the model with ``optimizer``.
 
     The gradients are scaled so that the update is the mean over all targets of the step, across
-    gradient accumulation and the data-parallel gang: *sum of losses / total targets*.
+    gradient accumulation and the data-parallel gang: *sum of losses / total targets*. Under
+    sequence parallelism each rank's loss and targets are those of its part of the sequences,
+    and both add up over DP x SP (:attr:`gangs.Gangs.dp_sp`), as the gradients do.
 
     Under pipeline parallelism :class:`~runtime.training.pipeline_step.PipelineTrainStep` runs
     the forward and backward instead (:meth:`_forward_backward`); the rest is this class's.
@@ -102,9 +104,11 @@ class TrainStep(Generic[BatchT]):
             checks_gradients=not self._loss_scaler.enabled,
         )
         check_sparse_outside_ddp(self._model)
-        self._gradients = Gradients(self._model, dp_gang=gangs.dp, pp_gang=gangs.pp)
+        self._gradients = Gradients(self._model, dp_gang=gangs.dp_sp, pp_gang=gangs.pp)
         self._totals = StepTotals(gangs=gangs, check_losses=self.guard.skips)
-        self._dp_size = gangs.dp.size
+        # The ranks DDP and FSDP average gradients over: DP x SP (each SP rank's gradients
+        # are those of its part of the sequences, and they add up).
+        self._dp_size = gangs.dp_sp.size
         self._switch_gradient_sync = gradient_sync_switch(self._model)
         # A step is skipped on an fp16 overflow, or with nan_policy="skip" on a non-finite value.
         self._may_skip = self._loss_scaler.enabled or self.guard.skips

@@ -24,7 +24,9 @@ class StepTotals:
     :class:`~runtime.training.step.TrainStep`, for the whole run.
 
     The sums run over the root gang; TP ranks (and PP ranks) of one DP rank see the same batch,
-    so they count each of them ``tp.size * pp.size`` times, which :meth:`wait` divides out.
+    so they count each of them ``tp.size * pp.size`` times, which :meth:`wait` divides out. SP
+    ranks see the same examples too, but each counts only the targets of its part of the
+    sequences: their examples are divided by ``sp.size`` as well, their targets are not.
     """
 
     def __init__(self, *, gangs: Gangs, check_losses: bool) -> None:
@@ -32,7 +34,10 @@ class StepTotals:
         """Whether this rank's losses of the last step started were finite (checked only with
         ``check_losses``)."""
         self._root_gang = gangs.root
-        self._copies = gangs.tp.size * gangs.pp.size
+        # TP and PP ranks of one DP rank count the same batch; SP ranks the same examples, but
+        # each only the targets of its part of the sequences.
+        self._target_copies = gangs.tp.size * gangs.pp.size
+        self._example_copies = self._target_copies * gangs.sp.size
         self._check_losses = check_losses
         self._values: list[float] = []
         self._tensor: Tensor | None = None
@@ -60,4 +65,9 @@ class StepTotals:
             self._values = self._tensor.tolist()
             self._pending = self._tensor = None
         targets, examples, stops, non_finite = self._values
-        return targets / self._copies, examples / self._copies, stops, non_finite
+        return (
+            targets / self._target_copies,
+            examples / self._example_copies,
+            stops,
+            non_finite,
+        )

@@ -42,6 +42,9 @@ class InstructionBatch:
     input_ids: Tensor  # [batch_size, length], int64
     target_ids: Tensor  # [batch_size, length], int64
     num_targets: int
+    positions: Tensor | None = None  # [batch_size, length], int64
+    """Set under sequence parallelism only (:mod:`runtime.data.sequence`): where this rank's
+    part of each example sits in the whole."""
 
     @property
     def batch_size(self) -> int:
