@@ -454,7 +454,7 @@ def _check_sizes(
     sp_size: int,
     ep_size: int,
     dp_shard_size: int | None,
-    pp_size: int,
+    pp_size: int = 1,
 ) -> int:
     """The DP size of ``world_size`` processes with these sizes, or a :class:`GangSizeError`
     that names the sizes that would fit. With pipeline stages the other sizes divide the

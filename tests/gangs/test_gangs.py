@@ -13,6 +13,7 @@ from gangs import (
     FakeGang,
     GangError,
     Gangs,
+    GangSizeError,
     ProcessGroupGang,
     ReduceOperation,
     is_collective_timeout,
@@ -214,6 +215,19 @@ def test_sp_size_must_divide_the_processes_and_compose() -> None:
         _check_sizes(4, tp_size=1, sp_size=2, ep_size=3, dp_shard_size=None)
     with pytest.raises(GangError, match=r"^sp_size 2 does not compose with dp_shard_size 2"):
         setup_parallel_gangs(FakeGang(), sp_size=2, dp_shard_size=2)
+
+
+def test_pipeline_stages_do_not_compose_with_sp_or_ep_yet() -> None:
+    from gangs.setup import _check_sizes
+
+    assert _check_sizes(8, tp_size=2, sp_size=1, ep_size=1, dp_shard_size=2, pp_size=2) == 2
+    for other in ("sp_size", "ep_size"):
+        sizes = {"sp_size": 1, "ep_size": 1, other: 2}
+        with pytest.raises(
+            GangSizeError, match=rf"^pp_size \(2\) and {other} \(2\) do not compose yet"
+        ) as info:
+            _check_sizes(8, tp_size=1, dp_shard_size=None, pp_size=2, **sizes)
+        assert info.value.naming({"pp_size": "gang.pp_size"}).startswith("gang.pp_size (2)")
 
 
 def test_ep_size_must_divide_the_dp_size() -> None:
