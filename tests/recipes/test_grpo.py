@@ -167,9 +167,15 @@ def test_a_reward_function_that_fails_stops_the_run_in_one_line(
 
 
 def accumulation_run(
-    directory: Path, *, dp_size: int, write: bool = True, scale_rewards: str = "group"
+    directory: Path,
+    *,
+    dp_size: int,
+    write: bool = True,
+    scale_rewards: str = "group",
+    loss_type: str = "dapo",
 ) -> dict[str, Any]:
-    """A dapo run with KL and two iterations a batch: 2 steps of 4 prompts each, as 2
+    """A run (dapo unless ``loss_type`` says otherwise) with KL and two iterations a batch: 2
+    steps of 4 prompts each, as 2
     micro-batches of 1 prompt on each of 2 ranks (``dp_size=2``) or one micro-batch of 4 on one
     process. ``scale_rewards=batch`` takes the std over a micro-batch on every rank, so the two
     ranks then read one micro-batch of 2 prompts each. ``write``: make the model and the
@@ -197,6 +203,7 @@ def accumulation_run(
             "beta": 0.04,
             "num_iterations": 2,
             "scale_rewards": scale_rewards,
+            "loss_type": loss_type,
         },
         "optimizer": {"lr": 0.01},
         "trainer": {
@@ -221,10 +228,36 @@ def test_dp_2_with_accumulation_takes_the_steps_of_one_process_with_the_whole_ba
     the all-reduced token count of the step is TRL's global one. ``batch``: the rewards' std
     is taken over both ranks."""
     two_ranks = two_rank_checks / "grpo_dp"
-    one = tmp_path / "one"
     config = accumulation_run(two_ranks, dp_size=1, write=False, scale_rewards=scale_rewards)
+    assert_same_steps(config, tmp_path / "one", two_ranks / f"run_{scale_rewards}")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
+def test_dp_2_with_accumulation_equals_one_process_for_each_exact_loss_type(
+    tmp_path_factory: pytest.TempPathFactory, grpo_loss_types_dp2: Path, loss_type: str
+) -> None:
+    """``grpo`` returns per-sequence means with the sequences as the count, ``dr_grpo`` sums
+    over a fixed ``batch x max_completion_length``: both are exact at any DP size and
+    accumulation, as dapo is (``bnpo``'s micro-batch mean is not, by its definition)."""
+    config = accumulation_run(grpo_loss_types_dp2, dp_size=1, write=False, loss_type=loss_type)
+    one = tmp_path_factory.mktemp(f"one_{loss_type}")
+    assert_same_steps(config, one, grpo_loss_types_dp2 / f"run_loss_{loss_type}")
+
+
+@pytest.fixture(scope="module")
+def grpo_loss_types_dp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One two-rank launch that trains a run of each of grpo and dr_grpo."""
+    out = tmp_path_factory.mktemp("grpo_loss_types")
+    assert_ok(torchrun(2, "tests/workers/grpo_dp.py", str(out), "grpo", "dr_grpo", timeout=600))
+    return out
+
+
+def assert_same_steps(config: dict[str, Any], one: Path, two: Path) -> None:
+    """``config`` run in this process into ``one`` takes the steps (metrics within 1e-5, the
+    same target counts, weights within 1e-5) of the two-rank run in ``two``."""
     run_in_process(config, one)
-    two = two_ranks / f"run_{scale_rewards}"
     records = [
         [r for r in read_jsonl(out / "metrics" / "train.jsonl") if "loss" in r]
         for out in (one, two)
