@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from runtime.data.data_reader import DataReader, DataReaderError, SyncMode, WaitInterrupted
+from runtime.data.data_reader import (
+    DataReader,
+    DataReaderError,
+    DataReaderWrapper,
+    SyncMode,
+    WaitInterrupted,
+)
 from runtime.data.device import DeviceDataReader, move_to_device, pin_memory
 from runtime.data.iterable_reader import IterableDataReader
 from runtime.data.map_reader import MapDataReader, MapDataset
@@ -11,6 +17,7 @@ from runtime.data.windows import WindowedDataReader, load_window_files
 __all__ = [
     "DataReader",
     "DataReaderError",
+    "DataReaderWrapper",
     "DeviceDataReader",
     "IterableDataReader",
     "MapDataReader",

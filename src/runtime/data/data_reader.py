@@ -111,6 +111,41 @@ class DataReader(ABC, Generic[BatchT]):
         return self
 
 
+class DataReaderWrapper(DataReader[BatchT]):
+    """A reader that changes what another one reads (moves it, splits it, repeats it): by
+    default every part of the contract but :meth:`__next__` is ``reader``'s. A wrapper whose
+    position differs from ``reader``'s (one that reads ahead or repeats) overrides the state."""
+
+    def __init__(self, reader: DataReader[BatchT]) -> None:
+        self._reader = reader
+
+    @property
+    def reader(self) -> DataReader[BatchT]:
+        """The reader whose batches this one changes."""
+        return self._reader
+
+    def reset(self) -> None:
+        self._reader.reset()
+
+    def state_dict(self) -> dict[str, object]:
+        return self._reader.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._reader.load_state_dict(state)
+
+    @property
+    def num_accumulate(self) -> int:
+        return self._reader.num_accumulate
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def has_next_epoch(
+        self, *, wait: bool = True, stop_requested: Callable[[], bool] | None = None
+    ) -> bool:
+        return self._reader.has_next_epoch(wait=wait, stop_requested=stop_requested)
+
+
 def int_entry(state: Mapping[str, Any], key: str) -> int:
     """The integer ``key`` of a saved reader state, or a ValueError that says what is wrong."""
     try:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from runtime.data.data_reader import DataReader
+from runtime.data.data_reader import DataReader, DataReaderWrapper
 
 BatchT = TypeVar("BatchT")
 T = TypeVar("T")
@@ -135,7 +135,7 @@ class _CopyStream:
 
 
 @final
-class DeviceDataReader(DataReader[BatchT]):
+class DeviceDataReader(DataReaderWrapper[BatchT]):
     """``reader`` with every micro-batch moved to ``device``.
 
     With ``read_ahead`` (the default on CUDA) the next step is read and its copy started as soon
@@ -146,7 +146,7 @@ class DeviceDataReader(DataReader[BatchT]):
     def __init__(
         self, reader: DataReader[BatchT], device: torch.device, *, read_ahead: bool | None = None
     ) -> None:
-        self._reader = reader
+        super().__init__(reader)
         self._device = device
         self._read_ahead = device.type == "cuda" if read_ahead is None else read_ahead
         self._copies = _CopyStream(device) if device.type == "cuda" else None
@@ -200,32 +200,16 @@ class DeviceDataReader(DataReader[BatchT]):
         self._ahead = None
         self._reader.load_state_dict(state)
 
-    @property
-    @override
-    def num_accumulate(self) -> int:
-        return self._reader.num_accumulate
-
     @override
     def close(self) -> None:
         self._ahead = None
         self._reader.close()
 
     @override
-    def has_next_epoch(
-        self, *, wait: bool = True, stop_requested: Callable[[], bool] | None = None
-    ) -> bool:
-        return self._reader.has_next_epoch(wait=wait, stop_requested=stop_requested)
-
-    @override
     def for_evaluation(self) -> DataReader[BatchT]:
         return DeviceDataReader(
             self._reader.for_evaluation(), self._device, read_ahead=self._read_ahead
         )
-
-    @property
-    def reader(self) -> DataReader[BatchT]:
-        """The reader whose batches this one moves."""
-        return self._reader
 
 
 __all__ = ["DeviceDataReader", "move_to_device", "pin_memory"]

@@ -4,23 +4,24 @@ which takes that many optimizer steps on one batch of prompts (TRL's ``RepeatSam
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from runtime.data.data_reader import DataReader
+from runtime.data.data_reader import DataReader, DataReaderWrapper
 from trainkit_utils.arguments import check_positive
 
 BatchT = TypeVar("BatchT")
 
 
-class RepeatingDataReader(DataReader[BatchT]):
+class RepeatingDataReader(DataReaderWrapper[BatchT]):
     """Each of ``reader``'s steps ``times`` times in a row. A checkpoint holds ``reader``'s state
     before the step being repeated and how often it was served, so a resume in the middle
     serves the same batches the remaining times."""
 
     def __init__(self, reader: DataReader[BatchT], times: int) -> None:
         check_positive("times", times)
-        self._reader, self._times = reader, times
+        super().__init__(reader)
+        self._times = times
         self._current: list[BatchT] | None = None
         self._served = 0
         self._served_on_resume = 0
@@ -47,15 +48,3 @@ class RepeatingDataReader(DataReader[BatchT]):
         self._reader.load_state_dict(state["reader"])
         self._current, self._served = None, 0
         self._served_on_resume = int(state["served"])
-
-    @property
-    def num_accumulate(self) -> int:
-        return self._reader.num_accumulate
-
-    def close(self) -> None:
-        self._reader.close()
-
-    def has_next_epoch(
-        self, *, wait: bool = True, stop_requested: Callable[[], bool] | None = None
-    ) -> bool:
-        return self._reader.has_next_epoch(wait=wait, stop_requested=stop_requested)

@@ -17,14 +17,13 @@ divides; packed ones must have a ``seq_len`` it divides.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
 from typing_extensions import override
 
 from gangs import Gang
-from runtime.data.data_reader import DataReader
+from runtime.data.data_reader import DataReader, DataReaderWrapper
 from units.lm import IGNORE_INDEX
 
 BatchT = TypeVar("BatchT")
@@ -71,46 +70,19 @@ def split_sequences(batch: BatchT, rank: int, size: int) -> BatchT:
     return dataclasses.replace(batch, **changes)
 
 
-class SequenceSplitReader(DataReader[BatchT]):
+class SequenceSplitReader(DataReaderWrapper[BatchT]):
     """``reader`` (sharded by the DP gang, so every rank of ``sp_gang`` reads the same batches)
     with each micro-batch cut to this SP rank's positions (:func:`split_sequences`). Wrap the
     reader itself, under any that moves batches to the device."""
 
     def __init__(self, reader: DataReader[BatchT], sp_gang: Gang) -> None:
-        self._reader = reader
+        super().__init__(reader)
         self._gang = sp_gang
 
     @override
     def __next__(self) -> list[BatchT]:
         rank, size = self._gang.rank, self._gang.size
         return [split_sequences(batch, rank, size) for batch in next(self._reader)]
-
-    @override
-    def reset(self) -> None:
-        self._reader.reset()
-
-    @override
-    def state_dict(self) -> dict[str, object]:
-        return self._reader.state_dict()
-
-    @override
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._reader.load_state_dict(state)
-
-    @property
-    @override
-    def num_accumulate(self) -> int:
-        return self._reader.num_accumulate
-
-    @override
-    def close(self) -> None:
-        self._reader.close()
-
-    @override
-    def has_next_epoch(
-        self, *, wait: bool = True, stop_requested: Callable[[], bool] | None = None
-    ) -> bool:
-        return self._reader.has_next_epoch(wait=wait, stop_requested=stop_requested)
 
     @override
     def for_evaluation(self) -> DataReader[BatchT]:
