@@ -179,8 +179,9 @@ def kill_9_after_first_checkpoint(
     command: Sequence[str], out: Path, *, timeout: float = 300
 ) -> list[int]:
     """Start ``command`` (a run writing to ``out``), wait for its first committed checkpoint and
-    SIGKILL its whole process group: torchrun or the trainer, and their workers, at once.
-    Returns the steps of the checkpoints it left."""
+    SIGKILL its process group and every process below it: torchrun or the trainer, and their
+    workers (torchrun starts each in a session of its own), at once. Returns the steps of the
+    checkpoints it left."""
     process = subprocess.Popen(
         list(command),
         env=child_env(),
@@ -195,9 +196,42 @@ def kill_9_after_first_checkpoint(
         assert process.poll() is None, "the run ended before its first checkpoint"
         assert time.monotonic() < deadline
         time.sleep(0.02)
+    below = descendants(process.pid)
     os.killpg(process.pid, signal.SIGKILL)
+    for pid in below:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     process.wait(timeout=60)
+    while any(_running(pid) for pid in below):
+        assert time.monotonic() < deadline + 60, f"processes {below} outlived SIGKILL"
+        time.sleep(0.02)
     return [info.step_nr for info in manager.list_checkpoints()]
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, theirs, ...), read from /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # The command name may hold spaces; the fields after it are fixed.
+            parents[int(entry.name)] = int(
+                (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            )
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is there and not a zombie."""
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def run_quick_benchmark(

@@ -52,16 +52,18 @@ LM_1B_ON_A_CPU = {
     "model.name=llama_1b": "model.name=llama_debug",
     "data.seq_len=2048": "data.seq_len=64",
     "trainer.max_num_steps=30": "trainer.max_num_steps=4",
+    "trainer.max_num_steps=20": "trainer.max_num_steps=4",
     "trainer.publish_metrics_every_n_steps=10": "trainer.publish_metrics_every_n_steps=2",
     "optimizer.warmup_steps=5": "optimizer.warmup_steps=1",
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("part_name", ["lm_1b", "lm_1b_ac"])
+@pytest.mark.parametrize("part_name", ["lm_1b", "lm_1b_ac", "lm_pp2"])
 def test_the_1b_parts_command_trains_a_small_llama_on_a_cpu(tmp_path: Path, part_name: str) -> None:
     """The part's own command line, llama_debug for llama_1b: the recipe takes every argument,
-    shards with FSDP2 on one process and learns, and the part's figure reads its metrics."""
+    shards with FSDP2 on one process (or splits into two pipeline stages on two) and learns,
+    and the part's figure reads its metrics."""
     (part,) = [p for p in gpu_check.make_parts(tmp_path) if p.name == part_name]
     command = [LM_1B_ON_A_CPU.get(arg, arg) for arg in part.command]
     gpu_check.write_lm_data(tmp_path / "data" / "train.txt", num_bytes=100_000)
@@ -121,3 +123,17 @@ def test_the_report_compares_the_trainer_with_the_hand_written_loop(tmp_path: Pa
         log.write_text(f'warming up\nBENCH_RESULT {{"tokens_per_s": {tokens_per_s}}}\n')
     (line,) = gpu_check.trainer_against_hand(tmp_path)
     assert "tokens per second = 0.990 (goal: >= 0.98)" in line
+
+
+def test_a_part_needing_two_gpus_is_skipped_in_one_line_on_fewer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (part,) = [p for p in gpu_check.make_parts(tmp_path) if p.name == "lm_pp2"]
+    assert part.min_gpus == 2 and "gang.pp_size=2" in part.command
+    found = gpu_check.gpu_count()
+    if found >= 2:
+        pytest.skip(f"{found} GPUs here: the part would run")
+    (row,) = gpu_check.run_parts([part], tmp_path, budget_s=60)
+    assert row.status == f"skipped: needs 2 GPUs, this machine has {found}"
+    assert capsys.readouterr().out == f"gpu_check: lm_pp2: {row.status}.\n"
+    assert not (tmp_path / "lm_pp2").exists()

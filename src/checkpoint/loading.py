@@ -122,6 +122,7 @@ class CheckpointLoader:
         model_state, optim_state = get_state_dicts(model, optimizer)
         # What the checkpoint left out keeps the model's own values.
         kept = pop_entries(model_state, manifest.get("excluded", []))
+        own_names = [list(group["params"]) for group in optim_state.get("param_groups", [])]
         rank_file = "rank_0.pt" if resharded else f"rank_{self._root.rank}.pt"
         trainer_file = path / "trainer" / rank_file
         try:
@@ -139,6 +140,7 @@ class CheckpointLoader:
             raise
         # The digests: a damaged file (of the right size) has loaded by now; see checkpoint.manifest.
         self.verdict(f"verify the checkpoint of step {step_nr}", check.finish)
+        _keep_own_parameter_names(optim_state, own_names)
         set_state_dicts(model, optimizer, {**model_state, **kept}, optim_state)
         log.info("Loaded the checkpoint of step %d from %s.", step_nr, path)
         return LoadedCheckpoint(
@@ -198,3 +200,19 @@ def _raise_if_the_machine_failed(root: Gang, step_nr: int, error: CheckpointErro
             "to an older checkpoint: fix the cause (memory, the installation, the filesystem) "
             "and resume again."
         ) from error
+
+
+def _keep_own_parameter_names(optim_state: dict[str, Any], own_names: list[list[str]]) -> None:
+    """Give each loaded param group the names of this rank's parameters.
+
+    DCP keeps one copy of what is not a tensor: every rank reads the param groups of the rank
+    that wrote them, hyperparameters and parameter names. Under pipeline parallelism each rank's
+    groups hold other parameters (its stages'), and a group whose names are all another rank's
+    would load without its hyperparameters. The hyperparameters are the same on every rank; the
+    names stay this rank's own. Where the number of groups differs, the loaded ones stand.
+    """
+    groups = optim_state.get("param_groups", [])
+    if len(groups) != len(own_names):
+        return
+    for group, names in zip(groups, own_names, strict=True):
+        group["params"] = names

@@ -7,8 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
-from tests.conftest import assert_ok, make_tokenizer_dir, read_jsonl, torchrun
+from tests.conftest import (
+    assert_ok,
+    kill_9_after_first_checkpoint,
+    make_tokenizer_dir,
+    read_jsonl,
+    torchrun,
+    torchrun_command,
+)
 from tests.recipes.test_lm import (
     TINY_TRAINING,
     last_model,
@@ -148,3 +156,68 @@ def test_pp2_composes_with_fsdp2_and_tp2_on_four_processes(
     expected = read_jsonl(reference / "metrics" / "train.jsonl")
     for key in ("loss", "grad_norm", "num_targets"):
         assert [r[key] for r in records] == pytest.approx([r[key] for r in expected], abs=1e-5)
+
+
+def _exported(out: Path, destination: Path) -> dict[str, torch.Tensor]:
+    """``python -m runtime export OUT DESTINATION --format hf`` (its main, in this process):
+    the tensors of the file it writes, as stored."""
+    from runtime.cli.tools import main as runtime_main
+
+    assert runtime_main(["export", str(out), str(destination), "--format", "hf"]) == 0
+    with safe_open(str(destination / "model.safetensors"), framework="pt") as file:
+        return {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("model", ["qwen2", "qwen2_tied"])
+def test_pp2_resumes_bitwise_after_kill_9_and_exports_what_one_process_exports(
+    tmp_path: Path, model: str
+) -> None:
+    """A Hugging Face Qwen2 under PP=2 (1F1B; tied embeddings under ZBV), checkpointed every 2
+    of 6 steps: kill -9 of every process after the first checkpoint, and the rerun ends with
+    exactly the weights of the uninterrupted PP=2 run. Its export holds the keys of the export
+    of the same run in one process, one tensor for the tied embedding, the same weights within
+    the float32 rounding of the microbatches' sums."""
+    tied = model == "qwen2_tied"
+    model_dir = make_hf_model_dir(
+        tmp_path / "model", architecture="Qwen2", tie_word_embeddings=tied
+    )
+    config = (
+        f"model.hf_path={model_dir}",
+        *_config(tmp_path)[2:],
+        "trainer.max_num_steps=6",
+        "trainer.checkpoint_every_n_steps=2",
+        "trainer.keep_last_n_checkpoints=null",
+    )
+    piped = (*config, "gang.pp_size=2", *PIPELINES[model])
+    one, reference, out = tmp_path / "one", tmp_path / "pp2", tmp_path / "killed"
+    assert_ok(run_here(one, *config))
+    assert_ok(torchrun(2, *recipe_args(reference, *piped), timeout=600))
+
+    killed_at = kill_9_after_first_checkpoint(torchrun_command(2, recipe_args(out, *piped)), out)
+    assert max(killed_at) < 6, "killed after the run's end: nothing was resumed"
+    assert_ok(torchrun(2, *recipe_args(out, *piped), timeout=600))
+    assert (
+        f"Resumed from the checkpoint of step {max(killed_at)}."
+        in (out / "logs" / "rank_0.log").read_text()
+    )
+    names = ("step_nr", "loss", "grad_norm", "num_targets")
+    expected_records = {r["step_nr"]: r for r in read_jsonl(reference / "metrics" / "train.jsonl")}
+    for record in read_jsonl(out / "metrics" / "train.jsonl")[-2:]:
+        assert {n: record[n] for n in names} == {
+            n: expected_records[record["step_nr"]][n] for n in names
+        }
+    expected, resumed = last_model(reference), last_model(out)
+    assert resumed.keys() == expected.keys()
+    for key in expected:
+        assert torch.equal(resumed[key], expected[key]), key
+
+    exported = _exported(out, tmp_path / "exported_pp2")
+    expected_export = _exported(one, tmp_path / "exported_one")
+    assert exported.keys() == expected_export.keys()
+    if tied:
+        assert "lm_head.weight" not in exported and "model.embed_tokens.weight" in exported
+    # The tolerance of test_pp2_trains_as_one_process_does, over twice the steps.
+    for key, value in exported.items():
+        torch.testing.assert_close(value, expected_export[key], rtol=0, atol=1e-4, msg=key)

@@ -3,9 +3,10 @@ test_pipeline.py.
 
 Usage: ``torchrun --nproc-per-node 2 tests/workers/pipeline_checks.py OUT [two [ONE_RUN]]``
 (or ``--nproc-per-node 4 ... OUT four``); ``ONE_RUN``, a one-process run of :func:`train`, is
-resumed from its step 2 at PP=2 too. Each run of :data:`RUNS` (:data:`FOUR_PROCESS_RUNS`)
-trains under ``pp_size=2`` into ``OUT/NAME`` (metrics, checkpoints), and the first DP and TP
-rank of each stage saves its part's whole weights to ``OUT/NAME/part_{pp_rank}.pt``. :func:`train` is also the one-process
+resumed from its step 2 at PP=2 too, and so (``two`` only) is the PP=2 run ``resume``. Each run
+of :data:`RUNS` (:data:`FOUR_PROCESS_RUNS`) trains under ``pp_size=2`` into ``OUT/NAME``
+(metrics, checkpoints), and the first DP and TP rank of each stage saves its part's whole
+weights to ``OUT/NAME/part_{pp_rank}.pt``. :func:`train` is also the one-process
 reference the tests compare with (``pp_size`` 1).
 """
 
@@ -226,6 +227,14 @@ def main(output_dir: Path, which: str, one_process_run: Path | None) -> None:
             "schedule": "1f1b",
             "num_microbatches": 2,
             "resume_from": str(one_process_run / "checkpoints" / "step_2"),
+        }
+    if which == "two":
+        # The PP=2 checkpoint of step 2 resumed at PP=2: each rank's optimizer groups keep
+        # their own parameters' names.
+        runs["resume_2_to_2"] = {
+            "schedule": "1f1b",
+            "num_microbatches": 2,
+            "resume_from": str(output_dir / "resume" / "checkpoints" / "step_2"),
         }
     for name, options in runs.items():
         if not schedule_available(options["schedule"]):

@@ -193,6 +193,18 @@ def test_resume_of_pp1_at_pp2(pipeline_runs: Path, reference: Reference) -> None
 
 
 @pytest.mark.distributed
+def test_resume_of_pp2_at_pp2(pipeline_runs: Path, reference: Reference) -> None:
+    """A PP=2 checkpoint of step 2 resumes at PP=2: each rank's optimizer gets its own param
+    groups back (their hyperparameters, its stage's names), and the run ends where one process
+    ends."""
+    run_dir = pipeline_runs / "resume_2_to_2"
+    assert [r["step_nr"] for r in read_jsonl(run_dir / "metrics" / "train.jsonl")] == [3, 4]
+    _, expected = reference["valid"]
+    for key, value in _whole_weights(run_dir).items():
+        torch.testing.assert_close(value, expected[key], rtol=0, atol=TOLERANCE, msg=key)
+
+
+@pytest.mark.distributed
 def test_a_pipeline_step_makes_no_host_sync(pipeline_runs: Path) -> None:
     """Steady steps of PP=2 with clipping read nothing off the device, on either stage."""
     for rank in range(2):
