@@ -2,7 +2,8 @@
 gradient norms, validation scores and final weights of SP=2 on two processes equal those of one
 process, for the project's Llama on packed prepared data with document masks and gradient
 accumulation, and for a Hugging Face Llama whose key/value heads are fewer than the SP ranks;
-and the layouts SP cannot run are refused in one line before a launch."""
+checkpoints resume at another SP size and export as without SP; and the layouts SP cannot run
+are refused in one line before a launch."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from recipes.lm import LMConfig, recipe
 from runtime.cli.config import load_config
+from runtime.cli.tools import main as tools_main
 from runtime.data.text import HuggingFaceTokenizer, prepare_dataset
 from tests.conftest import (
     WORDS,
@@ -61,6 +63,28 @@ def assert_same_run(one: Path, sp: Path) -> None:
     assert valid_scores(sp) == pytest.approx(valid_scores(one), abs=1e-5)
     assert len(valid_scores(one)) == 2
     reference, weights = last_model(one), last_model(sp)
+    assert weights.keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(weights[name], tensor, atol=1e-5, rtol=0, msg=name)
+
+
+def assert_same_export(one: Path, sp: Path, destination: Path) -> None:
+    """``python -m runtime export OUT DEST --format hf`` of both runs: the same files, the same
+    config and the same keys, weights within 1e-5."""
+    from safetensors.torch import load_file
+
+    exports = []
+    for out in (one, sp):
+        exported = destination / out.name
+        assert tools_main(["export", str(out), str(exported), "--format", "hf"]) == 0
+        exports.append(exported)
+    reference_dir, sp_dir = exports
+    assert sorted(p.name for p in sp_dir.iterdir()) == sorted(
+        p.name for p in reference_dir.iterdir()
+    )
+    config_json = "config.json"
+    assert (sp_dir / config_json).read_text() == (reference_dir / config_json).read_text()
+    reference, weights = (load_file(str(d / "model.safetensors")) for d in exports)
     assert weights.keys() == reference.keys()
     for name, tensor in reference.items():
         torch.testing.assert_close(weights[name], tensor, atol=1e-5, rtol=0, msg=name)
@@ -137,6 +161,32 @@ def test_sp2_hugging_face_llama_with_one_kv_head_equals_one_process(tmp_path: Pa
     )
     assert_ok(sp)
     assert_same_run(tmp_path / "one", tmp_path / "sp")
+    # SP does not change the parameters: its Hugging Face export is that of one process.
+    assert_same_export(tmp_path / "one", tmp_path / "sp", tmp_path / "exported")
+
+
+@pytest.mark.slow
+def test_a_one_process_checkpoint_resumes_under_sp2(tmp_path: Path) -> None:
+    """The other direction of the resume in the packed test: one process's checkpoint of step
+    2 resumes at SP=2 (a DP gang of one either way) to the same losses and weights."""
+    config = (*prepared_llama_config(tmp_path), "trainer.checkpoint_every_n_steps=2")
+    assert_ok(run_here(tmp_path / "one", *config))
+    resumed = tmp_path / "resumed"
+    step_2 = tmp_path / "one" / "checkpoints" / "step_2"
+    sp = torchrun(
+        2, "-m", "recipes.lm", str(resumed), "--resume-from", str(step_2),
+        "--config", *config, "gang.sp_size=2", "trainer.reshard_on_resume=true",
+        timeout=300,
+    )  # fmt: skip
+    assert_ok(sp)
+    assert train_metrics(resumed, "loss") == pytest.approx(
+        train_metrics(tmp_path / "one", "loss")[2:], abs=1e-5
+    )
+    assert valid_scores(resumed) == pytest.approx(valid_scores(tmp_path / "one")[1:], abs=1e-5)
+    reference, weights = last_model(tmp_path / "one"), last_model(resumed)
+    assert weights.keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(weights[name], tensor, atol=1e-5, rtol=0, msg=name)
 
 
 @pytest.mark.slow
