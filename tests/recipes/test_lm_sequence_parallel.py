@@ -7,6 +7,7 @@ are refused in one line before a launch."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -320,6 +321,69 @@ def test_sp2_lora_equals_one_process(tmp_path: Path) -> None:
         f"data.valid={valid}",
         "lora.rank=4",
     )
+    assert_ok(run_here(tmp_path / "one", *config))
+    sp = torchrun(2, *recipe_args(tmp_path / "sp", *config, "gang.sp_size=2"), timeout=300)
+    assert_ok(sp)
+    assert_same_run(tmp_path / "one", tmp_path / "sp")
+
+
+# Every dense Hugging Face family of the matrix (tests/recipes/families.py) at SP=2, through the
+# attention it loads with: (family, data.seq_len, words of the one-line refusal or None).
+FAMILY_CASES = [
+    ("Llama", 32, None),
+    ("Mistral", 32, "sliding window of 16 tokens, shorter than data.seq_len (32)"),
+    ("Mistral", 16, None),  # a window as long as the sequence masks nothing
+    ("Qwen2", 32, None),  # use_sliding_window is false: no layer has a window
+    ("Qwen3", 32, None),
+    ("Gemma 2", 32, "sliding window of 8 tokens, shorter than data.seq_len (32)"),
+    ("Gemma 2", 8, None),  # eager attention with soft-capping
+    ("GPT-2", 32, None),  # absolute positions, no key/value groups
+    ("Phi-3", 32, None),
+    ("OLMo-2", 32, None),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "seq_len", "refusal"),
+    FAMILY_CASES,
+    ids=[f"{name.replace(' ', '')}-{seq_len}" for name, seq_len, _ in FAMILY_CASES],
+)
+def test_sp2_of_each_dense_family_equals_one_process_or_is_refused(
+    tmp_path: Path, name: str, seq_len: int, refusal: str | None
+) -> None:
+    from tests.faults.test_bad_config import rank_stderr_lines
+    from tests.recipes.families import FAMILY_BY_NAME, make_family_dir
+
+    model_dir = make_family_dir(FAMILY_BY_NAME[name], tmp_path / "model")
+    # No dropout (GPT-2's is 0.1): each rank would drop other elements than one process.
+    config_file = model_dir / "config.json"
+    hf_config = json.loads(config_file.read_text())
+    for key, value in hf_config.items():
+        if key.endswith(("pdrop", "dropout")) and isinstance(value, float):
+            hf_config[key] = 0.0
+    config_file.write_text(json.dumps(hf_config))
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": s} for s in repeated(200, seed=2)])
+    valid = write_jsonl(tmp_path / "valid.jsonl", [{"text": s} for s in repeated(30, seed=3)])
+    config = (
+        *TINY_TRAINING,
+        *EXACT,
+        f"model.hf_path={model_dir}",
+        f"data.train={train}",
+        f"data.valid={valid}",
+        f"data.seq_len={seq_len}",
+    )
+    if refusal is not None:
+        out, logs = tmp_path / "sp", tmp_path / "torchrun_logs"
+        result = torchrun(
+            2, "--log-dir", str(logs), "--redirects", "2", "-m", "recipes.lm", str(out),
+            "--config", *config, "gang.sp_size=2", timeout=300,
+        )  # fmt: skip
+        assert "exitcode  : 2" in result.stderr, result.stderr[-3000:]
+        for lines in rank_stderr_lines(logs):
+            errors = [line for line in lines if line.startswith("error: ")]
+            assert len(errors) == 1 and refusal in errors[0], lines
+        return
     assert_ok(run_here(tmp_path / "one", *config))
     sp = torchrun(2, *recipe_args(tmp_path / "sp", *config, "gang.sp_size=2"), timeout=300)
     assert_ok(sp)
