@@ -121,3 +121,15 @@ def test_the_report_compares_the_trainer_with_the_hand_written_loop(tmp_path: Pa
         log.write_text(f'warming up\nBENCH_RESULT {{"tokens_per_s": {tokens_per_s}}}\n')
     (line,) = gpu_check.trainer_against_hand(tmp_path)
     assert "tokens per second = 0.990 (goal: >= 0.98)" in line
+
+
+def test_a_part_that_needs_more_gpus_than_here_is_skipped_in_one_line(tmp_path: Path) -> None:
+    (sp2,) = [p for p in gpu_check.make_parts(tmp_path) if p.name == "lm_sp2"]
+    assert sp2.min_gpus == 2
+    assert "--nproc-per-node=2" in sp2.command and "gang.sp_size=2" in sp2.command
+    here = gpu_check.cuda_device_count()
+    more = python_part("more", "raise SystemExit(3)", 30)
+    more = gpu_check.Part(**{**more.__dict__, "min_gpus": here + 1})
+    (row,) = gpu_check.run_parts([more], tmp_path, budget_s=60)
+    assert row.status == f"skipped: needs {here + 1} GPUs, {here} here"
+    assert gpu_check.skipped(row) and not (tmp_path / "logs" / "more.log").exists()
