@@ -137,3 +137,15 @@ def test_a_part_needing_two_gpus_is_skipped_in_one_line_on_fewer(
     assert row.status == f"skipped: needs 2 GPUs, this machine has {found}"
     assert capsys.readouterr().out == f"gpu_check: lm_pp2: {row.status}.\n"
     assert not (tmp_path / "lm_pp2").exists()
+
+
+def test_a_part_that_needs_more_gpus_than_here_is_skipped_in_one_line(tmp_path: Path) -> None:
+    (sp2,) = [p for p in gpu_check.make_parts(tmp_path) if p.name == "lm_sp2"]
+    assert sp2.min_gpus == 2
+    assert "--nproc-per-node=2" in sp2.command and "gang.sp_size=2" in sp2.command
+    here = gpu_check.gpu_count()
+    more = python_part("more", "raise SystemExit(3)", 30)
+    more = gpu_check.Part(**{**more.__dict__, "min_gpus": max(2, here + 1)})
+    (row,) = gpu_check.run_parts([more], tmp_path, budget_s=60)
+    assert row.status == f"skipped: needs {max(2, here + 1)} GPUs, this machine has {here}"
+    assert gpu_check.skipped(row) and not (tmp_path / "logs" / "more.log").exists()

@@ -70,7 +70,7 @@ def build_model(
         lora, init_fn = apply_lora(model, config.lora, init_fn)
     flops = flops_per_token(model, hf, config.data.seq_len)
     expert_params = apply_expert_parallel(model, gangs)
-    model = apply_sequence_parallel(model, gangs)
+    model = apply_sequence_parallel(model, gangs, config.data.seq_len)
     split = None
     if gangs.pp.size > 1 and not frozen:
         # This rank keeps its stages' part of the model, under the whole model's names.

@@ -2,10 +2,12 @@
 gradient norms, validation scores and final weights of SP=2 on two processes equal those of one
 process, for the project's Llama on packed prepared data with document masks and gradient
 accumulation, and for a Hugging Face Llama whose key/value heads are fewer than the SP ranks;
-and the layouts SP cannot run are refused in one line before a launch."""
+checkpoints resume at another SP size and export as without SP; and the layouts SP cannot run
+are refused in one line before a launch."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import torch
 
 from recipes.lm import LMConfig, recipe
 from runtime.cli.config import load_config
+from runtime.cli.tools import main as tools_main
 from runtime.data.text import HuggingFaceTokenizer, prepare_dataset
 from tests.conftest import (
     WORDS,
@@ -61,6 +64,28 @@ def assert_same_run(one: Path, sp: Path) -> None:
     assert valid_scores(sp) == pytest.approx(valid_scores(one), abs=1e-5)
     assert len(valid_scores(one)) == 2
     reference, weights = last_model(one), last_model(sp)
+    assert weights.keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(weights[name], tensor, atol=1e-5, rtol=0, msg=name)
+
+
+def assert_same_export(one: Path, sp: Path, destination: Path) -> None:
+    """``python -m runtime export OUT DEST --format hf`` of both runs: the same files, the same
+    config and the same keys, weights within 1e-5."""
+    from safetensors.torch import load_file
+
+    exports = []
+    for out in (one, sp):
+        exported = destination / out.name
+        assert tools_main(["export", str(out), str(exported), "--format", "hf"]) == 0
+        exports.append(exported)
+    reference_dir, sp_dir = exports
+    assert sorted(p.name for p in sp_dir.iterdir()) == sorted(
+        p.name for p in reference_dir.iterdir()
+    )
+    config_json = "config.json"
+    assert (sp_dir / config_json).read_text() == (reference_dir / config_json).read_text()
+    reference, weights = (load_file(str(d / "model.safetensors")) for d in exports)
     assert weights.keys() == reference.keys()
     for name, tensor in reference.items():
         torch.testing.assert_close(weights[name], tensor, atol=1e-5, rtol=0, msg=name)
@@ -137,6 +162,32 @@ def test_sp2_hugging_face_llama_with_one_kv_head_equals_one_process(tmp_path: Pa
     )
     assert_ok(sp)
     assert_same_run(tmp_path / "one", tmp_path / "sp")
+    # SP does not change the parameters: its Hugging Face export is that of one process.
+    assert_same_export(tmp_path / "one", tmp_path / "sp", tmp_path / "exported")
+
+
+@pytest.mark.slow
+def test_a_one_process_checkpoint_resumes_under_sp2(tmp_path: Path) -> None:
+    """The other direction of the resume in the packed test: one process's checkpoint of step
+    2 resumes at SP=2 (a DP gang of one either way) to the same losses and weights."""
+    config = (*prepared_llama_config(tmp_path), "trainer.checkpoint_every_n_steps=2")
+    assert_ok(run_here(tmp_path / "one", *config))
+    resumed = tmp_path / "resumed"
+    step_2 = tmp_path / "one" / "checkpoints" / "step_2"
+    sp = torchrun(
+        2, "-m", "recipes.lm", str(resumed), "--resume-from", str(step_2),
+        "--config", *config, "gang.sp_size=2", "trainer.reshard_on_resume=true",
+        timeout=300,
+    )  # fmt: skip
+    assert_ok(sp)
+    assert train_metrics(resumed, "loss") == pytest.approx(
+        train_metrics(tmp_path / "one", "loss")[2:], abs=1e-5
+    )
+    assert valid_scores(resumed) == pytest.approx(valid_scores(tmp_path / "one")[1:], abs=1e-5)
+    reference, weights = last_model(tmp_path / "one"), last_model(resumed)
+    assert weights.keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(weights[name], tensor, atol=1e-5, rtol=0, msg=name)
 
 
 @pytest.mark.slow
@@ -270,6 +321,69 @@ def test_sp2_lora_equals_one_process(tmp_path: Path) -> None:
         f"data.valid={valid}",
         "lora.rank=4",
     )
+    assert_ok(run_here(tmp_path / "one", *config))
+    sp = torchrun(2, *recipe_args(tmp_path / "sp", *config, "gang.sp_size=2"), timeout=300)
+    assert_ok(sp)
+    assert_same_run(tmp_path / "one", tmp_path / "sp")
+
+
+# Every dense Hugging Face family of the matrix (tests/recipes/families.py) at SP=2, through the
+# attention it loads with: (family, data.seq_len, words of the one-line refusal or None).
+FAMILY_CASES = [
+    ("Llama", 32, None),
+    ("Mistral", 32, "sliding window of 16 tokens, shorter than data.seq_len (32)"),
+    ("Mistral", 16, None),  # a window as long as the sequence masks nothing
+    ("Qwen2", 32, None),  # use_sliding_window is false: no layer has a window
+    ("Qwen3", 32, None),
+    ("Gemma 2", 32, "sliding window of 8 tokens, shorter than data.seq_len (32)"),
+    ("Gemma 2", 8, None),  # eager attention with soft-capping
+    ("GPT-2", 32, None),  # absolute positions, no key/value groups
+    ("Phi-3", 32, None),
+    ("OLMo-2", 32, None),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "seq_len", "refusal"),
+    FAMILY_CASES,
+    ids=[f"{name.replace(' ', '')}-{seq_len}" for name, seq_len, _ in FAMILY_CASES],
+)
+def test_sp2_of_each_dense_family_equals_one_process_or_is_refused(
+    tmp_path: Path, name: str, seq_len: int, refusal: str | None
+) -> None:
+    from tests.faults.test_bad_config import rank_stderr_lines
+    from tests.recipes.families import FAMILY_BY_NAME, make_family_dir
+
+    model_dir = make_family_dir(FAMILY_BY_NAME[name], tmp_path / "model")
+    # No dropout (GPT-2's is 0.1): each rank would drop other elements than one process.
+    config_file = model_dir / "config.json"
+    hf_config = json.loads(config_file.read_text())
+    for key, value in hf_config.items():
+        if key.endswith(("pdrop", "dropout")) and isinstance(value, float):
+            hf_config[key] = 0.0
+    config_file.write_text(json.dumps(hf_config))
+    train = write_jsonl(tmp_path / "train.jsonl", [{"text": s} for s in repeated(200, seed=2)])
+    valid = write_jsonl(tmp_path / "valid.jsonl", [{"text": s} for s in repeated(30, seed=3)])
+    config = (
+        *TINY_TRAINING,
+        *EXACT,
+        f"model.hf_path={model_dir}",
+        f"data.train={train}",
+        f"data.valid={valid}",
+        f"data.seq_len={seq_len}",
+    )
+    if refusal is not None:
+        out, logs = tmp_path / "sp", tmp_path / "torchrun_logs"
+        result = torchrun(
+            2, "--log-dir", str(logs), "--redirects", "2", "-m", "recipes.lm", str(out),
+            "--config", *config, "gang.sp_size=2", timeout=300,
+        )  # fmt: skip
+        assert "exitcode  : 2" in result.stderr, result.stderr[-3000:]
+        for lines in rank_stderr_lines(logs):
+            errors = [line for line in lines if line.startswith("error: ")]
+            assert len(errors) == 1 and refusal in errors[0], lines
+        return
     assert_ok(run_here(tmp_path / "one", *config))
     sp = torchrun(2, *recipe_args(tmp_path / "sp", *config, "gang.sp_size=2"), timeout=300)
     assert_ok(sp)

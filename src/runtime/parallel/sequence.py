@@ -18,7 +18,8 @@ inverse, so its backward is one more of it). Both give the same bits.
   function it names is registered with ``transformers``' ``AttentionInterface`` under a name of
   ours (``trainkit_sp_sdpa``, ``trainkit_sp_eager``) that calls it between the all-to-alls. No
   modeling code changes; attention is causal over the whole sequence (the recipes give Hugging
-  Face models no padding or document mask), so a model with sliding windows is refused.
+  Face models no padding or document mask), so a model whose sliding window is shorter than
+  the sequence is refused (a window as long as the sequence masks nothing, and runs).
 
 Any other model is refused in one line. Heads must divide by ``sp_size`` (after tensor
 parallelism has split them: ``sp_size x tp_size`` in all); key/value heads are repeated when
@@ -193,8 +194,12 @@ def _hf_attention(implementation: str) -> Callable[..., tuple[Tensor, Any]]:
         **kwargs: Any,
     ) -> tuple[Tensor, Any]:
         group, size = _SP_GROUPS[module]
-        if kwargs.get("sliding_window") is not None:  # check_model refuses such models
-            raise SequenceParallelError("Sequence parallelism cannot wrap sliding windows.")
+        window = kwargs.pop("sliding_window", None)
+        if window is not None and window < query.size(2) * size:  # check_model refuses these
+            raise SequenceParallelError(
+                f"Sequence parallelism cannot wrap a sliding window ({window}) shorter than the "
+                f"sequence ({query.size(2) * size})."
+            )
         factor = repeat_kv_for(query.size(1), key.size(1), size)
         if factor > 1:
             key = key.repeat_interleave(factor, dim=1)
@@ -232,12 +237,18 @@ def _register_hf_attention() -> None:
 
 
 def _hf_attention_modules(model: Module) -> list[Module]:
-    """The attention modules of a Hugging Face model: those with a ``config`` and a
-    ``num_key_value_groups``, as transformers' attention classes have."""
+    """The attention modules of a Hugging Face model: those with a ``config``, a ``head_dim``
+    and a ``num_key_value_groups``, as transformers' attention classes have, or (GPT-2's, all
+    heads their own key/value heads) a causal ``...Attention`` without one."""
     return [
         m
         for m in model.modules()
-        if hasattr(m, "num_key_value_groups") and hasattr(m, "config") and hasattr(m, "head_dim")
+        if hasattr(m, "config")
+        and hasattr(m, "head_dim")
+        and (
+            hasattr(m, "num_key_value_groups")
+            or (type(m).__name__.endswith("Attention") and getattr(m, "is_causal", False) is True)
+        )
     ]
 
 
@@ -255,10 +266,11 @@ def sp_group(gangs: Gangs) -> dist.ProcessGroup:
     return gang.as_process_group()
 
 
-def check_model(model: Module, sp_size: int, tp_size: int) -> str:
+def check_model(model: Module, sp_size: int, tp_size: int, seq_len: int | None = None) -> str:
     """What :func:`apply_sequence_parallel` would wrap in ``model``: ``"llama"`` (the project's)
     or the Hugging Face attention implementation; a one-line :class:`SequenceParallelError`
-    for a model it cannot wrap or heads that ``sp_size x tp_size`` does not divide."""
+    for a model it cannot wrap or heads that ``sp_size x tp_size`` does not divide. A sliding
+    window is refused when it is shorter than ``seq_len`` (any window when it is None)."""
     if isinstance(model, Llama):
         check_heads(model.args.num_heads, sp_size, tp_size)
         return "llama"
@@ -277,11 +289,13 @@ def check_model(model: Module, sp_size: int, tp_size: int) -> str:
             "gang.sp_size to 1."
         )
     window = _sliding_window(model, config)
-    if window is not None:
+    if window is not None and (seq_len is None or window < seq_len):
+        length = "" if seq_len is None else f", shorter than data.seq_len ({seq_len})"
         raise SequenceParallelError(
             f"Sequence parallelism runs causal attention over the whole sequence, but "
-            f"{type(model).__name__} attends within a sliding window of {window} tokens. Set "
-            "gang.sp_size to 1 for this model."
+            f"{type(model).__name__} attends within a sliding window of {window} tokens"
+            f"{length}. Set gang.sp_size to 1 for this model, or data.seq_len to at most "
+            f"{window}."
         )
     check_heads(config.num_attention_heads, sp_size, tp_size)
     return str(implementation)
@@ -298,13 +312,14 @@ def _sliding_window(model: Module, config: Any) -> int | None:
     return window if isinstance(window, int) else None
 
 
-def apply_sequence_parallel(model: Module, gangs: Gangs) -> Module:
+def apply_sequence_parallel(model: Module, gangs: Gangs, seq_len: int | None = None) -> Module:
     """Wrap the attention of ``model`` for the SP gang (a no-op without SP), before data
-    parallelism wraps the model; :func:`check_model` refuses what it cannot wrap."""
+    parallelism wraps the model; :func:`check_model` refuses what it cannot wrap (a sliding
+    window shorter than ``seq_len``, the length of the sequences it trains on)."""
     size = gangs.sp.size
     if size == 1:
         return model
-    kind = check_model(model, size, gangs.tp.size)
+    kind = check_model(model, size, gangs.tp.size, seq_len)
     group = sp_group(gangs)
     if kind == "llama":
         for module in model.modules():

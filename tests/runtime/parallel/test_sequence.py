@@ -156,6 +156,13 @@ def test_a_hugging_face_model_with_another_attention_is_refused() -> None:
         check_model(model, 2, 1)
 
 
+def test_gpt2_attention_is_wrapped_though_it_has_no_key_value_groups() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=10, n_embd=16, n_layer=1, n_head=4)
+    config._attn_implementation = "sdpa"
+    assert check_model(transformers.GPT2LMHeadModel(config), 4, 1) == "sdpa"
+
+
 @pytest.mark.parametrize(
     ("family", "options"),
     [
@@ -175,6 +182,12 @@ def test_a_hugging_face_model_with_sliding_windows_is_refused(
     model = getattr(transformers, f"{family}ForCausalLM")(config)
     with pytest.raises(SequenceParallelError, match="within a sliding window of 16 tokens"):
         check_model(model, 2, 1)
+    with pytest.raises(
+        SequenceParallelError, match=r"16 tokens, shorter than data.seq_len \(32\)\. .* at most 16"
+    ):
+        check_model(model, 2, 1, seq_len=32)
+    # A window as long as the sequence masks nothing.
+    assert check_model(model, 2, 1, seq_len=16) == "sdpa"
     if family == "Qwen2":  # windows configured but used by no layer
         config.layer_types = ["full_attention"]
         assert check_model(transformers.Qwen2ForCausalLM(config), 2, 1) == "sdpa"
