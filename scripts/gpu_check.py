@@ -4,9 +4,9 @@ Runs each part below with its own time limit (``timeout``), inside a budget of 8
 H100, and writes ``OUT_DIR/report.md``: the device, the torch and CUDA versions, each part
 passed, failed, timed out or not run, with its figure and the path of its log. Parts come in
 order of what a first run needs most; a part the budget has no time left for is not run, and
-``--parts`` reruns chosen ones. A part that needs more GPUs than the machine has (``lm_sp2``,
-two) is skipped with one line. ``--dry-run`` checks the parts on any machine (their files,
-modules, config overrides and benchmark arguments) without running them.
+``--parts`` reruns chosen ones. A part that needs more GPUs than the machine has (``lm_sp2``
+and ``lm_pp2``, two) is skipped with one line. ``--dry-run`` checks the parts on any machine
+(their files, modules, config overrides and benchmark arguments) without running them.
 """
 
 from __future__ import annotations
