@@ -17,10 +17,10 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, final
+from typing import Any, Protocol, TypeVar, final
 
 import torch
 from torch import Tensor
@@ -87,14 +87,13 @@ class InstructionDataset(torch.utils.data.Dataset[tuple[list[int], int]]):
             else None
         )
         examples: list[tuple[list[int], int]] = []
-        for where, record in read_records(path, skip_bad_lines=skip_bad_lines, bad_lines=self):
-            try:
-                prompt, response = _prompt_and_response(record, fields, template)
-            except TextDataError as ex:
-                if not skip_bad_lines:
-                    raise TextDataError(f"{where}: {ex}") from None
-                self.num_bad_lines += 1
-                continue
+        texts = converted_records(
+            path,
+            lambda record: _prompt_and_response(record, fields, template),
+            skip_bad_lines=skip_bad_lines,
+            bad_lines=self,
+        )
+        for prompt, response in texts:
             example = _tokenized(prompt, response, tokenizer, max_len, chat=template is not None)
             if example is None:
                 self.num_truncated += 1
@@ -147,6 +146,33 @@ def collate_instructions(examples: list[tuple[list[int], int]], *, pad_id: int) 
 
 class BadLineCounter(Protocol):
     num_bad_lines: int
+
+
+RecordT = TypeVar("RecordT")
+
+
+def converted_records(
+    path: str | Path,
+    convert: Callable[[Any], RecordT],
+    *,
+    skip_bad_lines: bool,
+    bad_lines: BadLineCounter,
+) -> Iterator[RecordT]:
+    """``convert(record)`` of each record :func:`read_records` reads; a record that ``convert``
+    refuses (a ``TextDataError``: a field missing or of the wrong type) is an error naming its
+    file and line and the fix, or with ``skip_bad_lines`` counted in ``bad_lines.num_bad_lines``."""
+    for where, record in read_records(path, skip_bad_lines=skip_bad_lines, bad_lines=bad_lines):
+        try:
+            converted = convert(record)
+        except TextDataError as ex:
+            if not skip_bad_lines:
+                raise TextDataError(
+                    f"{where}: {ex}. Fix the data, or set data.skip_bad_lines to skip and count "
+                    "such records."
+                ) from None
+            bad_lines.num_bad_lines += 1
+            continue
+        yield converted
 
 
 def read_records(path: str | Path, *, skip_bad_lines: bool, bad_lines: BadLineCounter) -> Any:

@@ -36,7 +36,7 @@ from runtime.data.text.instructions import (
     bucketed_order,
     chat_messages,
     chat_template,
-    read_records,
+    converted_records,
     render_chat,
 )
 from runtime.data.text.tokenizer import Tokenizer
@@ -108,17 +108,13 @@ class PreferenceDataset(torch.utils.data.Dataset[PreferencePair]):
         self.num_truncated = 0
         self._tokenizer, self._max_len, self._template = tokenizer, max_len, None
         pairs: list[PreferencePair] = []
-        for where, record in read_records(path, skip_bad_lines=skip_bad_lines, bad_lines=self):
-            try:
-                pair = self._tokenized(*self._texts(record, fields))
-            except TextDataError as ex:
-                if not skip_bad_lines:
-                    raise TextDataError(
-                        f"{where}: {ex}. Fix the data, or set data.skip_bad_lines to skip and "
-                        "count such records."
-                    ) from None
-                self.num_bad_lines += 1
-                continue
+        tokenized = converted_records(
+            path,
+            lambda record: self._tokenized(*self._texts(record, fields)),
+            skip_bad_lines=skip_bad_lines,
+            bad_lines=self,
+        )
+        for pair in tokenized:
             if pair is None:
                 self.num_dropped += 1
             else:

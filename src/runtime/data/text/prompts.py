@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, final
 import torch
 
 from runtime.data.text.files import TextDataError
-from runtime.data.text.instructions import chat_messages, chat_template, read_records
+from runtime.data.text.instructions import chat_messages, chat_template, converted_records
 from runtime.data.text.tokenizer import Tokenizer
 from trainkit_utils.arguments import check_positive
 
@@ -70,17 +70,13 @@ class PromptDataset(torch.utils.data.Dataset[PromptExample]):
         self._tokenizer = tokenizer
         self._template: Any = None
         self._examples: list[PromptExample] = []
-        for where, record in read_records(path, skip_bad_lines=skip_bad_lines, bad_lines=self):
-            try:
-                example = self._example(record, prompt_field)
-            except TextDataError as ex:
-                if not skip_bad_lines:
-                    raise TextDataError(
-                        f"{where}: {ex}. Fix the data, or set data.skip_bad_lines to skip and "
-                        "count such records."
-                    ) from None
-                self.num_bad_lines += 1
-                continue
+        examples = converted_records(
+            path,
+            lambda record: self._example(record, prompt_field),
+            skip_bad_lines=skip_bad_lines,
+            bad_lines=self,
+        )
+        for example in examples:
             if len(example.prompt_ids) > max_prompt_len:
                 self.num_dropped += 1
             else:
