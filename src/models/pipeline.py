@@ -63,20 +63,15 @@ class _Body(nn.Module):
     rotary_emb: nn.Module
 
 
-@final
-class LlamaStage(nn.Module):
-    """The part of a :class:`~models.llama.Llama` that pipeline stages hold: ``forward`` takes the
-    input ids on the first stage (``first``), the hidden states elsewhere, and returns the logits
-    on the last stage (``last``), the hidden states elsewhere.
-
-    Also a rank's part over several stages (never called then): it holds their union.
-    """
+class _DecoderStage(nn.Module):
+    """The modules of a decoder that its stages ``layers`` hold, under the whole model's names
+    (the project's Llama and Hugging Face decoders name them alike): the embedding on the first
+    stage (``first``), the norm and the head on the last (``last``)."""
 
     lm_head: nn.Module
 
-    def __init__(self, model: Llama, layers: Sequence[int], *, first: bool, last: bool) -> None:
+    def __init__(self, model: Any, layers: Sequence[int], *, first: bool, last: bool) -> None:
         super().__init__()
-        self.args: LlamaArgs = model.args
         self.first = first
         self.last = last
         self.model = _Body()
@@ -86,6 +81,20 @@ class LlamaStage(nn.Module):
         if last:
             self.model.norm = model.model.norm
             self.lm_head = model.lm_head
+
+
+@final
+class LlamaStage(_DecoderStage):
+    """The part of a :class:`~models.llama.Llama` that pipeline stages hold: ``forward`` takes the
+    input ids on the first stage (``first``), the hidden states elsewhere, and returns the logits
+    on the last stage (``last``), the hidden states elsewhere.
+
+    Also a rank's part over several stages (never called then): it holds their union.
+    """
+
+    def __init__(self, model: Llama, layers: Sequence[int], *, first: bool, last: bool) -> None:
+        super().__init__(model, layers, first=first, last=last)
+        self.args: LlamaArgs = model.args
 
     def forward(
         self, x: Tensor, *, document_ids: Tensor | None = None, positions: Tensor | None = None
@@ -187,27 +196,16 @@ def _is_hf_decoder(model: nn.Module) -> bool:
 
 
 @final
-class HFDecoderStage(nn.Module):
+class HFDecoderStage(_DecoderStage):
     """The part of a Hugging Face decoder (Llama, Qwen2, Mistral and their kin) that pipeline
     stages hold, as :class:`LlamaStage` for the project's model. Attention runs as ``sdpa``
     without a mask (causal), so batches hold no padding: packed text, as ``task=pretrain`` makes.
     The rotary embedding (no parameters) is on every stage."""
 
-    lm_head: nn.Module
-
     def __init__(self, model: Any, layers: Sequence[int], *, first: bool, last: bool) -> None:
-        super().__init__()
+        super().__init__(model, layers, first=first, last=last)
         self.config = model.config
-        self.first = first
-        self.last = last
-        self.model = _Body()
-        if first:
-            self.model.embed_tokens = model.model.embed_tokens
-        self.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in layers})
         self.model.rotary_emb = model.model.rotary_emb
-        if last:
-            self.model.norm = model.model.norm
-            self.lm_head = model.lm_head
 
     def forward(self, x: Tensor) -> Tensor:
         import torch
