@@ -28,24 +28,13 @@ from tests.conftest import (
     torchrun_command,
 )
 from tests.recipes.test_lm import last_model, make_hf_llama_dir, recipe_args
+from tests.units.test_grpo import TRL_METRICS
 from units.reference import AdapterBaseReference
 
 pytest.importorskip("transformers")
 
 REWARDS = "tests.recipes.grpo_rewards"
-METRICS = {
-    "loss",
-    "reward",
-    "reward_std",
-    "frac_reward_zero_std",
-    "entropy",
-    "clip_ratio/low_mean",
-    "clip_ratio/high_mean",
-    "clip_ratio/region_mean",
-    "completions/mean_length",
-    "completions/clipped_ratio",
-    "rewards/says_answer/mean",
-}
+METRICS = {*TRL_METRICS, "rewards/says_answer/mean"}
 
 
 def write_prompts(path: Path, count: int, *, chat: bool = False) -> Path:

@@ -18,6 +18,23 @@ from units.grpo import (
     reduce_token_losses,
 )
 
+TRL_METRICS = frozenset(
+    {
+        "loss",
+        "reward",
+        "reward_std",
+        "frac_reward_zero_std",
+        "entropy",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+    }
+)
+"""What TRL's GRPOTrainer publishes, besides ``kl`` (with ``beta > 0``) and each reward
+function's mean."""
+
 
 def lengths(completions: list[str], **kwargs: Any) -> list[float]:
     return [float(len(c)) for c in completions]

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.units.test_grpo import TRL_METRICS
 from tests.units.test_preference_trl import (
     WORDS,
     assert_same_weights,
@@ -209,16 +210,7 @@ def test_grpo_matches_trl_grpo_trainer(tmp_path: Path, case: str) -> None:
                 compared += 1
     names = {name for step in theirs for name in step if name in ours[0]}
     expected = {
-        "loss",
-        "reward",
-        "reward_std",
-        "frac_reward_zero_std",
-        "entropy",
-        "clip_ratio/low_mean",
-        "clip_ratio/high_mean",
-        "clip_ratio/region_mean",
-        "completions/mean_length",
-        "completions/clipped_ratio",
+        *TRL_METRICS,
         "rewards/count_reward/mean",
         "rewards/answer_reward/mean",
     } | ({"kl"} if options["beta"] > 0 else set())
