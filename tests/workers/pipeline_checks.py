@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from checkpoint import CheckpointManager
@@ -225,9 +226,10 @@ def train(
         progress=False,
         pipeline=pipeline,
     )
-    with count_gradient_syncs(stages) as syncs:
+    counting = options.get("count_syncs", False)
+    with count_gradient_syncs(stages if counting else []) as syncs:
         trainer.run()
-    if options.get("count_syncs", False):
+    if counting:
         per_step = {name: count / trainer.step_nr for name, count in syncs.items()}
         (output_dir / f"grad_syncs_{gangs.root.rank}.json").write_text(json.dumps(per_step))
     if window is not None:
@@ -248,7 +250,7 @@ def count_gradient_syncs(stages: list[nn.Module]) -> Iterator[Counter[str]]:
     counts: Counter[str] = Counter()
     patched = {}
     for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
-        if hasattr(dist, name):
+        if stages and hasattr(dist, name):
             patched[name] = getattr(dist, name)
             setattr(dist, name, _counted(patched[name], counts))
     for stage in stages:
@@ -277,6 +279,8 @@ def _counting_allreduce(counts: Counter[str]) -> Callable[..., Any]:
         counts["all_reduce"] += 1
         return allreduce_hook(group, bucket)
 
+    # DDP checks the annotations themselves, which this module's postponed ones are not.
+    hook.__annotations__ = {"bucket": dist.GradBucket, "return": Future[Tensor]}
     return hook
 
 

@@ -133,8 +133,8 @@ def set_data_parallel_stage(stage: Module, wrapper: Module) -> None:
     """Have :class:`Pipeline` run ``stage`` through ``wrapper``, its DDP over the stage's DP gang
     (:func:`~runtime.parallel.parallelize.parallelize_model` makes it); the rank's part keeps
     the unwrapped modules, so the optimizer and the checkpoints see the whole model's names."""
-    # Not setattr: nn.Module would register the wrapper as a submodule, renaming nothing but
-    # adding its own copy of every name to the stage's state dict.
+    # Not setattr: nn.Module would make the wrapper a submodule of the module it wraps, a
+    # cycle that named_modules and state_dict would walk.
     stage.__dict__[_REPLICA] = wrapper
 
 

@@ -19,6 +19,8 @@ from typing import Any, final
 
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
 
 
 @final
@@ -33,6 +35,16 @@ class SyncOnceStage(PipelineStage):
 
     sync_gradients: bool = True
     """Whether the next ``schedule.step`` is the optimizer step's last micro-batch."""
+
+    def __init__(self, submodule: Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(submodule, *args, **kwargs)
+        if isinstance(submodule, DistributedDataParallel):
+            # torch infers the stages' shapes by calling the module itself, outside no_sync: a
+            # DDP forward there arms its reducer, and the next backward, a microbatch's that
+            # should accumulate, would all-reduce (and, once per run, leave DDP's bucket
+            # rebuild twice the parameters: an internal assert at the next forward). Forwards
+            # never arm it so; the backward torch marks last arms it itself.
+            submodule.require_backward_grad_sync = False
 
     def backward_maybe_with_nosync(
         self, backward_type: Any, bwd_kwargs: dict[str, Any], last_backward: bool = False
