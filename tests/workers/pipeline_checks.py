@@ -6,8 +6,10 @@ Usage: ``torchrun --nproc-per-node 2 tests/workers/pipeline_checks.py OUT [two [
 resumed from its step 2 at PP=2 too, and so (``two`` only) is the PP=2 run ``resume``. Each run
 of :data:`RUNS` (:data:`FOUR_PROCESS_RUNS`) trains under ``pp_size=2`` into ``OUT/NAME``
 (metrics, checkpoints), and the first DP and TP rank of each stage saves its part's whole
-weights to ``OUT/NAME/part_{pp_rank}.pt``. :func:`train` is also the one-process
-reference the tests compare with (``pp_size`` 1).
+weights to ``OUT/NAME/part_{pp_rank}.pt``. ``four`` also runs :data:`SYNC_COUNT_RUNS`, which
+count each rank's DP gradient syncs (:func:`count_gradient_syncs`), and tries DDP under ZBV,
+whose one-line refusal each rank writes to ``OUT/zbv_ddp_{rank}.txt``. :func:`train` is also the
+one-process reference the tests compare with (``pp_size`` 1).
 """
 
 from __future__ import annotations

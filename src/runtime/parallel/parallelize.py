@@ -46,7 +46,8 @@ def parallelize_model(
     4. this rank's shards are allocated on ``gangs.root.device`` and initialized from ``seed``
        (:func:`materialize_model`, with ``init_fn``); parameters that several modules share,
        such as tied input and output embeddings, stay one parameter;
-    5. with ``kind="ddp"``, DDP wraps the model, unless no parameter requires a gradient;
+    5. with ``kind="ddp"``, DDP wraps the model (each pipeline stage), unless no parameter
+       requires a gradient;
     6. with ``compile``, each block is compiled (:func:`compile_blocks`).
 
     ``expert_params`` (already sharded over the EP gang) are left alone by DDP and FSDP2.
