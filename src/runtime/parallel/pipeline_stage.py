@@ -28,9 +28,10 @@ class SyncOnceStage(PipelineStage):
     """``PipelineStage`` that syncs its DP gradients only in a ``schedule.step`` run with
     :attr:`sync_gradients` (see the module docstring).
 
-    Where the installed torch calls neither public method (an older one, whose schedules call a
-    private post-backward instead), FSDP2 syncs at every ``schedule.step`` as before: the same
-    gradients, more communication. :data:`SYNCS_ONCE_WITH_FSDP` says which.
+    Where the installed torch's schedules reduce FSDP2's gradients in a private post-backward
+    rather than ``perform_reduce_grad`` (an older torch), FSDP2 syncs at every
+    ``schedule.step`` as before: the same gradients, more communication.
+    :data:`SYNCS_ONCE_WITH_FSDP` says which.
     """
 
     sync_gradients: bool = True
@@ -41,9 +42,9 @@ class SyncOnceStage(PipelineStage):
         if isinstance(submodule, DistributedDataParallel):
             # torch infers the stages' shapes by calling the module itself, outside no_sync: a
             # DDP forward there arms its reducer, and the next backward, a microbatch's that
-            # should accumulate, would all-reduce (and, once per run, leave DDP's bucket
-            # rebuild twice the parameters: an internal assert at the next forward). Forwards
-            # never arm it so; the backward torch marks last arms it itself.
+            # should accumulate, would all-reduce (and DDP's first bucket rebuild would count
+            # the parameters twice: an internal assert at a later forward). So no forward
+            # arms it; the backward torch marks last arms it itself.
             submodule.require_backward_grad_sync = False
 
     def backward_maybe_with_nosync(
