@@ -92,11 +92,6 @@ class CharLMConfig:
         check_not_negative("optimizer.warmup_steps", self.optimizer.warmup_steps)
         check_positive("gang.pp_size", self.gang.pp_size)
         if self.gang.pp_size > 1:
-            if self.data_parallel == "hsdp" or self.gang.dp_shard_size is not None:
-                raise ValueError(
-                    f"gang.pp_size ({self.gang.pp_size}) with HSDP (gang.dp_shard_size) is not "
-                    "built yet. Use data_parallel=fsdp (or auto) across a stage's DP ranks."
-                )
             self.pipeline.check(self.gang.pp_size, self.data.batch_size)
         check_not_negative("data.max_train_bytes", self.data.max_train_bytes)
         check_not_negative("data.max_valid_bytes", self.data.max_valid_bytes)

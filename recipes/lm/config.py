@@ -221,11 +221,6 @@ class LMConfig:
                 f"the task is {self.task}{' with lora.rank' if self.lora.rank else ''}. Use "
                 "gang.pp_size=1 for it."
             )
-        if self.data_parallel == "hsdp" or self.gang.dp_shard_size is not None:
-            raise ValueError(
-                f"gang.pp_size ({pp_size}) with HSDP (gang.dp_shard_size) is not built yet. Use "
-                "data_parallel=fsdp (or auto) across the DP ranks of a stage."
-            )
         self.pipeline.check(pp_size, self.data.batch_size)
         num_layers = self._num_layers()
         if num_layers is not None:

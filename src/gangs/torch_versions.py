@@ -8,9 +8,11 @@ the tests run both on one torch version:
 
 - ``TRAINKIT_TORCH_PRIVATE_APIS`` (``private`` or ``public``): the fused gradient kernels of
   :mod:`runtime.training.gradients`, the flattened HSDP mesh of :mod:`gangs.setup`, the default
-  store a collective timeout reports through (:mod:`gangs.gang`), and DDP's setter that leaves
+  store a collective timeout reports through (:mod:`gangs.gang`), DDP's setter that leaves
   sparse embeddings out (:mod:`runtime.parallel.wrapping`; it has no public path, so the
-  public side is a clear error);
+  public side is a clear error), and the flags a pipeline schedule keeps of its inferred
+  shapes, reset for a batch of another shape (:mod:`runtime.parallel.pipeline`; the public side
+  refuses such a batch in one line);
 - ``TRAINKIT_CHECKPOINT_IO`` (``fast`` or ``public``): the DCP internals of
   :mod:`checkpoint.dcp_io`, kept apart because its two paths differ in speed and in what a
   resume reads, which a run may want to choose on its own.

@@ -241,10 +241,43 @@ def test_pipeline_stages_train_as_one_process_does(run_torchrun: RunTorch, tmp_p
         "pipeline.stages_per_rank=2",
     ]
     assert_ok(run_torchrun(2, "-m", "recipes.char_lm", str(piped), "--config", *config, *pipeline))
+    _assert_trains_as(piped, one)
+
+
+def _assert_trains_as(run: Path, reference: Path) -> None:
+    """``run`` records the train losses, gradient norms and the valid set's loss and perplexity
+    of ``reference``, within 1e-5."""
     for name, keys in (("train", ("loss", "grad_norm")), ("valid", ("nll_loss", "perplexity"))):
-        records = read_jsonl(piped / "metrics" / f"{name}.jsonl")
-        expected = read_jsonl(one / "metrics" / f"{name}.jsonl")
+        records = read_jsonl(run / "metrics" / f"{name}.jsonl")
+        expected = read_jsonl(reference / "metrics" / f"{name}.jsonl")
         for key in keys:
             assert [r[key] for r in records] == pytest.approx(
                 [r[key] for r in expected], rel=1e-5
             ), key
+
+
+@pytest.mark.slow
+def test_pipeline_stages_over_hsdp_train_as_one_process_does(
+    run_torchrun: RunTorch, tmp_path: Path
+) -> None:
+    """gang.pp_size=2 over HSDP on 8 processes (each stage's 4 DP ranks: 2 replicas of 2
+    shards, 2 sequences each), 2 micro-batches a step, against one process reading 8 a
+    micro-batch."""
+    config = [
+        *TINY,
+        "model.num_layers=2",
+        "data.num_accumulate=2",
+        "trainer.publish_metrics_every_n_steps=1",
+        "trainer.validate_every_n_steps=3",
+        "trainer.checkpoint_every_n_steps=3",
+        "trainer.max_num_steps=3",
+    ]
+    one, piped = tmp_path / "one", tmp_path / "pp2_hsdp"
+    assert_ok(run_torchrun(1, "-m", "recipes.char_lm", str(one), "--config", *config))
+    layout = ["gang.pp_size=2", "gang.dp_shard_size=2", "data.batch_size=2"]
+    assert_ok(
+        run_torchrun(
+            8, "-m", "recipes.char_lm", str(piped), "--config", *config, *layout, timeout=600
+        )
+    )
+    _assert_trains_as(piped, one)

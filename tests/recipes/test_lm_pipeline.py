@@ -137,25 +137,35 @@ def test_refusals_exit_2_in_one_line(
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "layout",
+    ("nproc", "layout"),
     [
         # data_parallel=auto: FSDP2 over the two DP ranks of each stage, 4 examples each.
-        ("gang.pp_size=2", "data.batch_size=4"),
-        ("gang.pp_size=2", "gang.tp_size=2", "data.batch_size=8"),
+        (4, ("gang.pp_size=2", "data.batch_size=4")),
+        # DDP around each stage, on request.
+        (4, ("gang.pp_size=2", "data_parallel=ddp", "data.batch_size=4")),
+        (4, ("gang.pp_size=2", "gang.tp_size=2", "data.batch_size=8")),
+        # Each stage's 4 DP ranks: 2 replicas of 2 shards, 2 examples each.
+        (8, ("gang.pp_size=2", "gang.dp_shard_size=2", "data.batch_size=2")),
     ],
-    ids=["pp2_fsdp2", "pp2_tp2"],
+    ids=["pp2_fsdp2", "pp2_ddp", "pp2_tp2", "pp2_hsdp"],
 )
-def test_pp2_composes_with_fsdp2_and_tp2_on_four_processes(
-    tmp_path: Path, layout: tuple[str, ...]
+def test_pp2_composes_with_data_and_tensor_parallelism(
+    tmp_path: Path, nproc: int, layout: tuple[str, ...]
 ) -> None:
     config = _config(tmp_path)
     reference, piped = tmp_path / "one", tmp_path / "pp2"
     assert_ok(run_here(reference, *config, "data.batch_size=8"))
-    assert_ok(torchrun(4, *recipe_args(piped, *config, *layout)))
+    assert_ok(torchrun(nproc, *recipe_args(piped, *config, *layout), timeout=600))
     records = read_jsonl(piped / "metrics" / "train.jsonl")
     expected = read_jsonl(reference / "metrics" / "train.jsonl")
     for key in ("loss", "grad_norm", "num_targets"):
         assert [r[key] for r in records] == pytest.approx([r[key] for r in expected], abs=1e-5)
+    # The tolerance of test_pp2_trains_as_one_process_does (AdamW's updates of near-zero
+    # gradients).
+    weights, expected_weights = last_model(piped), last_model(reference)
+    assert weights.keys() == expected_weights.keys()
+    for key, value in weights.items():
+        torch.testing.assert_close(value, expected_weights[key], rtol=0, atol=5e-5, msg=key)
 
 
 def _exported(out: Path, destination: Path) -> dict[str, torch.Tensor]:

@@ -6,28 +6,41 @@ Usage: ``torchrun --nproc-per-node 2 tests/workers/pipeline_checks.py OUT [two [
 resumed from its step 2 at PP=2 too, and so (``two`` only) is the PP=2 run ``resume``. Each run
 of :data:`RUNS` (:data:`FOUR_PROCESS_RUNS`) trains under ``pp_size=2`` into ``OUT/NAME``
 (metrics, checkpoints), and the first DP and TP rank of each stage saves its part's whole
-weights to ``OUT/NAME/part_{pp_rank}.pt``. :func:`train` is also the one-process
-reference the tests compare with (``pp_size`` 1).
+weights to ``OUT/NAME/part_{pp_rank}.pt``. ``four`` also runs :data:`SYNC_COUNT_RUNS`, which
+count each rank's DP gradient syncs (:func:`count_gradient_syncs`), and tries DDP under ZBV,
+whose one-line refusal each rank writes to ``OUT/zbv_ddp_{rank}.txt``. :func:`train` is also the
+one-process reference the tests compare with (``pp_size`` 1).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.futures import Future
+from torch.nn.parallel import DistributedDataParallel
 
 from checkpoint import CheckpointManager
 from gangs import Gangs, setup_parallel_gangs, setup_root_gang
 from models.llama import DecoderLayer, Llama, LlamaArgs, tensor_parallel_plan
 from models.pipeline import split_model
 from runtime import MapDataReader, Trainer, parallelize_model
-from runtime.parallel.pipeline import Pipeline, schedule_available, stage_ids
+from runtime.parallel.pipeline import (
+    Pipeline,
+    data_parallel_stage,
+    schedule_available,
+    stage_ids,
+)
 from tests.sync_detector import LAST, SyncWindow
 from tests.workers.leave import leave
 from units.lm import LMEvalUnit, LMTrainUnit
@@ -68,10 +81,24 @@ NUM_STEPS = 4
 FOUR_PROCESS_RUNS: dict[str, dict[str, Any]] = {
     # pp outermost: ranks 0-1 are stage 0 (a DP or TP pair), ranks 2-3 stage 1.
     "pp2_fsdp2": {"schedule": "1f1b", "num_microbatches": 2, "kind": "fsdp", "batch_size": 2},
+    # DDP around each stage, the part unwrapped; looped stages each their own DDP.
+    "pp2_ddp": {"schedule": "1f1b", "num_microbatches": 2, "kind": "ddp", "batch_size": 2},
+    "pp2_ddp_interleaved": {"schedule": "interleaved_1f1b", "stages_per_rank": 2,
+                            "num_microbatches": 2, "kind": "ddp", "batch_size": 2},
     "pp2_tp2": {"schedule": "interleaved_1f1b", "stages_per_rank": 2, "num_microbatches": 2,
                 "tp_size": 2},
 }  # fmt: skip
 """Runs of ``pipeline_checks.py OUT four`` on four processes (the slow tests)."""
+
+SYNC_COUNT_RUNS: dict[str, dict[str, Any]] = {
+    f"syncs_{kind}_{accumulate}": {"schedule": "1f1b", "num_microbatches": 2, "kind": kind,
+                                   "batch_size": 2, "num_accumulate": accumulate,
+                                   "valid": False, "count_syncs": True, "max_num_steps": 2}
+    for kind in ("ddp", "fsdp")
+    for accumulate in (1, 4)
+}  # fmt: skip
+"""Runs of ``pipeline_checks.py OUT four`` that count the DP gradient syncs of each step
+(``grad_syncs_{rank}.json``: per step, over two steps), with 1 and 4 micro-batches a step."""
 
 EIGHT_PROCESS_RUNS: dict[str, dict[str, Any]] = {
     "pp2_fsdp2_tp2": {"schedule": "1f1b", "num_microbatches": 2, "kind": "fsdp", "batch_size": 2,
@@ -166,7 +193,7 @@ def train(
         batch_size=batch_size,
         collate=collate,
         gang=gangs.dp,
-        num_accumulate=2,
+        num_accumulate=options.get("num_accumulate", 2),
         seed=3,
     )
     valid = options.get("valid", True)
@@ -201,7 +228,12 @@ def train(
         progress=False,
         pipeline=pipeline,
     )
-    trainer.run()
+    counting = options.get("count_syncs", False)
+    with count_gradient_syncs(stages if counting else []) as syncs:
+        trainer.run()
+    if counting:
+        per_step = {name: count / trainer.step_nr for name, count in syncs.items()}
+        (output_dir / f"grad_syncs_{gangs.root.rank}.json").write_text(json.dumps(per_step))
     if window is not None:
         (output_dir / f"syncs_{gangs.root.rank}.json").write_text(json.dumps(window.detector.syncs))
     # Whole tensors of the sharded ones (a collective within the stage's DP or TP gang).
@@ -209,6 +241,49 @@ def train(
         name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
         for name, value in model.state_dict().items()
     }
+
+
+@contextmanager
+def count_gradient_syncs(stages: list[nn.Module]) -> Iterator[Counter[str]]:
+    """Count, while in the block, the DP gradient syncs of this rank's stages: FSDP2's
+    reduce-scatters (the calls of ``torch.distributed``'s reduce-scatter functions, which only
+    FSDP2 makes here) and the all-reduces of each stage's DDP (a comm hook that counts each
+    bucket's all-reduce and makes it as DDP does)."""
+    counts: Counter[str] = Counter()
+    patched = {}
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+        if stages and hasattr(dist, name):
+            patched[name] = getattr(dist, name)
+            setattr(dist, name, _counted(patched[name], counts))
+    for stage in stages:
+        wrapper = data_parallel_stage(stage)
+        if isinstance(wrapper, DistributedDataParallel):
+            wrapper.register_comm_hook(wrapper.process_group, _counting_allreduce(counts))
+    try:
+        yield counts
+    finally:
+        for name, function in patched.items():
+            setattr(dist, name, function)
+
+
+def _counted(function: Callable[..., Any], counts: Counter[str]) -> Callable[..., Any]:
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        counts["reduce_scatter"] += 1
+        return function(*args, **kwargs)
+
+    return counted
+
+
+def _counting_allreduce(counts: Counter[str]) -> Callable[..., Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def hook(group: dist.ProcessGroup, bucket: dist.GradBucket) -> Any:
+        counts["all_reduce"] += 1
+        return allreduce_hook(group, bucket)
+
+    # DDP checks the annotations themselves, which this module's postponed ones are not.
+    hook.__annotations__ = {"bucket": dist.GradBucket, "return": Future[Tensor]}
+    return hook
 
 
 def save_part(gangs: Gangs, run_dir: Path, part: dict[str, Tensor]) -> None:
@@ -221,7 +296,8 @@ def main(output_dir: Path, which: str, one_process_run: Path | None) -> None:
     """The runs of ``which`` (``two`` or ``four``); with ``one_process_run`` (a run of
     :func:`train` on one process), also ``resume_1_to_2``: its step 2 resumed at PP=2."""
     root = setup_root_gang()
-    runs = dict({"two": RUNS, "four": FOUR_PROCESS_RUNS, "eight": EIGHT_PROCESS_RUNS}[which])
+    four = {**FOUR_PROCESS_RUNS, **SYNC_COUNT_RUNS}
+    runs = dict({"two": RUNS, "four": four, "eight": EIGHT_PROCESS_RUNS}[which])
     if one_process_run is not None:
         runs["resume_1_to_2"] = {
             "schedule": "1f1b",
@@ -258,6 +334,12 @@ def main(output_dir: Path, which: str, one_process_run: Path | None) -> None:
             train(gangs, output_dir / "zbv_valid", {**RUNS["zbv"], "valid": True})
         except ValueError as ex:
             (output_dir / f"zbv_valid_{root.rank}.txt").write_text(str(ex))
+    if which == "four" and schedule_available("zbv"):
+        # DDP cannot see the weight gradients of a split backward: refused at start.
+        try:
+            train(gangs, output_dir / "zbv_ddp", {**RUNS["zbv"], "kind": "ddp", "batch_size": 2})
+        except ValueError as ex:
+            (output_dir / f"zbv_ddp_{root.rank}.txt").write_text(str(ex))
     leave(root)
 
 

@@ -13,6 +13,7 @@ from gangs import Gangs
 from runtime.parallel.activation_recompute import apply_activation_checkpointing
 from runtime.parallel.compile import compile_blocks
 from runtime.parallel.materialize import materialize_model
+from runtime.parallel.pipeline import set_data_parallel_stage
 from runtime.parallel.wrapping import DataParallelKind, apply_data_parallel, apply_tensor_parallel
 from trainkit_utils.modules import InitFn
 
@@ -45,21 +46,23 @@ def parallelize_model(
     4. this rank's shards are allocated on ``gangs.root.device`` and initialized from ``seed``
        (:func:`materialize_model`, with ``init_fn``); parameters that several modules share,
        such as tied input and output embeddings, stay one parameter;
-    5. with ``kind="ddp"``, DDP wraps the model, unless no parameter requires a gradient;
+    5. with ``kind="ddp"``, DDP wraps the model (each pipeline stage), unless no parameter
+       requires a gradient;
     6. with ``compile``, each block is compiled (:func:`compile_blocks`).
 
     ``expert_params`` (already sharded over the EP gang) are left alone by DDP and FSDP2.
 
     ``pipeline_stages``: ``model`` is a rank's part of a pipeline (:mod:`models.pipeline`) and
     these are its stages, which share its modules. The TP plan's entries for layers of other
-    ranks are left out, FSDP2 wraps each stage (whose ``forward`` the pipeline calls) rather than
-    the part, and DDP over two or more DP ranks is refused: the pipeline's stages sync FSDP2's
-    gradients, not DDP's.
+    ranks are left out, and FSDP2 or DDP wraps each stage (whose ``forward`` the pipeline calls)
+    rather than the part: the part, which the unit trains and the checkpoints hold, stays
+    unwrapped under DDP too (the pipeline finds each stage's wrapper:
+    :func:`~runtime.parallel.pipeline.data_parallel_stage`).
 
-    Returns the model to train: the DDP wrapper under DDP, else ``model`` itself.
+    Returns the model to train: the DDP wrapper under DDP (but of a pipeline's part), else
+    ``model`` itself.
     """
     if pipeline_stages:
-        _check_pipeline_layout(kind, gangs)
         names = {name for name, _ in model.named_modules()}
         tp_plan = {name: style for name, style in (tp_plan or {}).items() if name in names}
     model = apply_tensor_parallel(model, gangs, tp_plan or {})
@@ -84,16 +87,24 @@ def parallelize_model(
     materialize_model(model, device=gangs.root.device, seed=seed, init_fn=init_fn)
     # A frozen model (a reference to compare against) has no gradient to synchronize: DDP,
     # which would refuse it, leaves it whole on each rank.
-    if kind == "ddp" and any(param.requires_grad for param in model.parameters()):
+    if kind == "ddp" and pipeline_stages:
+        _replicate_stages(pipeline_stages, gangs, expert_params)
+    elif kind == "ddp" and any(param.requires_grad for param in model.parameters()):
         model = apply_data_parallel(model, gangs, kind="ddp", expert_params=expert_params)
     if compile:
         compile_blocks(model, block_types=block_types)
     return model
 
 
-def _check_pipeline_layout(kind: DataParallelKind, gangs: Gangs) -> None:
-    if kind == "ddp" and gangs.dp.size > 1:
-        raise ValueError(
-            f"Pipeline stages over a DP gang of {gangs.dp.size} shard with FSDP2 or HSDP, not "
-            "DDP. Use data_parallel=fsdp (kind='fsdp')."
-        )
+def _replicate_stages(
+    stages: Sequence[Module], gangs: Gangs, expert_params: Collection[Parameter]
+) -> None:
+    """DDP over the DP gang around each stage that trains a weight, for the pipeline to run
+    (:func:`~runtime.parallel.pipeline.set_data_parallel_stage`): torch's pipeline stages drive
+    DDP's ``no_sync`` and its last backward themselves. The part stays unwrapped."""
+    for stage in stages:
+        if not any(param.requires_grad for param in stage.parameters()):
+            continue
+        wrapper = apply_data_parallel(stage, gangs, kind="ddp", expert_params=expert_params)
+        if wrapper is not stage:
+            set_data_parallel_stage(stage, wrapper)

@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from gangs import Gangs, ProcessGroupGang
+from gangs.torch_versions import private_apis_refused, private_apis_supported
 from units.pipeline import StageInputs
 
 PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]
@@ -123,6 +124,41 @@ def _schedule_class(schedule: str) -> Any:
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
+_REPLICA: Final = "_pipeline_data_parallel_wrapper"
+"""The attribute of a stage that holds its DDP wrapper, kept out of the stage's submodules so
+that the stage's (and the part's) names stay the whole model's."""
+
+
+def set_data_parallel_stage(stage: Module, wrapper: Module) -> None:
+    """Have :class:`Pipeline` run ``stage`` through ``wrapper``, its DDP over the stage's DP gang
+    (:func:`~runtime.parallel.parallelize.parallelize_model` makes it); the rank's part keeps
+    the unwrapped modules, so the optimizer and the checkpoints see the whole model's names."""
+    # Not setattr: nn.Module would make the wrapper a submodule of the module it wraps, a
+    # cycle that named_modules and state_dict would walk.
+    stage.__dict__[_REPLICA] = wrapper
+
+
+def data_parallel_stage(stage: Module) -> Module:
+    """The module the pipeline runs for ``stage``: its DDP wrapper if it has one, else itself
+    (sharded in place by FSDP2, or alone on its DP gang)."""
+    wrapper = stage.__dict__.get(_REPLICA, stage)
+    assert isinstance(wrapper, Module)
+    return wrapper
+
+
+def _check_replicated_stages(schedule: str, modules: Sequence[Module]) -> None:
+    """Refuse DDP stages under the schedules that split the backward: their weight gradients
+    are computed apart (``autograd.grad``) and never reach DDP's hooks, so DP ranks would drift
+    apart."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if schedule in _V_SHAPED and any(isinstance(m, DistributedDataParallel) for m in modules):
+        raise ValueError(
+            f"pipeline.schedule={schedule} computes weight gradients apart from the backward, "
+            "which DDP cannot all-reduce over the DP ranks of a stage. Use data_parallel=fsdp "
+            "(kind='fsdp'), or pipeline.schedule=1f1b or interleaved_1f1b."
+        )
+
 
 @final
 class Pipeline:
@@ -144,7 +180,7 @@ class Pipeline:
         schedule: str,
         num_microbatches: int,
     ) -> None:
-        from torch.distributed.pipelining import PipelineStage
+        from runtime.parallel.pipeline_stage import SyncOnceStage
 
         pp = gangs.pp
         if not isinstance(pp, ProcessGroupGang):
@@ -175,9 +211,11 @@ class Pipeline:
         self._loss_fn: LossFn | None = None
         self._shapes: object = None
         group = pp.as_process_group()
+        modules = [data_parallel_stage(module) for module in stages]
+        _check_replicated_stages(schedule, modules)
         self._stages = [
-            PipelineStage(module, stage_id, self.num_stages, gangs.root.device, group=group)
-            for module, stage_id in zip(stages, ids, strict=True)
+            SyncOnceStage(module, stage_id, self.num_stages, gangs.root.device, group=group)
+            for module, stage_id in zip(modules, ids, strict=True)
         ]
         cls = _schedule_class(schedule)
         first = self._stages if schedule not in _SINGLE else self._stages[0]
@@ -194,9 +232,17 @@ class Pipeline:
         assert self._loss_fn is not None, "Pipeline.step sets the loss"
         return self._loss_fn(output, target)
 
-    def step(self, inputs: StageInputs, loss_fn: LossFn) -> Tensor | None:
+    def step(
+        self, inputs: StageInputs, loss_fn: LossFn, *, sync_gradients: bool = True
+    ) -> Tensor | None:
         """Forward and backward of one batch; on the rank of the last stage, the sum of the
-        microbatches' losses (detached), None elsewhere."""
+        microbatches' losses (detached), None elsewhere.
+
+        ``sync_gradients``: whether the stages' DP gradients (DDP's, FSDP2's) are synced at its
+        end. Under gradient accumulation only the step's last micro-batch syncs them; the
+        others add to the unsynced gradients (see :mod:`runtime.parallel.pipeline_stage`)."""
+        for stage in self._stages:
+            stage.sync_gradients = sync_gradients
         return self._run(inputs, loss_fn, self._schedule.step)
 
     def check_evaluates(self) -> None:
@@ -267,18 +313,26 @@ class Pipeline:
     def _forget_shapes(self, shapes: object) -> None:
         """Make the stages infer their activations' shapes again at the next batch (its shape
         differs: a shorter last batch, or a valid set's). torch infers them once, at the first
-        batch; the flags it keeps are private, so a torch without them refuses the change."""
+        batch, and keeps private flags of it: they are reset only where the private APIs are
+        used (:mod:`gangs.torch_versions`) and the schedule has them; elsewhere the change is
+        refused."""
         schedule = self._schedule
         flags = (
             ("_stage_forward_initialized", "_stage_backward_initialized")
             if hasattr(schedule, "_stage_forward_initialized")
             else ("_stages_forward_initialized", "_stages_backward_initialized")
         )
-        if not all(hasattr(schedule, flag) for flag in flags):
+        private = private_apis_supported()
+        if not private or not all(hasattr(schedule, flag) for flag in flags):
+            why = (
+                f"its flags of them are private, {private_apis_refused()}"
+                if not private
+                else f"torch {torch.__version__} has no flags of them"
+            )
             raise ValueError(
                 f"The batch's shapes {shapes} differ from the last batch's {self._shapes}, and "
-                f"torch {torch.__version__}'s pipeline cannot change them. Give batches of one "
-                "shape (drop the last partial batch)."
+                f"torch's pipeline cannot change them ({why}). Give batches of one shape (drop "
+                "the last partial batch)."
             )
         for flag in flags:
             setattr(schedule, flag, False)

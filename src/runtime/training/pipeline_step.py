@@ -71,7 +71,8 @@ class PipelineTrainStep(TrainStep[BatchT]):
         num_targets = 0
         num_examples = 0
         sums: list[Tensor] = []
-        for batch in batches:
+        last = len(batches) - 1
+        for index, batch in enumerate(batches):
             inputs = unit.stage_inputs(batch)
             if inputs.num_targets is None:
                 # A mean per pipeline microbatch, summed over them, would weigh each batch by
@@ -85,7 +86,8 @@ class PipelineTrainStep(TrainStep[BatchT]):
             num_examples += _num_examples(batch)
             # The schedule interleaves the microbatches' forwards and backwards: one range.
             with self._range(FORWARD), self.autocast():
-                total = self._pipeline.step(inputs, loss_fn)
+                # DP gradient sync waits for the last micro-batch, as without a pipeline.
+                total = self._pipeline.step(inputs, loss_fn, sync_gradients=index == last)
             if total is not None:
                 sums.append(total / scale if scale != 1.0 else total)
         losses = self._broadcast_losses(sums, len(batches))

@@ -1,11 +1,13 @@
 """Pipeline parallelism: the split, the refusals, and PP=2 on two processes against one process
 (tests/workers/pipeline_checks.py): losses, clipped gradient norms, validation and final
 weights within 1e-5, with gradient accumulation and uneven valid sets; resumes from PP=2 to 1
-and from 1 to 2 (reshard_on_resume); no host sync; and, slow, PP=2 x FSDP2 and PP=2 x TP=2 on 4
-processes, PP=2 x FSDP2 x TP=2 on 8."""
+and from 1 to 2 (reshard_on_resume); no host sync; the shape flags of torch's schedules behind the private-API switch; and, slow,
+PP=2 x FSDP2, PP=2 x DDP and PP=2 x TP=2 on 4 processes (with the DP gradient syncs of a step
+counted: one per step whatever the accumulation), PP=2 x FSDP2 x TP=2 on 8."""
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -16,8 +18,10 @@ import torch
 from torch import Tensor
 
 from gangs import FakeGang, Gangs, GangSizeError, setup_parallel_gangs
+from gangs.torch_versions import PRIVATE_APIS_ENV_VAR
 from models.pipeline import LlamaStage, split_layers, split_model
-from runtime.parallel.pipeline import check_pipeline, schedule_available, stage_ids
+from runtime.parallel.pipeline import Pipeline, check_pipeline, schedule_available, stage_ids
+from runtime.parallel.pipeline_stage import SYNCS_ONCE_WITH_FSDP
 from runtime.training.pipeline_step import pipeline_unit
 from tests.conftest import assert_ok, read_jsonl, torchrun
 from tests.workers import pipeline_checks
@@ -288,8 +292,8 @@ def test_tied_embeddings_need_the_first_and_last_stages_on_one_rank() -> None:
 @pytest.fixture(scope="module")
 def many_process_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
     """``runs(nproc)``: the directory of one launch of pipeline_checks on 4 processes (PP=2 x
-    FSDP2 over DP=2, and PP=2 x TP=2 with two stages a rank) or 8 (PP=2 x FSDP2 x TP=2), each
-    made once."""
+    FSDP2 and x DDP over DP=2, PP=2 x TP=2 with two stages a rank, and the runs that count
+    gradient syncs) or 8 (PP=2 x FSDP2 x TP=2), each made once."""
     outs: dict[int, Path] = {}
 
     def runs(nproc: int) -> Path:
@@ -328,3 +332,100 @@ def test_pp2_with_fsdp2_and_tp2_equals_one_process(
     assert weights.keys() == expected.keys()
     for key, value in weights.items():
         torch.testing.assert_close(value, expected[key], rtol=0, atol=TOLERANCE, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("kind", "collective"), [("ddp", "all_reduce"), ("fsdp", "reduce_scatter")]
+)
+def test_dp_gradients_sync_once_per_step_whatever_the_accumulation(
+    many_process_runs: Callable[[int], Path], kind: str, collective: str
+) -> None:
+    """PP=2 over DP=2: the all-reduces of each stage's DDP, or FSDP2's reduce-scatters, per
+    optimizer step are as many with 4 micro-batches a step as with 1 (torch alone syncs at the
+    end of every micro-batch's schedule.step). The runs with accumulation above hold the math."""
+    if kind == "fsdp" and not SYNCS_ONCE_WITH_FSDP:
+        pytest.skip(f"torch {torch.__version__} reduces FSDP2's gradients in a private method")
+    out = many_process_runs(4)
+    for rank in range(4):
+        one, four = (
+            json.loads((out / f"syncs_{kind}_{n}" / f"grad_syncs_{rank}.json").read_text())
+            for n in (1, 4)
+        )
+        # FSDP2: one per shard unit of the stage (its two layers and the stage); DDP: one bucket.
+        assert one == {collective: 3.0 if kind == "fsdp" else 1.0}, (rank, one)
+        assert four == one, (rank, four)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ddp_under_a_v_shaped_schedule_is_refused_in_one_line(
+    many_process_runs: Callable[[int], Path],
+) -> None:
+    if not schedule_available("zbv"):
+        pytest.skip(f"torch {torch.__version__} has no zbv schedule")
+    for rank in range(4):
+        message = (many_process_runs(4) / f"zbv_ddp_{rank}.txt").read_text()
+        assert message.startswith("pipeline.schedule=zbv computes weight gradients apart"), message
+        assert "Use data_parallel=fsdp" in message and "\n" not in message
+
+
+class _Schedule:
+    """A schedule's shape flags as torch keeps them (``ScheduleGPipe``'s), or none."""
+
+    def __init__(self, *, flags: bool) -> None:
+        if flags:
+            self._stage_forward_initialized = True
+            self._stage_backward_initialized = True
+
+
+def _pipeline_over(schedule: _Schedule) -> Pipeline:
+    pipeline = Pipeline.__new__(Pipeline)
+    pipeline._schedule = schedule
+    pipeline._shapes = ((torch.Size([4, 8]),), (), torch.Size([4, 8]))
+    return pipeline
+
+
+@pytest.mark.parametrize(
+    ("private_apis", "flags", "message"),
+    [
+        ("private", True, None),
+        ("public", True, "its flags of them are private, used only on torch >=2.11"),
+        ("private", False, f"torch {torch.__version__} has no flags of them"),
+    ],
+)
+def test_a_batch_of_new_shapes_resets_the_private_flags_or_is_refused(
+    monkeypatch: pytest.MonkeyPatch, private_apis: str, flags: bool, message: str | None
+) -> None:
+    """A shorter batch makes the stages infer their shapes again through torch's private
+    flags, only where gangs.torch_versions allows private APIs and the schedule has them;
+    else it is refused in one line (a torch whose schedules lack the flags: the stand-in)."""
+    monkeypatch.setenv(PRIVATE_APIS_ENV_VAR, private_apis)
+    schedule = _Schedule(flags=flags)
+    pipeline = _pipeline_over(schedule)
+    shorter = ((torch.Size([2, 8]),), (), torch.Size([2, 8]))
+    if message is None:
+        pipeline._forget_shapes(shorter)
+        assert vars(schedule) == {
+            "_stage_forward_initialized": False,
+            "_stage_backward_initialized": False,
+        }
+        return
+    with pytest.raises(ValueError, match="differ from the last batch's") as info:
+        pipeline._forget_shapes(shorter)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert "Give batches of one shape" in str(info.value)
+    assert vars(schedule) == ({} if not flags else dict.fromkeys(vars(schedule), True))
+
+
+def test_torch_schedules_keep_the_shape_flags_the_pipeline_resets() -> None:
+    """The installed torch's schedules still have the private flags (else the fallback above
+    is what runs)."""
+    from torch.distributed.pipelining import schedules
+
+    for cls, prefix in ((schedules.PipelineScheduleSingle, "_stage"),
+                        (schedules.PipelineScheduleMulti, "_stages")):  # fmt: skip
+        source = inspect.getsource(cls.__init__)
+        for flag in (f"{prefix}_forward_initialized", f"{prefix}_backward_initialized"):
+            assert f"self.{flag} = False" in source, (cls, flag)
