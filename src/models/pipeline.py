@@ -22,6 +22,7 @@ from typing import Any, final
 from torch import Tensor, nn
 
 from models.llama import Llama, LlamaArgs, rotary_and_mask
+from trainkit_utils.modules import record_split_ties
 
 
 def split_layers(
@@ -169,21 +170,29 @@ def split_by_layers(
 ) -> tuple[list[nn.Module], nn.Module]:
     """:func:`split_model` for a model of your own: ``make_stage`` builds the module of the given
     layers (and of the embeddings with ``first``, the head with ``last``) under ``model``'s
-    names. ``tied``: the model ties its input and output embeddings, so its first and last stages
-    must be on one rank."""
+    names. ``tied``: the model ties its input and output embeddings (one parameter that the
+    first and the last stages hold). Where those stages are on different ranks each holds a
+    copy, which :class:`~runtime.parallel.pipeline.Pipeline` keeps equal: the part records the
+    whole model's ties (:func:`~trainkit_utils.modules.split_ties`)."""
     layers = split_layers(num_layers, num_stages, split)
     last = num_stages - 1
-    if tied and (0 in stage_ids) != (last in stage_ids):
-        raise ValueError(
-            "The model ties its input and output embeddings, which the first and the last "
-            "pipeline stages hold: they must be on one rank. Use pipeline.schedule=zbv or "
-            "dualpipev (V-shaped: both on the first rank), or a model without tied embeddings."
-        )
     stages = [make_stage(model, layers[s], s == 0, s == last) for s in stage_ids]
     if len(stages) == 1:
-        return stages, stages[0]
-    owned = sorted(i for s in stage_ids for i in layers[s])
-    return stages, make_stage(model, owned, 0 in stage_ids, last in stage_ids)
+        part = stages[0]
+    else:
+        owned = sorted(i for s in stage_ids for i in layers[s])
+        part = make_stage(model, owned, 0 in stage_ids, last in stage_ids)
+    if tied:
+        record_split_ties(part, _ties(model))
+    return stages, part
+
+
+def _ties(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter that several of ``model``'s modules hold."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [tie for tie in names.values() if len(tie) > 1]
 
 
 def _is_hf_decoder(model: nn.Module) -> bool:

@@ -12,13 +12,14 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, Final, Literal, final
+from typing import Any, Final, Literal, cast, final
 
 import torch
 from torch import Tensor
 from torch.nn import Module
 
 from gangs import Gangs, ProcessGroupGang
+from runtime.parallel.pipeline_ties import StageTies
 from units.pipeline import StageInputs
 
 PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]
@@ -144,8 +145,6 @@ class Pipeline:
         schedule: str,
         num_microbatches: int,
     ) -> None:
-        from torch.distributed.pipelining import PipelineStage
-
         pp = gangs.pp
         if not isinstance(pp, ProcessGroupGang):
             raise ValueError("A pipeline needs a PP gang of two or more processes (pp_size).")
@@ -174,9 +173,12 @@ class Pipeline:
         """The PP rank of the last stage, which holds the losses."""
         self._loss_fn: LossFn | None = None
         self._shapes: object = None
+        self.ties = StageTies(part=part, gangs=gangs, last_stage_rank=self.last_stage_rank)
+        """The copies of tied weights whose holders are this stage and one on another rank."""
         group = pp.as_process_group()
+        stage_type = _stage_type()
         self._stages = [
-            PipelineStage(module, stage_id, self.num_stages, gangs.root.device, group=group)
+            stage_type(module, stage_id, self.num_stages, gangs.root.device, group=group)
             for module, stage_id in zip(stages, ids, strict=True)
         ]
         cls = _schedule_class(schedule)
@@ -199,23 +201,13 @@ class Pipeline:
         microbatches' losses (detached), None elsewhere."""
         return self._run(inputs, loss_fn, self._schedule.step)
 
-    def check_evaluates(self) -> None:
-        """Refuse validation where :meth:`eval` cannot run: torch's V-shaped schedules have no
-        forward-only run."""
-        if self.schedule_name in _V_SHAPED:
-            raise ValueError(
-                f"pipeline.schedule={self.schedule_name} cannot validate: torch's V-shaped "
-                "schedules have no forward-only run. Use 1f1b or interleaved_1f1b, or leave "
-                "out the valid set."
-            )
-
     def eval(self, inputs: StageInputs, loss_fn: LossFn) -> Tensor | None:
         """Forward only; as :meth:`step`."""
-        self.check_evaluates()
         with torch.no_grad():
             return self._run(inputs, loss_fn, self._schedule.eval)
 
     def _run(self, inputs: StageInputs, loss_fn: LossFn, run: Any) -> Tensor | None:
+        self.ties.sync_weights()
         inputs = self._padded(inputs)
         shapes = _shapes(inputs)
         if self._shapes is not None and shapes != self._shapes:
@@ -282,6 +274,31 @@ class Pipeline:
             )
         for flag in flags:
             setattr(schedule, flag, False)
+
+
+def _stage_type() -> type[Any]:
+    """torch's ``PipelineStage``, made to run forward only under the V-shaped schedules too.
+
+    Their forward-only run (``schedule.eval``) still walks the backward actions of the step it
+    was planned for, and where two adjacent stages share a rank it hands the gradient of one
+    stage's input to the other, which a stage without backward refuses. In a forward-only run
+    there is no gradient to hand over: the subclass hands over nothing. With backward, or under
+    the other schedules (no adjacent stages on a rank), it is torch's stage unchanged.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    class _Stage(PipelineStage):
+        def get_local_bwd_output(self, mb_index: int) -> Any:
+            if not self.has_backward:
+                return ()
+            # torch leaves the method untyped.
+            return cast(Any, super()).get_local_bwd_output(mb_index)
+
+        def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+            if self.has_backward:
+                super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+    return _Stage
 
 
 def _shapes(inputs: StageInputs) -> object:

@@ -39,7 +39,7 @@ from models.hf.conversion import (
 )
 from runtime.parallel.materialize import canonical_name, copy_own_slice
 from runtime.parallel.tying import shared_parameters
-from trainkit_utils.modules import unwrap_model
+from trainkit_utils.modules import split_ties, unwrap_model
 
 log = logging.getLogger(__name__)
 
@@ -159,10 +159,13 @@ def load_initial_weights(
 def tied_keys(model: Module) -> list[tuple[str, ...]]:
     """The state-dict keys of ``model`` that name one shared parameter (tied embeddings), by
     group: a source may store such a parameter once, under any of its names."""
-    return [
+    ties = [
         tuple(canonical_name(name) for name in tie.names)
         for tie in shared_parameters(unwrap_model(model))
     ]
+    # A pipeline part may hold one name of a tie whose other holder is on another rank, which
+    # keeps its copy equal to this one: a source that stores the other name sets both.
+    return ties + split_ties(model)
 
 
 def _copy_to_tied(
@@ -176,7 +179,7 @@ def _copy_to_tied(
             if source is None:
                 continue
             for name in names:
-                if name not in loaded:
+                if name not in loaded and name in model_state:
                     _tensor(model_state[name]).copy_(_tensor(model_state[source]))
                     loaded[name] = loaded[source]
 
