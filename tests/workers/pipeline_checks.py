@@ -83,9 +83,11 @@ FOUR_PROCESS_RUNS: dict[str, dict[str, Any]] = {
     "pp2_fsdp2": {"schedule": "1f1b", "num_microbatches": 2, "kind": "fsdp", "batch_size": 2},
     "pp2_tp2": {"schedule": "interleaved_1f1b", "stages_per_rank": 2, "num_microbatches": 2,
                 "tp_size": 2},
-    # Tied embeddings over FSDP2: each stage's copy sharded alike, the local shards summed.
+    # Tied embeddings over FSDP2: each stage's copy sharded alike, the local shards summed;
+    # over TP: the layers' plan leaves both copies whole on each TP rank.
     "pp2_fsdp2_tied": {"schedule": "1f1b", "num_microbatches": 2, "kind": "fsdp",
                        "batch_size": 2, **TIED},
+    "pp2_tp2_tied": {"schedule": "1f1b", "num_microbatches": 2, "tp_size": 2, **TIED},
 }  # fmt: skip
 """Runs of ``pipeline_checks.py OUT four`` on four processes (the slow tests)."""
 
@@ -165,7 +167,7 @@ def train(
         kind=options.get("kind", "ddp"),
         block_types=(DecoderLayer,),
         seed=2,
-        tp_plan=tensor_parallel_plan(whole) if gangs.tp.size > 1 else None,
+        tp_plan=_tp_plan(whole, gangs, shard_head=options.get("shard_head", False)),
         init_fn=whole.init_module,
         pipeline_stages=stages,
     )
@@ -229,6 +231,20 @@ def train(
     }
 
 
+def _tp_plan(whole: Llama, gangs: Gangs, *, shard_head: bool) -> dict[str, Any] | None:
+    """The model's TP plan (its layers'); ``shard_head``: the head's vocabulary split too, and
+    not the embedding's (a tied pair split differently)."""
+    if gangs.tp.size == 1:
+        return None
+    plan: dict[str, Any] = dict(tensor_parallel_plan(whole))
+    if shard_head:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    return plan
+
+
 def save_part(gangs: Gangs, run_dir: Path, part: dict[str, Tensor]) -> None:
     """The first DP and TP rank of each stage saves its part as ``part_{pp_rank}.pt``."""
     if gangs.dp.rank == 0 and gangs.tp.rank == 0:
@@ -276,6 +292,16 @@ def main(output_dir: Path, which: str, one_process_run: Path | None) -> None:
         (output_dir / f"gangs_{gangs.root.rank}.json").write_text(
             json.dumps({"repr": repr(gangs), "pp_rank": gangs.pp.rank, "dp": gangs.dp.size})
         )
+    if which == "four":
+        # A TP plan that splits the head but not the embedding it is tied to: refused at
+        # start, on every rank alike.
+        gangs = setup_parallel_gangs(root, pp_size=2, tp_size=2)
+        try:
+            train(
+                gangs, output_dir / "tied_split_apart", {**runs["pp2_tp2_tied"], "shard_head": True}
+            )
+        except ValueError as ex:
+            (output_dir / f"tied_split_apart_{root.rank}.txt").write_text(str(ex))
     leave(root)
 
 

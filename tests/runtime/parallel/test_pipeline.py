@@ -369,3 +369,17 @@ def test_pp2_with_fsdp2_and_tp2_equals_one_process(
     assert weights.keys() == expected.keys()
     for key, value in weights.items():
         torch.testing.assert_close(value, expected[key], rtol=0, atol=TOLERANCE, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tied_embeddings_split_apart_by_tp_are_refused_in_one_line(
+    many_process_runs: Callable[[int], Path],
+) -> None:
+    """PP=2 x TP=2 with a plan that splits the tied head's vocabulary but not the embedding's:
+    the copies' shards would not sum element by element, so every rank refuses at start."""
+    for rank in range(4):
+        message = (many_process_runs(4) / f"tied_split_apart_{rank}.txt").read_text()
+        assert message.startswith("The tied weights model.embed_tokens.weight, lm_head.weight")
+        assert "give both modules the same tensor-parallel style" in message
+        assert "\n" not in message
