@@ -27,7 +27,7 @@ from checkpoint import CheckpointManager
 from gangs import Gangs, setup_parallel_gangs, setup_root_gang
 from models.llama import DecoderLayer, Llama, LlamaArgs, tensor_parallel_plan
 from models.pipeline import split_model
-from runtime import MapDataReader, Trainer, parallelize_model
+from runtime import MapDataReader, Trainer, load_initial_weights, parallelize_model
 from runtime.parallel.pipeline import Pipeline, schedule_available, stage_ids
 from tests.sync_detector import LAST, SyncWindow
 from tests.workers.leave import leave
@@ -245,6 +245,26 @@ def _tp_plan(whole: Llama, gangs: Gangs, *, shard_head: bool) -> dict[str, Any] 
     return plan
 
 
+def load_tied_source(gangs: Gangs, output_dir: Path) -> None:
+    """Load a file that stores the tied embedding once (``model.embed_tokens.weight``) into each
+    rank's part of the tied model under 1F1B, and save the part as loaded (before any run of
+    the pipeline, which would broadcast the first stage's copy) to ``tied_init_{rank}.pt``."""
+    model = whole_model()
+    model.lm_head.weight = model.model.embed_tokens.weight
+    source = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    path = output_dir / f"tied_source_{gangs.root.rank}.pt"
+    torch.save(source, path)
+    with torch.device("meta"):
+        whole = Llama(ARGS)
+    whole.lm_head.weight = whole.model.embed_tokens.weight
+    _, part = split_model(whole, [gangs.pp.rank], gangs.pp.size)
+    part = parallelize_model(
+        part, gangs, kind="ddp", block_types=(DecoderLayer,), seed=2, init_fn=whole.init_module
+    )
+    load_initial_weights(part, path, gangs=gangs)
+    torch.save(part.state_dict(), output_dir / f"tied_init_{gangs.root.rank}.pt")
+
+
 def save_part(gangs: Gangs, run_dir: Path, part: dict[str, Tensor]) -> None:
     """The first DP and TP rank of each stage saves its part as ``part_{pp_rank}.pt``."""
     if gangs.dp.rank == 0 and gangs.tp.rank == 0:
@@ -292,6 +312,8 @@ def main(output_dir: Path, which: str, one_process_run: Path | None) -> None:
         (output_dir / f"gangs_{gangs.root.rank}.json").write_text(
             json.dumps({"repr": repr(gangs), "pp_rank": gangs.pp.rank, "dp": gangs.dp.size})
         )
+    if which == "two":
+        load_tied_source(gangs, output_dir)
     if which == "four":
         # A TP plan that splits the head but not the embedding it is tied to: refused at
         # start, on every rank alike.

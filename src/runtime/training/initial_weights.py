@@ -156,6 +156,22 @@ def load_initial_weights(
     )
 
 
+def _from_tie_mates(
+    by_model_key: Mapping[str, str], known: set[str], ties: Sequence[tuple[str, ...]]
+) -> dict[str, str]:
+    """The source key that sets a tie the model holds under none of the names the source stores
+    it by: a pipeline part's copy (``lm_head.weight`` on the last stage) of a weight the source
+    stores once (``model.embed_tokens.weight``). A tie the source sets under a name the model
+    holds needs none: :func:`_copy_to_tied` gives its other names the value."""
+    found = {}
+    for names in ties:
+        held = [name for name in names if name in known]
+        stored = [by_model_key[name] for name in names if name in by_model_key]
+        if held and stored and not any(name in by_model_key for name in held):
+            found[held[0]] = stored[0]
+    return found
+
+
 def tied_keys(model: Module) -> list[tuple[str, ...]]:
     """The state-dict keys of ``model`` that name one shared parameter (tied embeddings), by
     group: a source may store such a parameter once, under any of its names."""
@@ -424,6 +440,7 @@ def _match_keys(
     stored_once = {key for names in ties if any(n in by_model_key for n in names) for key in names}
     model_keys = list(model_keys)
     known = set(model_keys)
+    by_model_key.update(_from_tie_mates(by_model_key, known, ties))
     missing = (
         [k for k in model_keys if k not in by_model_key and k not in stored_once and not skipped(k)]
         if whole

@@ -260,6 +260,18 @@ def test_tied_embeddings_resume_across_pipeline_sizes(
 
 
 @pytest.mark.distributed
+def test_a_split_tie_loads_from_the_one_name_a_source_stores(pipeline_runs: Path) -> None:
+    """init_from a file that stores the tied embedding once, as model.embed_tokens.weight: the
+    last stage's copy (lm_head.weight) loads it too, without the pipeline's broadcast."""
+    source = torch.load(pipeline_runs / "tied_source_0.pt", weights_only=True)
+    first, last = (torch.load(pipeline_runs / f"tied_init_{r}.pt") for r in range(2))
+    expected = source["model.embed_tokens.weight"]
+    assert torch.equal(first["model.embed_tokens.weight"], expected)
+    assert torch.equal(last["lm_head.weight"], expected)
+    assert "model.embed_tokens.weight" not in last
+
+
+@pytest.mark.distributed
 def test_gangs_put_pp_outermost(pipeline_runs: Path) -> None:
     reports = [json.loads((pipeline_runs / f"gangs_{r}.json").read_text()) for r in range(2)]
     assert [r["pp_rank"] for r in reports] == [0, 1]
