@@ -88,6 +88,8 @@ FOUR_PROCESS_RUNS: dict[str, dict[str, Any]] = {
     "pp2_fsdp2_tied": {"schedule": "1f1b", "num_microbatches": 2, "kind": "fsdp",
                        "batch_size": 2, **TIED},
     "pp2_tp2_tied": {"schedule": "1f1b", "num_microbatches": 2, "tp_size": 2, **TIED},
+    # PP=4: the first and the last stage's ranks sum the tie's gradients in a group of their own.
+    "pp4_tied": {"schedule": "1f1b", "num_microbatches": 4, "pp_size": 4, **TIED},
 }  # fmt: skip
 """Runs of ``pipeline_checks.py OUT four`` on four processes (the slow tests)."""
 
@@ -301,7 +303,9 @@ def main(output_dir: Path, which: str, one_process_run: Path | None) -> None:
             continue  # the test skips it too
         run_dir = output_dir / name
         run_dir.mkdir(parents=True, exist_ok=True)
-        gangs = setup_parallel_gangs(root, pp_size=2, tp_size=options.get("tp_size", 1))
+        gangs = setup_parallel_gangs(
+            root, pp_size=options.get("pp_size", 2), tp_size=options.get("tp_size", 1)
+        )
         resume_from = options.get("resume_from")
         try:
             part = train(gangs, run_dir, options, resume_from=resume_from and Path(resume_from))

@@ -151,9 +151,13 @@ def pipeline_runs(tmp_path_factory: pytest.TempPathFactory, reference: Reference
 
 
 def _whole_weights(run_dir: Path) -> dict[str, Tensor]:
-    parts = [torch.load(run_dir / f"part_{r}.pt", weights_only=True) for r in range(2)]
-    assert not parts[0].keys() & parts[1].keys(), "each weight lives on one stage"
-    return {**parts[0], **parts[1]}
+    """The weights of every PP rank's part, each of which lives on one rank."""
+    whole: dict[str, Tensor] = {}
+    for path in sorted(run_dir.glob("part_*.pt")):
+        part = torch.load(path, weights_only=True)
+        assert not whole.keys() & part.keys(), "each weight lives on one stage"
+        whole.update(part)
+    return whole
 
 
 def _assert_close_records(actual: Path, expected: Path, keys: tuple[str, ...]) -> None:
@@ -340,8 +344,8 @@ def test_tied_embeddings_split_into_a_copy_per_rank_or_one_weight_on_one() -> No
 @pytest.fixture(scope="module")
 def many_process_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
     """``runs(nproc)``: the directory of one launch of pipeline_checks on 4 processes (PP=2 x
-    FSDP2 over DP=2, and PP=2 x TP=2 with two stages a rank) or 8 (PP=2 x FSDP2 x TP=2), each
-    made once."""
+    FSDP2 over DP=2, and PP=2 x TP=2 with two stages a rank, each also with tied embeddings,
+    and PP=4 with them) or 8 (PP=2 x FSDP2 x TP=2), each made once."""
     outs: dict[int, Path] = {}
 
     def runs(nproc: int) -> Path:
