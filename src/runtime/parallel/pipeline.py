@@ -131,8 +131,9 @@ class Pipeline:
 
     ``stages`` are the modules of ``ids`` (:func:`stage_ids`), ``part`` the rank's module over
     all of them (what the unit trains and the checkpoints hold). :meth:`step` runs one batch
-    forward and backward, :meth:`eval` forward only; the last stage keeps the summed loss of
-    each microbatch.
+    forward and backward, :meth:`eval` forward only (under every schedule); the last stage keeps
+    the summed loss of each microbatch. A tie that the first and the last stage hold on
+    different ranks (tied embeddings) is a copy on each, kept equal by :attr:`ties`.
     """
 
     def __init__(

@@ -44,7 +44,7 @@ class StageTies:
         self._synced = False
         pp = gangs.pp
         ties = split_ties(part)
-        self.is_last = pp.rank == last_stage_rank
+        self._is_last = pp.rank == last_stage_rank
         if not ties or last_stage_rank == 0:
             return
         params = dict(unwrap_model(part).named_parameters(remove_duplicate=False))
@@ -65,7 +65,7 @@ class StageTies:
     def uncounted(self) -> list[Parameter]:
         """The copies the gradient norm leaves out on this rank: the last stage's, so that the
         norm counts each tie once."""
-        return list(self._copies) if self.is_last else []
+        return list(self._copies) if self._is_last else []
 
     def sync_weights(self) -> None:
         """Give the last stage's copies the first stage's values, once, before the first run
