@@ -142,7 +142,6 @@ def split_model(
             "(model.name) and Hugging Face decoders with model.embed_tokens, model.layers, "
             "model.norm and lm_head do. Use gang.pp_size=1."
         )
-    tied = model.get_submodule("lm_head").weight is model.get_submodule("model.embed_tokens").weight
     return split_by_layers(
         model,
         stage_ids,
@@ -150,7 +149,6 @@ def split_model(
         split,
         num_layers=num_layers,
         make_stage=lambda m, layers, first, last: stage_type(m, layers, first=first, last=last),
-        tied=tied,
     )
 
 
@@ -166,14 +164,15 @@ def split_by_layers(
     *,
     num_layers: int,
     make_stage: StageFactory,
-    tied: bool = False,
 ) -> tuple[list[nn.Module], nn.Module]:
     """:func:`split_model` for a model of your own: ``make_stage`` builds the module of the given
     layers (and of the embeddings with ``first``, the head with ``last``) under ``model``'s
-    names. ``tied``: the model ties its input and output embeddings (one parameter that the
-    first and the last stages hold). Where those stages are on different ranks each holds a
-    copy, which :class:`~runtime.parallel.pipeline.Pipeline` keeps equal: the part records the
-    whole model's ties (:func:`~trainkit_utils.modules.split_ties`)."""
+    names.
+
+    Tied weights (one parameter several modules hold, such as tied input and output
+    embeddings) are found by identity: where the first and the last stage hold one on different
+    ranks, each holds a copy, which :class:`~runtime.parallel.pipeline.Pipeline` keeps equal, so
+    the part records the whole model's ties (:func:`~trainkit_utils.modules.split_ties`)."""
     layers = split_layers(num_layers, num_stages, split)
     last = num_stages - 1
     stages = [make_stage(model, layers[s], s == 0, s == last) for s in stage_ids]
@@ -182,8 +181,7 @@ def split_by_layers(
     else:
         owned = sorted(i for s in stage_ids for i in layers[s])
         part = make_stage(model, owned, 0 in stage_ids, last in stage_ids)
-    if tied:
-        record_split_ties(part, _ties(model))
+    record_split_ties(part, _ties(model))
     return stages, part
 
 
