@@ -72,7 +72,14 @@ RUNS: dict[str, dict[str, Any]] = {
     # Saved at step 2 (of 4) for the resume at pp_size 1.
     "tied_resume": {"schedule": "1f1b", "num_microbatches": 2, "max_num_steps": 2, **TIED},
     # No host sync in the steady steps (tests/sync_detector.py): steps 4 to 7, nothing due.
-    "host_sync": {"schedule": "1f1b", "num_microbatches": 2, "valid": False, "host_sync": True},
+    # With tied embeddings: the all-reduce of the tie's gradients reads nothing either.
+    "host_sync": {
+        "schedule": "1f1b",
+        "num_microbatches": 2,
+        "valid": False,
+        "host_sync": True,
+        "tied": True,
+    },
     # Saved at step 2 (of 4) for the resume at pp_size 1.
     "resume": {"schedule": "1f1b", "num_microbatches": 2, "max_num_steps": 2},
 }

@@ -233,7 +233,8 @@ def test_resume_of_pp2_at_pp2(pipeline_runs: Path, reference: Reference) -> None
 
 @pytest.mark.distributed
 def test_a_pipeline_step_makes_no_host_sync(pipeline_runs: Path) -> None:
-    """Steady steps of PP=2 with clipping read nothing off the device, on either stage."""
+    """Steady steps of PP=2 with clipping, and with tied embeddings whose copies sum their
+    gradients, read nothing off the device, on either stage."""
     for rank in range(2):
         syncs = json.loads((pipeline_runs / "host_sync" / f"syncs_{rank}.json").read_text())
         assert syncs == [], syncs
