@@ -37,6 +37,7 @@ from checkpoint.storage import (
     set_state_dicts,
 )
 from gangs import Gang, Gangs, agree
+from trainkit_utils.modules import split_ties
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,8 @@ class CheckpointLoader:
         # What the checkpoint left out keeps the model's own values.
         kept = pop_entries(model_state, manifest.get("excluded", []))
         own_names = [list(group["params"]) for group in optim_state.get("param_groups", [])]
+        aliases = _tie_aliases(model, optim_state)
+        _rename_state(optim_state, aliases)
         rank_file = "rank_0.pt" if resharded else f"rank_{self._root.rank}.pt"
         trainer_file = path / "trainer" / rank_file
         try:
@@ -141,6 +144,7 @@ class CheckpointLoader:
         # The digests: a damaged file (of the right size) has loaded by now; see checkpoint.manifest.
         self.verdict(f"verify the checkpoint of step {step_nr}", check.finish)
         _keep_own_parameter_names(optim_state, own_names)
+        _rename_state(optim_state, {first: held for held, first in aliases.items()})
         set_state_dicts(model, optimizer, {**model_state, **kept}, optim_state)
         log.info("Loaded the checkpoint of step %d from %s.", step_nr, path)
         return LoadedCheckpoint(
@@ -200,6 +204,28 @@ def _raise_if_the_machine_failed(root: Gang, step_nr: int, error: CheckpointErro
             "to an older checkpoint: fix the cause (memory, the installation, the filesystem) "
             "and resume again."
         ) from error
+
+
+def _tie_aliases(model: Module, optim_state: dict[str, Any]) -> dict[str, str]:
+    """The optimizer state names of this rank's copies of tied weights whose first name is
+    another rank's (a pipeline's last stage holds ``lm_head.weight``, the first stage
+    ``model.embed_tokens.weight``), each with that first name. Every checkpoint holds the state
+    under the first name (one process names a tied weight's state by it), and the copies are
+    equal, so a copy reads the state stored under it."""
+    state = optim_state.get("state", {})
+    aliases = {}
+    for names in split_ties(model):
+        held = [name for name in names if name in state]
+        if held and names[0] not in state:
+            aliases[held[0]] = names[0]
+    return aliases
+
+
+def _rename_state(optim_state: dict[str, Any], names: dict[str, str]) -> None:
+    """Move the optimizer state of each key of ``names`` to its value."""
+    state = optim_state.get("state", {})
+    for old, new in names.items():
+        state[new] = state.pop(old)
 
 
 def _keep_own_parameter_names(optim_state: dict[str, Any], own_names: list[list[str]]) -> None:

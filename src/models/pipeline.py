@@ -22,6 +22,7 @@ from typing import Any, final
 from torch import Tensor, nn
 
 from models.llama import Llama, LlamaArgs, rotary_and_mask
+from trainkit_utils.modules import record_split_ties
 
 
 def split_layers(
@@ -141,7 +142,6 @@ def split_model(
             "(model.name) and Hugging Face decoders with model.embed_tokens, model.layers, "
             "model.norm and lm_head do. Use gang.pp_size=1."
         )
-    tied = model.get_submodule("lm_head").weight is model.get_submodule("model.embed_tokens").weight
     return split_by_layers(
         model,
         stage_ids,
@@ -149,7 +149,6 @@ def split_model(
         split,
         num_layers=num_layers,
         make_stage=lambda m, layers, first, last: stage_type(m, layers, first=first, last=last),
-        tied=tied,
     )
 
 
@@ -165,25 +164,33 @@ def split_by_layers(
     *,
     num_layers: int,
     make_stage: StageFactory,
-    tied: bool = False,
 ) -> tuple[list[nn.Module], nn.Module]:
     """:func:`split_model` for a model of your own: ``make_stage`` builds the module of the given
     layers (and of the embeddings with ``first``, the head with ``last``) under ``model``'s
-    names. ``tied``: the model ties its input and output embeddings, so its first and last stages
-    must be on one rank."""
+    names.
+
+    Tied weights (one parameter several modules hold, such as tied input and output
+    embeddings) are found by identity: where the first and the last stage hold one on different
+    ranks, each holds a copy, which :class:`~runtime.parallel.pipeline.Pipeline` keeps equal, so
+    the part records the whole model's ties (:func:`~trainkit_utils.modules.split_ties`)."""
     layers = split_layers(num_layers, num_stages, split)
     last = num_stages - 1
-    if tied and (0 in stage_ids) != (last in stage_ids):
-        raise ValueError(
-            "The model ties its input and output embeddings, which the first and the last "
-            "pipeline stages hold: they must be on one rank. Use pipeline.schedule=zbv or "
-            "dualpipev (V-shaped: both on the first rank), or a model without tied embeddings."
-        )
     stages = [make_stage(model, layers[s], s == 0, s == last) for s in stage_ids]
     if len(stages) == 1:
-        return stages, stages[0]
-    owned = sorted(i for s in stage_ids for i in layers[s])
-    return stages, make_stage(model, owned, 0 in stage_ids, last in stage_ids)
+        part = stages[0]
+    else:
+        owned = sorted(i for s in stage_ids for i in layers[s])
+        part = make_stage(model, owned, 0 in stage_ids, last in stage_ids)
+    record_split_ties(part, _ties(model))
+    return stages, part
+
+
+def _ties(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter that several of ``model``'s modules hold."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [tie for tie in names.values() if len(tie) > 1]
 
 
 def _is_hf_decoder(model: nn.Module) -> bool:

@@ -50,6 +50,14 @@ PIPELINES = {
         "pipeline.stages_per_rank=2",
         "pipeline.split=[0, 1, 1, 0]",
     ),
+    # Tied embeddings with the first stage on rank 0 and the last on rank 1: a copy on each.
+    "qwen2_tied_1f1b": ("pipeline.schedule=1f1b",),
+    "qwen2_tied_interleaved_1f1b": (
+        "pipeline.schedule=interleaved_1f1b",
+        "pipeline.stages_per_rank=2",
+        "pipeline.num_microbatches=2",
+        "pipeline.split=[0, 1, 1, 0]",
+    ),
 }
 
 
@@ -60,15 +68,18 @@ PIPELINES = {
         "llama_debug",
         pytest.param("qwen2", marks=pytest.mark.slow),
         pytest.param("qwen2_tied", marks=pytest.mark.slow),
+        pytest.param("qwen2_tied_1f1b", marks=pytest.mark.slow),
+        pytest.param("qwen2_tied_interleaved_1f1b", marks=pytest.mark.slow),
     ],
 )
 def test_pp2_trains_as_one_process_does(tmp_path: Path, model: str) -> None:
     """The project's Llama from scratch, or a Hugging Face Qwen2 fine-tuned from its directory
-    (each stage loads its own weights), with tied embeddings too; the pipeline run checkpoints
-    its activations."""
+    (each stage loads its own weights), with tied embeddings too (on one rank under ZBV, a copy
+    on each of two ranks under 1F1B and interleaved 1F1B, set from the directory's one tensor);
+    the pipeline run checkpoints its activations."""
     config = _config(tmp_path)
     if model != "llama_debug":
-        tied = model == "qwen2_tied"
+        tied = model.startswith("qwen2_tied")
         model_dir = make_hf_model_dir(
             tmp_path / model, architecture="Qwen2", tie_word_embeddings=tied
         )
@@ -180,16 +191,16 @@ def _exported(out: Path, destination: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("model", ["qwen2", "qwen2_tied"])
+@pytest.mark.parametrize("model", ["qwen2", "qwen2_tied", "qwen2_tied_1f1b"])
 def test_pp2_resumes_bitwise_after_kill_9_and_exports_what_one_process_exports(
     tmp_path: Path, model: str
 ) -> None:
-    """A Hugging Face Qwen2 under PP=2 (1F1B; tied embeddings under ZBV), checkpointed every 2
-    of 6 steps: kill -9 of every process after the first checkpoint, and the rerun ends with
-    exactly the weights of the uninterrupted PP=2 run. Its export holds the keys of the export
-    of the same run in one process, one tensor for the tied embedding, the same weights within
-    the float32 rounding of the microbatches' sums."""
-    tied = model == "qwen2_tied"
+    """A Hugging Face Qwen2 under PP=2 (1F1B; tied embeddings under ZBV, and under 1F1B with a
+    copy on each rank), checkpointed every 2 of 6 steps: kill -9 of every process after the
+    first checkpoint, and the rerun ends with exactly the weights of the uninterrupted PP=2 run.
+    Its export holds the keys of the export of the same run in one process, one tensor for the
+    tied embedding, the same weights within the float32 rounding of the microbatches' sums."""
+    tied = model.startswith("qwen2_tied")
     model_dir = make_hf_model_dir(
         tmp_path / "model", architecture="Qwen2", tie_word_embeddings=tied
     )

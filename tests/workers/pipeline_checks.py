@@ -3,7 +3,8 @@ test_pipeline.py.
 
 Usage: ``torchrun --nproc-per-node 2 tests/workers/pipeline_checks.py OUT [two [ONE_RUN]]``
 (or ``--nproc-per-node 4 ... OUT four``); ``ONE_RUN``, a one-process run of :func:`train`, is
-resumed from its step 2 at PP=2 too, and so (``two`` only) is the PP=2 run ``resume``. Each run
+resumed from its step 2 at PP=2 too, and so is the run ``tied`` beside it (the model with tied
+embeddings), and (``two`` only) the PP=2 run ``resume``. Each run
 of :data:`RUNS` (:data:`FOUR_PROCESS_RUNS`) trains under ``pp_size=2`` into ``OUT/NAME``
 (metrics, checkpoints), and the first DP and TP rank of each stage saves its part's whole
 weights to ``OUT/NAME/part_{pp_rank}.pt``. ``four`` also runs :data:`SYNC_COUNT_RUNS`, which
@@ -34,7 +35,7 @@ from checkpoint import CheckpointManager
 from gangs import Gangs, setup_parallel_gangs, setup_root_gang
 from models.llama import DecoderLayer, Llama, LlamaArgs, tensor_parallel_plan
 from models.pipeline import split_model
-from runtime import MapDataReader, Trainer, parallelize_model
+from runtime import MapDataReader, Trainer, load_initial_weights, parallelize_model
 from runtime.parallel.pipeline import (
     Pipeline,
     data_parallel_stage,
@@ -50,6 +51,9 @@ ARGS = LlamaArgs(
 )
 SEQ_LEN = 8
 
+TIED: dict[str, Any] = {"tied": True, "lr": 0.005}
+"""The options of the runs of a model whose input and output embeddings are one weight."""
+
 RUNS: dict[str, dict[str, Any]] = {
     # Gradient accumulation (2 micro-batches a step, each split into pipeline microbatches),
     # clipping that bites, and a valid set of 18 examples: one process reads 4 batches of 4 and
@@ -63,16 +67,32 @@ RUNS: dict[str, dict[str, Any]] = {
         "num_microbatches": 2,
     },
     "gpipe": {"schedule": "gpipe", "num_microbatches": 2},
-    # torch's V-shaped schedules cannot run forward only: no valid set.
-    "zbv": {"schedule": "zbv", "stages_per_rank": 2, "num_microbatches": 4, "valid": False},
-    "dualpipev": {
-        "schedule": "dualpipev",
+    # The V-shaped schedules validate through the stages' forward-only run too.
+    "zbv": {"schedule": "zbv", "stages_per_rank": 2, "num_microbatches": 4},
+    "dualpipev": {"schedule": "dualpipev", "stages_per_rank": 2, "num_microbatches": 4},
+    # Tied input and output embeddings with the first and the last stage on different ranks:
+    # each holds a copy, which the pipeline keeps equal. AdamW divides each gradient by its own
+    # size, so a gradient near zero turns the float32 rounding of the microbatches' sums into
+    # up to lr x 1e-3 of its update: at lr 0.01 one weight of this model drifts 1.07e-5 from one
+    # process in four steps (the tie itself 5e-7), at TIED["lr"] half that.
+    "tied_1f1b": {"schedule": "1f1b", "num_microbatches": 4, **TIED},
+    "tied_interleaved_1f1b": {
+        "schedule": "interleaved_1f1b",
         "stages_per_rank": 2,
-        "num_microbatches": 4,
-        "valid": False,
+        "num_microbatches": 2,
+        **TIED,
     },
+    # Saved at step 2 (of 4) for the resume at pp_size 1.
+    "tied_resume": {"schedule": "1f1b", "num_microbatches": 2, "max_num_steps": 2, **TIED},
     # No host sync in the steady steps (tests/sync_detector.py): steps 4 to 7, nothing due.
-    "host_sync": {"schedule": "1f1b", "num_microbatches": 2, "valid": False, "host_sync": True},
+    # With tied embeddings: the all-reduce of the tie's gradients reads nothing either.
+    "host_sync": {
+        "schedule": "1f1b",
+        "num_microbatches": 2,
+        "valid": False,
+        "host_sync": True,
+        "tied": True,
+    },
     # Saved at step 2 (of 4) for the resume at pp_size 1.
     "resume": {"schedule": "1f1b", "num_microbatches": 2, "max_num_steps": 2},
 }
@@ -87,6 +107,13 @@ FOUR_PROCESS_RUNS: dict[str, dict[str, Any]] = {
                             "num_microbatches": 2, "kind": "ddp", "batch_size": 2},
     "pp2_tp2": {"schedule": "interleaved_1f1b", "stages_per_rank": 2, "num_microbatches": 2,
                 "tp_size": 2},
+    # Tied embeddings over FSDP2: each stage's copy sharded alike, the local shards summed;
+    # over TP: the layers' plan leaves both copies whole on each TP rank.
+    "pp2_fsdp2_tied": {"schedule": "1f1b", "num_microbatches": 2, "kind": "fsdp",
+                       "batch_size": 2, **TIED},
+    "pp2_tp2_tied": {"schedule": "1f1b", "num_microbatches": 2, "tp_size": 2, **TIED},
+    # PP=4: the first and the last stage's ranks sum the tie's gradients in a group of their own.
+    "pp4_tied": {"schedule": "1f1b", "num_microbatches": 4, "pp_size": 4, **TIED},
 }  # fmt: skip
 """Runs of ``pipeline_checks.py OUT four`` on four processes (the slow tests)."""
 
@@ -159,6 +186,8 @@ def train(
     every layout starts from the same weights."""
     with torch.device("meta"):
         whole = Llama(ARGS)
+    if options.get("tied", False):
+        whole.lm_head.weight = whole.model.embed_tokens.weight
     model: nn.Module = whole
     pipeline, stages = None, []
     if gangs.pp.size > 1:
@@ -174,7 +203,7 @@ def train(
         kind=options.get("kind", "ddp"),
         block_types=(DecoderLayer,),
         seed=2,
-        tp_plan=tensor_parallel_plan(whole) if gangs.tp.size > 1 else None,
+        tp_plan=_tp_plan(whole, gangs, shard_head=options.get("shard_head", False)),
         init_fn=whole.init_module,
         pipeline_stages=stages,
     )
@@ -209,7 +238,7 @@ def train(
         optimizer=(
             torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             if watch
-            else torch.optim.AdamW(model.parameters(), lr=0.01)
+            else torch.optim.AdamW(model.parameters(), lr=options.get("lr", 0.01))
         ),
         checkpoint_manager=CheckpointManager(output_dir / "checkpoints", gangs),
         gangs=gangs,
@@ -286,6 +315,40 @@ def _counting_allreduce(counts: Counter[str]) -> Callable[..., Any]:
     return hook
 
 
+def _tp_plan(whole: Llama, gangs: Gangs, *, shard_head: bool) -> dict[str, Any] | None:
+    """The model's TP plan (its layers'); ``shard_head``: the head's vocabulary split too, and
+    not the embedding's (a tied pair split differently)."""
+    if gangs.tp.size == 1:
+        return None
+    plan: dict[str, Any] = dict(tensor_parallel_plan(whole))
+    if shard_head:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    return plan
+
+
+def load_tied_source(gangs: Gangs, output_dir: Path) -> None:
+    """Load a file that stores the tied embedding once (``model.embed_tokens.weight``) into each
+    rank's part of the tied model under 1F1B, and save the part as loaded (before any run of
+    the pipeline, which would broadcast the first stage's copy) to ``tied_init_{rank}.pt``."""
+    model = whole_model()
+    model.lm_head.weight = model.model.embed_tokens.weight
+    source = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    path = output_dir / f"tied_source_{gangs.root.rank}.pt"
+    torch.save(source, path)
+    with torch.device("meta"):
+        whole = Llama(ARGS)
+    whole.lm_head.weight = whole.model.embed_tokens.weight
+    _, part = split_model(whole, [gangs.pp.rank], gangs.pp.size)
+    part = parallelize_model(
+        part, gangs, kind="ddp", block_types=(DecoderLayer,), seed=2, init_fn=whole.init_module
+    )
+    load_initial_weights(part, path, gangs=gangs)
+    torch.save(part.state_dict(), output_dir / f"tied_init_{gangs.root.rank}.pt")
+
+
 def save_part(gangs: Gangs, run_dir: Path, part: dict[str, Tensor]) -> None:
     """The first DP and TP rank of each stage saves its part as ``part_{pp_rank}.pt``."""
     if gangs.dp.rank == 0 and gangs.tp.rank == 0:
@@ -304,6 +367,12 @@ def main(output_dir: Path, which: str, one_process_run: Path | None) -> None:
             "num_microbatches": 2,
             "resume_from": str(one_process_run / "checkpoints" / "step_2"),
         }
+        # The tied model's one-process run beside it: one weight there, a copy on each rank here.
+        runs["tied_resume_1_to_2"] = {
+            **runs["resume_1_to_2"],
+            **TIED,
+            "resume_from": str(one_process_run.parent / "tied" / "checkpoints" / "step_2"),
+        }
     if which == "two":
         # The PP=2 checkpoint of step 2 resumed at PP=2: each rank's optimizer groups keep
         # their own parameters' names.
@@ -317,7 +386,9 @@ def main(output_dir: Path, which: str, one_process_run: Path | None) -> None:
             continue  # the test skips it too
         run_dir = output_dir / name
         run_dir.mkdir(parents=True, exist_ok=True)
-        gangs = setup_parallel_gangs(root, pp_size=2, tp_size=options.get("tp_size", 1))
+        gangs = setup_parallel_gangs(
+            root, pp_size=options.get("pp_size", 2), tp_size=options.get("tp_size", 1)
+        )
         resume_from = options.get("resume_from")
         try:
             part = train(gangs, run_dir, options, resume_from=resume_from and Path(resume_from))
@@ -328,14 +399,21 @@ def main(output_dir: Path, which: str, one_process_run: Path | None) -> None:
         (output_dir / f"gangs_{gangs.root.rank}.json").write_text(
             json.dumps({"repr": repr(gangs), "pp_rank": gangs.pp.rank, "dp": gangs.dp.size})
         )
-    if which == "two" and schedule_available("zbv"):
-        # Validation under a V-shaped schedule is refused at start, on every rank alike.
+    if which == "two":
+        load_tied_source(gangs, output_dir)
+    if which == "four":
+        # A TP plan that splits the head but not the embedding it is tied to: refused at
+        # start, on every rank alike.
+        gangs = setup_parallel_gangs(root, pp_size=2, tp_size=2)
         try:
-            train(gangs, output_dir / "zbv_valid", {**RUNS["zbv"], "valid": True})
+            train(
+                gangs, output_dir / "tied_split_apart", {**runs["pp2_tp2_tied"], "shard_head": True}
+            )
         except ValueError as ex:
-            (output_dir / f"zbv_valid_{root.rank}.txt").write_text(str(ex))
+            (output_dir / f"tied_split_apart_{root.rank}.txt").write_text(str(ex))
     if which == "four" and schedule_available("zbv"):
         # DDP cannot see the weight gradients of a split backward: refused at start.
+        gangs = setup_parallel_gangs(root, pp_size=2)
         try:
             train(gangs, output_dir / "zbv_ddp", {**RUNS["zbv"], "kind": "ddp", "batch_size": 2})
         except ValueError as ex:

@@ -1,6 +1,7 @@
 """Pipeline parallelism: a rank's stages and the schedule that runs them, over ``Gangs.pp``.
 
-The stages are ``torch.distributed.pipelining.PipelineStage`` and the schedules torch's own
+The stages are torch's ``PipelineStage`` (:class:`~runtime.parallel.pipeline_stage.Stage`: synced
+once per step, forward-only under every schedule) and the schedules torch's own
 (``pipeline.schedule``: :data:`SCHEDULES`), built with ``scale_grads=False``: units return
 SUMMED losses and the Trainer divides the gradients by the step's targets, as without pipeline
 parallelism. How a model splits into stages is the model's (:func:`models.pipeline.split_model`);
@@ -20,6 +21,7 @@ from torch.nn import Module
 
 from gangs import Gangs, ProcessGroupGang
 from gangs.torch_versions import private_apis_refused, private_apis_supported
+from runtime.parallel.pipeline_ties import StageTies
 from units.pipeline import StageInputs
 
 PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]
@@ -166,8 +168,9 @@ class Pipeline:
 
     ``stages`` are the modules of ``ids`` (:func:`stage_ids`), ``part`` the rank's module over
     all of them (what the unit trains and the checkpoints hold). :meth:`step` runs one batch
-    forward and backward, :meth:`eval` forward only; the last stage keeps the summed loss of
-    each microbatch.
+    forward and backward, :meth:`eval` forward only (under every schedule); the last stage keeps
+    the summed loss of each microbatch. A tie that the first and the last stage hold on
+    different ranks (tied embeddings) is a copy on each, kept equal by :attr:`ties`.
     """
 
     def __init__(
@@ -180,7 +183,7 @@ class Pipeline:
         schedule: str,
         num_microbatches: int,
     ) -> None:
-        from runtime.parallel.pipeline_stage import SyncOnceStage
+        from runtime.parallel.pipeline_stage import Stage
 
         pp = gangs.pp
         if not isinstance(pp, ProcessGroupGang):
@@ -210,11 +213,13 @@ class Pipeline:
         """The PP rank of the last stage, which holds the losses."""
         self._loss_fn: LossFn | None = None
         self._shapes: object = None
+        self.ties = StageTies(part=part, gangs=gangs, last_stage_rank=self.last_stage_rank)
+        """The copies of tied weights whose holders are this stage and one on another rank."""
         group = pp.as_process_group()
         modules = [data_parallel_stage(module) for module in stages]
         _check_replicated_stages(schedule, modules)
         self._stages = [
-            SyncOnceStage(module, stage_id, self.num_stages, gangs.root.device, group=group)
+            Stage(module, stage_id, self.num_stages, gangs.root.device, group=group)
             for module, stage_id in zip(modules, ids, strict=True)
         ]
         cls = _schedule_class(schedule)
@@ -245,23 +250,13 @@ class Pipeline:
             stage.sync_gradients = sync_gradients
         return self._run(inputs, loss_fn, self._schedule.step)
 
-    def check_evaluates(self) -> None:
-        """Refuse validation where :meth:`eval` cannot run: torch's V-shaped schedules have no
-        forward-only run."""
-        if self.schedule_name in _V_SHAPED:
-            raise ValueError(
-                f"pipeline.schedule={self.schedule_name} cannot validate: torch's V-shaped "
-                "schedules have no forward-only run. Use 1f1b or interleaved_1f1b, or leave "
-                "out the valid set."
-            )
-
     def eval(self, inputs: StageInputs, loss_fn: LossFn) -> Tensor | None:
         """Forward only; as :meth:`step`."""
-        self.check_evaluates()
         with torch.no_grad():
             return self._run(inputs, loss_fn, self._schedule.eval)
 
     def _run(self, inputs: StageInputs, loss_fn: LossFn, run: Any) -> Tensor | None:
+        self.ties.sync_weights()
         inputs = self._padded(inputs)
         shapes = _shapes(inputs)
         if self._shapes is not None and shapes != self._shapes:

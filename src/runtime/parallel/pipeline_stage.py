@@ -1,21 +1,27 @@
-"""A pipeline stage whose data-parallel gradient sync waits for the optimizer step's last
-micro-batch.
+"""torch's ``PipelineStage`` with two changes: its data-parallel gradient sync waits for the
+optimizer step's last micro-batch, and it runs forward only under the V-shaped schedules too.
 
-torch's ``PipelineStage`` syncs a stage's gradients over its DP gang at the end of every
+**Sync once per step.** torch's ``PipelineStage`` syncs a stage's gradients over its DP gang at the end of every
 ``schedule.step``: DDP all-reduces in the backward of the last pipeline microbatch
 (``backward_maybe_with_nosync`` with ``last_backward``), FSDP2 reduce-scatters in
 ``perform_reduce_grad``. Under gradient accumulation a step runs one ``schedule.step`` per
 micro-batch, so the same sums would cross the network once per micro-batch. With
-:attr:`SyncOnceStage.sync_gradients` false, both public methods leave the gradients to
+:attr:`Stage.sync_gradients` false, both public methods leave the gradients to
 accumulate locally (DDP under ``no_sync``, FSDP2 unsharded, as between the microbatches of one
 ``schedule.step``), and the step's last ``schedule.step`` syncs the sum once.
+
+**Forward only under zbv and dualpipev.** Their forward-only run (``schedule.eval``) still walks
+the backward actions of the step it was planned for, and where two adjacent stages share a rank
+it hands the gradient of one stage's input to the other, which a stage without backward
+refuses. In a forward-only run there is no gradient to hand over: the stage hands over nothing.
+With backward, or under the other schedules (no adjacent stages on a rank), it is torch's.
 
 Imported only with a pipeline: ``torch.distributed.pipelining`` takes a while to import.
 """
 
 from __future__ import annotations
 
-from typing import Any, final
+from typing import Any, cast, final
 
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
@@ -24,9 +30,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 
 @final
-class SyncOnceStage(PipelineStage):
+class Stage(PipelineStage):
     """``PipelineStage`` that syncs its DP gradients only in a ``schedule.step`` run with
-    :attr:`sync_gradients` (see the module docstring).
+    :attr:`sync_gradients`, and runs forward only under every schedule (see the module
+    docstring).
 
     Where the installed torch's schedules reduce FSDP2's gradients in a private post-backward
     rather than ``perform_reduce_grad`` (an older torch), FSDP2 syncs at every
@@ -69,8 +76,18 @@ class SyncOnceStage(PipelineStage):
                 f"(scale_grads=False), but was asked to scale them by {grad_scale_factor}."
             )
 
+    def get_local_bwd_output(self, mb_index: int) -> Any:
+        if not self.has_backward:
+            return ()
+        # torch leaves the method untyped.
+        return cast(Any, super()).get_local_bwd_output(mb_index)
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
 
 SYNCS_ONCE_WITH_FSDP: bool = hasattr(PipelineStage, "perform_reduce_grad")
 """Whether the installed torch's schedules reduce FSDP2's gradients through the public
-``perform_reduce_grad`` that :class:`SyncOnceStage` overrides (else once per ``schedule.step``);
+``perform_reduce_grad`` that :class:`Stage` overrides (else once per ``schedule.step``);
 DDP's ``backward_maybe_with_nosync`` is there on every supported torch."""

@@ -13,7 +13,7 @@ device.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Final, final
 
 import torch
@@ -120,41 +120,60 @@ class Gradients:
     """
 
     def __init__(
-        self, model: Module, *, dp_gang: Gang | None = None, pp_gang: Gang | None = None
+        self,
+        model: Module,
+        *,
+        dp_gang: Gang | None = None,
+        pp_gang: Gang | None = None,
+        uncounted: Collection[Tensor] = (),
     ) -> None:
         self._model = model
+        # Normalized and clipped, but left out of the norm: a pipeline stage's copy of a tied
+        # weight whose other copy, on another rank, counts it.
+        self._uncounted = {id(p) for p in uncounted}
         # Under pipeline parallelism each rank holds other parameters: the norm sums the squares
         # of every stage's (one all-reduce over the PP gang).
         self._pp_gang = pp_gang if pp_gang is not None and pp_gang.size > 1 else None
         self._private = private_apis_supported()
         self._sparse = SparseGradients(dp_gang)
         self._sparse_params: list[Tensor] = []
-        # Each group's parameters, whether the group is plain, and whether its local tensors
-        # take the fused unscale kernel: found on the first step.
-        self._groups: list[tuple[list[torch.nn.Parameter], bool, bool]] | None = None
+        # Each group's parameters, whether the group is plain, whether its local tensors take
+        # the fused unscale kernel, and whether the norm counts it: found on the first step.
+        self._groups: list[tuple[list[torch.nn.Parameter], bool, bool, bool]] | None = None
         self._device: torch.device | None = None
         self._non_finite: Tensor | None = None
         self._inverse: Tensor | None = None
         self._factor = 1.0
 
-    def _grads(self) -> list[tuple[list[Tensor], bool, bool]]:
+    def _grads(self, *, counted_only: bool = False) -> list[tuple[list[Tensor], bool, bool]]:
         """Each group's gradients (groups without any left out), whether the group is plain, and
-        whether its local tensors take the fused unscale kernel."""
+        whether its local tensors take the fused unscale kernel; ``counted_only``: the groups
+        the norm counts."""
         if self._groups is None:
             self._sparse_params = [
                 p for p in sparse_parameters(self._model).values() if p.requires_grad
             ]
-            groups = _parameter_groups(self._model, self._sparse_params)
+            groups = [
+                part
+                for group in _parameter_groups(self._model, self._sparse_params)
+                for counted in (True, False)
+                if (part := [p for p in group if (id(p) not in self._uncounted) == counted])
+            ]
             firsts = [group[0] for group in groups] + self._sparse_params
             self._device = _local(firsts[0]).device if firsts else None
             self._groups = [
-                (group, _is_plain(group), self._private and _is_fusable(group, self._device))
+                (
+                    group,
+                    _is_plain(group),
+                    self._private and _is_fusable(group, self._device),
+                    id(group[0]) not in self._uncounted,
+                )
                 for group in groups
             ]
         grouped = []
-        for group, plain, fused in self._groups:
+        for group, plain, fused, counted in self._groups:
             grads = [grad for p in group if (grad := p.grad) is not None]
-            if grads:
+            if grads and (counted or not counted_only):
                 grouped.append((grads, plain, fused))
         return grouped
 
@@ -206,7 +225,7 @@ class Gradients:
 
         Squares are summed in float64 (see :func:`_group_norm`); only the result is rounded to
         float32, the dtype clipping, the loss scaler and the metrics take."""
-        grouped = self._grads()
+        grouped = self._grads(counted_only=True)
         norms = [_group_norm(grads, self._private and plain) for grads, plain, _ in grouped]
         norms += self._sparse.norms(self._sparse_grads())
         if self._pp_gang is not None:

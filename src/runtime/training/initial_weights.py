@@ -39,7 +39,7 @@ from models.hf.conversion import (
 )
 from runtime.parallel.materialize import canonical_name, copy_own_slice
 from runtime.parallel.tying import shared_parameters
-from trainkit_utils.modules import unwrap_model
+from trainkit_utils.modules import split_ties, unwrap_model
 
 log = logging.getLogger(__name__)
 
@@ -156,13 +156,32 @@ def load_initial_weights(
     )
 
 
+def _from_tie_mates(
+    by_model_key: Mapping[str, str], known: set[str], ties: Sequence[tuple[str, ...]]
+) -> dict[str, str]:
+    """The source key that sets a tie the model holds under none of the names the source stores
+    it by: a pipeline part's copy (``lm_head.weight`` on the last stage) of a weight the source
+    stores once (``model.embed_tokens.weight``). A tie the source sets under a name the model
+    holds needs none: :func:`_copy_to_tied` gives its other names the value."""
+    found = {}
+    for names in ties:
+        held = [name for name in names if name in known]
+        stored = [by_model_key[name] for name in names if name in by_model_key]
+        if held and stored and not any(name in by_model_key for name in held):
+            found[held[0]] = stored[0]
+    return found
+
+
 def tied_keys(model: Module) -> list[tuple[str, ...]]:
     """The state-dict keys of ``model`` that name one shared parameter (tied embeddings), by
     group: a source may store such a parameter once, under any of its names."""
-    return [
+    ties = [
         tuple(canonical_name(name) for name in tie.names)
         for tie in shared_parameters(unwrap_model(model))
     ]
+    # A pipeline part may hold one name of a tie whose other holder is on another rank, which
+    # keeps its copy equal to this one: a source that stores the other name sets both.
+    return ties + split_ties(model)
 
 
 def _copy_to_tied(
@@ -176,7 +195,7 @@ def _copy_to_tied(
             if source is None:
                 continue
             for name in names:
-                if name not in loaded:
+                if name not in loaded and name in model_state:
                     _tensor(model_state[name]).copy_(_tensor(model_state[source]))
                     loaded[name] = loaded[source]
 
@@ -421,6 +440,7 @@ def _match_keys(
     stored_once = {key for names in ties if any(n in by_model_key for n in names) for key in names}
     model_keys = list(model_keys)
     known = set(model_keys)
+    by_model_key.update(_from_tie_mates(by_model_key, known, ties))
     missing = (
         [k for k in model_keys if k not in by_model_key and k not in stored_once and not skipped(k)]
         if whole

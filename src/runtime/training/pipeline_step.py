@@ -23,6 +23,7 @@ from gangs import Gang
 from runtime.errors import TrainerError
 from runtime.metrics.tracing import FORWARD
 from runtime.parallel.pipeline import Pipeline
+from runtime.training.gradients import Gradients
 from runtime.training.step import TrainStep, _num_examples
 from units import EvalUnit, TrainUnit
 from units.pipeline import PIPELINE_UNIT_HINT, PipelineUnit
@@ -57,6 +58,15 @@ class PipelineTrainStep(TrainStep[BatchT]):
         super().__init__(**kwargs)
         self._pipeline = pipeline
         self._pp_gang = kwargs["gangs"].pp
+        uncounted = pipeline.ties.uncounted
+        if uncounted:
+            # The last stage's copy of a tied weight: the first stage's counts the tie once.
+            self._gradients = Gradients(
+                self._model,
+                dp_gang=kwargs["gangs"].dp_sp,
+                pp_gang=self._pp_gang,
+                uncounted=uncounted,
+            )
 
     def _forward_backward(
         self, batches: list[BatchT], step_nr: int, stop_requested: bool, loss_scale: float
@@ -90,6 +100,7 @@ class PipelineTrainStep(TrainStep[BatchT]):
                 total = self._pipeline.step(inputs, loss_fn, sync_gradients=index == last)
             if total is not None:
                 sums.append(total / scale if scale != 1.0 else total)
+        self._pipeline.ties.sum_gradients()
         losses = self._broadcast_losses(sums, len(batches))
         for batch, loss in zip(batches, losses, strict=True):
             unit.record_loss(batch, loss)
@@ -122,7 +133,6 @@ class PipelineEvalUnit(EvalUnit[Any]):
 
     def __init__(self, unit: EvalUnit[Any], pipeline: Pipeline, pp_gang: Gang) -> None:
         super().__init__(pipeline.part, unit.display_name)
-        pipeline.check_evaluates()
         self._unit = unit
         self._pipeline_unit = pipeline_unit(unit, "valid unit")
         self._pipeline = pipeline

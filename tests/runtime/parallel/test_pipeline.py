@@ -1,9 +1,11 @@
 """Pipeline parallelism: the split, the refusals, and PP=2 on two processes against one process
 (tests/workers/pipeline_checks.py): losses, clipped gradient norms, validation and final
-weights within 1e-5, with gradient accumulation and uneven valid sets; resumes from PP=2 to 1
-and from 1 to 2 (reshard_on_resume); no host sync; the shape flags of torch's schedules behind the private-API switch; and, slow,
-PP=2 x FSDP2, PP=2 x DDP and PP=2 x TP=2 on 4 processes (with the DP gradient syncs of a step
-counted: one per step whatever the accumulation), PP=2 x FSDP2 x TP=2 on 8."""
+weights within 1e-5, with gradient accumulation and uneven valid sets, under every schedule and
+with tied embeddings split over two ranks; resumes from PP=2 to 1 and from 1 to 2
+(reshard_on_resume); no host sync; the shape flags of torch's schedules behind the private-API
+switch; and, slow, PP=2 x FSDP2 (also with tied embeddings), PP=2 x DDP and PP=2 x TP=2 on 4
+processes (with the DP gradient syncs of a step counted: one per step whatever the
+accumulation), PP=2 x FSDP2 x TP=2 on 8."""
 
 from __future__ import annotations
 
@@ -25,7 +27,15 @@ from runtime.parallel.pipeline_stage import SYNCS_ONCE_WITH_FSDP
 from runtime.training.pipeline_step import pipeline_unit
 from tests.conftest import assert_ok, read_jsonl, torchrun
 from tests.workers import pipeline_checks
-from tests.workers.pipeline_checks import ARGS, FOUR_PROCESS_RUNS, NUM_STEPS, RUNS
+from tests.workers.pipeline_checks import (
+    ARGS,
+    EIGHT_PROCESS_RUNS,
+    FOUR_PROCESS_RUNS,
+    NUM_STEPS,
+    RUNS,
+    TIED,
+)
+from trainkit_utils.modules import split_ties
 from units import TrainUnit
 from units.lm import LMTrainUnit
 
@@ -123,12 +133,13 @@ Reference = dict[str, tuple[Path, dict[str, Tensor]]]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
-    """The same training on one process, with the valid set and without: its directory and its
-    final weights."""
+    """The same training on one process, with the valid set and without, and with tied
+    embeddings: its directory and its final weights."""
     out = tmp_path_factory.mktemp("pipeline_reference")
+    runs = {"valid": {}, "no_valid": {"valid": False}, "tied": TIED}
     return {
-        name: (out / name, pipeline_checks.train(Gangs.single(), out / name, {"valid": valid}))
-        for name, valid in (("valid", True), ("no_valid", False))
+        name: (out / name, pipeline_checks.train(Gangs.single(), out / name, options))
+        for name, options in runs.items()
     }
 
 
@@ -145,9 +156,13 @@ def pipeline_runs(tmp_path_factory: pytest.TempPathFactory, reference: Reference
 
 
 def _whole_weights(run_dir: Path) -> dict[str, Tensor]:
-    parts = [torch.load(run_dir / f"part_{r}.pt", weights_only=True) for r in range(2)]
-    assert not parts[0].keys() & parts[1].keys(), "each weight lives on one stage"
-    return {**parts[0], **parts[1]}
+    """The weights of every PP rank's part, each of which lives on one rank."""
+    whole: dict[str, Tensor] = {}
+    for path in sorted(run_dir.glob("part_*.pt")):
+        part = torch.load(path, weights_only=True)
+        assert not whole.keys() & part.keys(), "each weight lives on one stage"
+        whole.update(part)
+    return whole
 
 
 def _assert_close_records(actual: Path, expected: Path, keys: tuple[str, ...]) -> None:
@@ -158,13 +173,26 @@ def _assert_close_records(actual: Path, expected: Path, keys: tuple[str, ...]) -
             assert record[key] == pytest.approx(reference[key], rel=0, abs=TOLERANCE), (key, record)
 
 
+def _reference_of(options: dict[str, Any]) -> str:
+    """The one-process run that a run of ``options`` equals."""
+    if options.get("tied", False):
+        return "tied"
+    return "valid" if options.get("valid", True) else "no_valid"
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b", "gpipe", "zbv", "dualpipev"])
+@pytest.mark.parametrize(
+    "name",
+    ["1f1b", "interleaved_1f1b", "gpipe", "zbv", "dualpipev", "tied_1f1b", "tied_interleaved_1f1b"],
+)
 def test_pp2_equals_one_process(pipeline_runs: Path, reference: Reference, name: str) -> None:
+    """Every schedule, validating over an uneven valid set (the V-shaped ones too), and a model
+    whose tied embeddings are held by stages on different ranks: its two copies (one a rank)
+    each equal the one weight of one process, and the norm counts the tie once."""
     if not schedule_available(RUNS[name]["schedule"]):
         pytest.skip(f"torch {torch.__version__} has no {RUNS[name]['schedule']} schedule")
     valid = RUNS[name].get("valid", True)
-    expected_dir, expected = reference["valid" if valid else "no_valid"]
+    expected_dir, expected = reference[_reference_of(RUNS[name])]
     run_dir = pipeline_runs / name
     # Every rank publishes the same loss: rank 0 (the first stage) writes the metrics.
     _assert_close_records(
@@ -210,20 +238,47 @@ def test_resume_of_pp2_at_pp2(pipeline_runs: Path, reference: Reference) -> None
 
 @pytest.mark.distributed
 def test_a_pipeline_step_makes_no_host_sync(pipeline_runs: Path) -> None:
-    """Steady steps of PP=2 with clipping read nothing off the device, on either stage."""
+    """Steady steps of PP=2 with clipping, and with tied embeddings whose copies sum their
+    gradients, read nothing off the device, on either stage."""
     for rank in range(2):
         syncs = json.loads((pipeline_runs / "host_sync" / f"syncs_{rank}.json").read_text())
         assert syncs == [], syncs
 
 
 @pytest.mark.distributed
-def test_validation_under_a_v_shaped_schedule_is_refused_in_one_line(pipeline_runs: Path) -> None:
-    if not schedule_available("zbv"):
-        pytest.skip(f"torch {torch.__version__} has no zbv schedule")
-    for rank in range(2):
-        message = (pipeline_runs / f"zbv_valid_{rank}.txt").read_text()
-        assert message.startswith("pipeline.schedule=zbv cannot validate"), message
-        assert "\n" not in message
+def test_tied_embeddings_resume_across_pipeline_sizes(
+    pipeline_runs: Path, reference: Reference, tmp_path: Path
+) -> None:
+    """The one-process checkpoint of a model with tied embeddings (one weight) resumes at PP=2
+    (a copy on each rank), and the PP=2 checkpoint (two copies) on one process: both end where
+    one process ends."""
+    _, expected = reference["tied"]
+    run_dir = pipeline_runs / "tied_resume_1_to_2"
+    assert [r["step_nr"] for r in read_jsonl(run_dir / "metrics" / "train.jsonl")] == [3, 4]
+    for key, value in _whole_weights(run_dir).items():
+        torch.testing.assert_close(value, expected[key], rtol=0, atol=TOLERANCE, msg=key)
+    weights = pipeline_checks.train(
+        Gangs.single(),
+        tmp_path,
+        TIED,
+        resume_from=pipeline_runs / "tied_resume" / "checkpoints" / "step_2",
+        max_num_steps=NUM_STEPS,
+    )
+    assert weights.keys() == expected.keys()
+    for key, value in weights.items():
+        torch.testing.assert_close(value, expected[key], rtol=0, atol=TOLERANCE, msg=key)
+
+
+@pytest.mark.distributed
+def test_a_split_tie_loads_from_the_one_name_a_source_stores(pipeline_runs: Path) -> None:
+    """init_from a file that stores the tied embedding once, as model.embed_tokens.weight: the
+    last stage's copy (lm_head.weight) loads it too, without the pipeline's broadcast."""
+    source = torch.load(pipeline_runs / "tied_source_0.pt", weights_only=True)
+    first, last = (torch.load(pipeline_runs / f"tied_init_{r}.pt") for r in range(2))
+    expected = source["model.embed_tokens.weight"]
+    assert torch.equal(first["model.embed_tokens.weight"], expected)
+    assert torch.equal(last["lm_head.weight"], expected)
+    assert "model.embed_tokens.weight" not in last
 
 
 @pytest.mark.distributed
@@ -279,11 +334,14 @@ def test_a_hugging_face_llama_splits_into_stages_that_compute_its_logits() -> No
     assert part.state_dict().keys() == model.state_dict().keys()
 
 
-def test_tied_embeddings_need_the_first_and_last_stages_on_one_rank() -> None:
+def test_tied_embeddings_split_into_a_copy_per_rank_or_one_weight_on_one() -> None:
     model = _hf_llama(tie=True)
-    with pytest.raises(ValueError, match="ties its input and output embeddings") as info:
-        split_model(model, [0], 2)
-    assert "\n" not in str(info.value)
+    tie = ("model.embed_tokens.weight", "lm_head.weight")
+    # 1F1B: the first stage holds the embedding, the last the head, and each part knows the tie.
+    first, last = split_model(model, [0], 2)[1], split_model(model, [1], 2)[1]
+    assert "lm_head.weight" not in first.state_dict() and "lm_head.weight" in last.state_dict()
+    assert "model.embed_tokens.weight" not in last.state_dict()
+    assert split_ties(first) == split_ties(last) == [tie]
     # V-shaped: rank 0 holds stages 0 and 3, and the part keeps the one tied weight.
     _, part = split_model(model, [0, 3], 4, split=[1, 1, 1, 0])
     assert part.lm_head.weight is part.model.embed_tokens.weight
@@ -292,8 +350,9 @@ def test_tied_embeddings_need_the_first_and_last_stages_on_one_rank() -> None:
 @pytest.fixture(scope="module")
 def many_process_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
     """``runs(nproc)``: the directory of one launch of pipeline_checks on 4 processes (PP=2 x
-    FSDP2 and x DDP over DP=2, PP=2 x TP=2 with two stages a rank, and the runs that count
-    gradient syncs) or 8 (PP=2 x FSDP2 x TP=2), each made once."""
+    FSDP2 and x DDP over DP=2, PP=2 x TP=2 with two stages a rank, each also with tied
+    embeddings, PP=4 with them, and the runs that count gradient syncs) or 8 (PP=2 x FSDP2 x
+    TP=2), each made once."""
     outs: dict[int, Path] = {}
 
     def runs(nproc: int) -> Path:
@@ -318,7 +377,8 @@ def many_process_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int
 def test_pp2_with_fsdp2_and_tp2_equals_one_process(
     many_process_runs: Callable[[int], Path], reference: Reference, nproc: int, name: str
 ) -> None:
-    expected_dir, expected = reference["valid"]
+    runs = {**FOUR_PROCESS_RUNS, **EIGHT_PROCESS_RUNS}
+    expected_dir, expected = reference[_reference_of(runs[name])]
     run_dir = many_process_runs(nproc) / name
     _assert_close_records(
         run_dir / "metrics" / "train.jsonl",
@@ -332,6 +392,20 @@ def test_pp2_with_fsdp2_and_tp2_equals_one_process(
     assert weights.keys() == expected.keys()
     for key, value in weights.items():
         torch.testing.assert_close(value, expected[key], rtol=0, atol=TOLERANCE, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tied_embeddings_split_apart_by_tp_are_refused_in_one_line(
+    many_process_runs: Callable[[int], Path],
+) -> None:
+    """PP=2 x TP=2 with a plan that splits the tied head's vocabulary but not the embedding's:
+    the copies' shards would not sum element by element, so every rank refuses at start."""
+    for rank in range(4):
+        message = (many_process_runs(4) / f"tied_split_apart_{rank}.txt").read_text()
+        assert message.startswith("The tied weights model.embed_tokens.weight, lm_head.weight")
+        assert "give both modules the same tensor-parallel style" in message
+        assert "\n" not in message
 
 
 @pytest.mark.slow

@@ -146,6 +146,32 @@ def test_parameters_without_gradients_are_left_alone() -> None:
 
 
 @on_both_paths
+def test_uncounted_parameters_are_normalized_and_clipped_but_not_measured() -> None:
+    """A pipeline's last stage leaves its copy of a tied weight out of the norm (the first
+    stage's copy counts it) and scales it as every other gradient."""
+    model = model_with_grads(torch.float32)
+    reference = model_with_grads(torch.float32)
+    uncounted = model[2].weight
+    counted = [p for p in reference.parameters() if p is not reference[2].weight]
+    expected_norm = torch.nn.utils.clip_grad_norm_(counted, max_norm=0.1)
+    coef = 0.1 / (expected_norm + 1e-6)
+    expected_uncounted = reference[2].weight.grad * coef
+
+    gradients = Gradients(model, uncounted=[uncounted])
+    gradients.normalize(1.0)
+    norm = gradients.norm()
+    gradients.clip(0.1, norm)
+
+    torch.testing.assert_close(norm, expected_norm, rtol=1e-6, atol=0)
+    assert uncounted.grad is not None
+    torch.testing.assert_close(uncounted.grad, expected_uncounted, rtol=1e-6, atol=0)
+    for param, wanted in zip(model.parameters(), reference.parameters(), strict=True):
+        if param is not uncounted:
+            assert param.grad is not None and wanted.grad is not None
+            torch.testing.assert_close(param.grad, wanted.grad, rtol=1e-6, atol=0)
+
+
+@on_both_paths
 def test_norm_and_clip_are_those_of_torch() -> None:
     model = model_with_grads(torch.float32)
     reference = model_with_grads(torch.float32)
