@@ -22,6 +22,7 @@ from typing import Any, final
 from torch import Tensor, nn
 
 from models.llama import Llama, LlamaArgs, rotary_and_mask
+from models.moe.routing import RouterStatistics
 
 
 def split_layers(
@@ -206,10 +207,17 @@ class HFDecoderStage(_DecoderStage):
         super().__init__(model, layers, first=first, last=last)
         self.config = model.config
         self.model.rotary_emb = model.model.rotary_emb
+        self.routers = RouterStatistics.of(model, self.model.layers.values())
+        """A mixture of experts with a load-balancing loss: the sums its routers pass on."""
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, router_sums: Tensor | None = None) -> Tensor | tuple[Tensor, ...]:
+        """The logits (last stage) or hidden states (others) of ``x``. With :attr:`routers`, the
+        stages also pass on the router sums (:mod:`models.moe.routing`), and the last returns
+        ``(logits, load-balancing loss)``."""
         import torch
 
+        if self.routers is not None:
+            self.routers.begin()
         if self.first:
             x = self.model.embed_tokens(x)
         position_ids = torch.arange(x.size(1), device=x.device)[None, :]
@@ -224,7 +232,10 @@ class HFDecoderStage(_DecoderStage):
             x = out[0] if isinstance(out, tuple) else out
         if self.last:
             x = self.lm_head(self.model.norm(x))
-        return x
+        if self.routers is None:
+            return x
+        router_sums = self.routers.add(router_sums, x)
+        return (x, self.routers.loss(router_sums)) if self.last else (x, router_sums)
 
 
 __all__ = [

@@ -26,6 +26,10 @@ from torch import Tensor
 
 BatchT_contra = TypeVar("BatchT_contra", contravariant=True)
 
+StageOutput = Tensor | tuple[Tensor, ...]
+"""What the last stage returns: its output (the logits), or that first and what else the loss
+needs (a mixture of experts' load-balancing loss, :mod:`models.moe.routing`)."""
+
 
 @final
 @dataclass(frozen=True)
@@ -59,14 +63,27 @@ class PipelineUnit(ABC, Generic[BatchT_contra]):
         """The pipeline's inputs, targets and target count of ``batch``."""
 
     @abstractmethod
-    def stage_loss(self, output: Tensor, target: Tensor) -> Tensor:
+    def stage_loss(self, output: StageOutput, target: Tensor) -> Tensor:
         """The loss of one microbatch, SUMMED over its targets, from the last stage's
         ``output``; a 0-dim tensor."""
 
     @abstractmethod
     def record_loss(self, batch: BatchT_contra, loss: Tensor) -> None:
         """Record the metrics of ``batch`` whose summed loss is ``loss`` (detached, on every
-        rank)."""
+        rank; without the auxiliary part, see :meth:`stage_aux_loss`)."""
+
+    def stage_aux_loss(self) -> Tensor | None:
+        """For a unit whose :meth:`stage_loss` adds an auxiliary loss (a mixture of experts'
+        load balancing) to the targets' loss: that part of its losses since the last call,
+        summed and detached, on the last stage's ranks; zero elsewhere. None (on every rank)
+        for a unit without one. The Trainer asks once per micro-batch and sends it with the
+        loss to every rank: :meth:`record_loss` gets the loss without it,
+        :meth:`record_aux_loss` the part."""
+        return None
+
+    def record_aux_loss(self, batch: BatchT_contra, aux_loss: Tensor) -> None:
+        """Record the auxiliary part ``aux_loss`` of the summed loss of ``batch`` (see
+        :meth:`stage_aux_loss`; detached, on every rank)."""
 
 
 PIPELINE_UNIT_HINT = (

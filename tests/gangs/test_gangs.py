@@ -217,17 +217,21 @@ def test_sp_size_must_divide_the_processes_and_compose() -> None:
         setup_parallel_gangs(FakeGang(), sp_size=2, dp_shard_size=2)
 
 
-def test_pipeline_stages_do_not_compose_with_sp_or_ep_yet() -> None:
+def test_pipeline_stages_split_their_own_experts_but_not_sequences_yet() -> None:
     from gangs.setup import _check_sizes
 
     assert _check_sizes(8, tp_size=2, sp_size=1, ep_size=1, dp_shard_size=2, pp_size=2) == 2
-    for other in ("sp_size", "ep_size"):
-        sizes = {"sp_size": 1, "ep_size": 1, other: 2}
-        with pytest.raises(
-            GangSizeError, match=rf"^pp_size \(2\) and {other} \(2\) do not compose yet"
-        ) as info:
-            _check_sizes(8, tp_size=1, dp_shard_size=None, pp_size=2, **sizes)
-        assert info.value.naming({"pp_size": "gang.pp_size"}).startswith("gang.pp_size (2)")
+    assert _check_sizes(8, tp_size=1, sp_size=1, ep_size=4, dp_shard_size=None, pp_size=2) == 4
+    with pytest.raises(
+        GangSizeError,
+        match=r"^ep_size is 8, but must divide the DP size \(4 = 4 processes of a stage / ",
+    ):
+        _check_sizes(8, tp_size=1, sp_size=1, ep_size=8, dp_shard_size=None, pp_size=2)
+    with pytest.raises(
+        GangSizeError, match=r"^pp_size \(2\) and sp_size \(2\) do not compose yet"
+    ) as info:
+        _check_sizes(8, tp_size=1, sp_size=2, ep_size=1, dp_shard_size=None, pp_size=2)
+    assert info.value.naming({"pp_size": "gang.pp_size"}).startswith("gang.pp_size (2)")
 
 
 def test_ep_size_must_divide_the_dp_size() -> None:
