@@ -21,6 +21,7 @@ from typing import Any, final
 
 from torch import Tensor, nn
 
+from models.hf.conversion import weight_conversions
 from models.llama import Llama, LlamaArgs, rotary_and_mask
 from models.moe.routing import RouterStatistics
 
@@ -208,6 +209,8 @@ class HFDecoderStage(_DecoderStage):
         self.config = model.config
         self.model.rotary_emb = model.model.rotary_emb
         self.routers = RouterStatistics.of(model, self.model.layers.values())
+        self.hf_weight_conversions = weight_conversions(model)
+        """How the files' keys become the model's (a mixture of experts' are merged at load)."""
         """A mixture of experts with a load-balancing loss: the sums its routers pass on."""
 
     def forward(self, x: Tensor, router_sums: Tensor | None = None) -> Tensor | tuple[Tensor, ...]:

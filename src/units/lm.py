@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torcheval.metrics import Max, Mean
 
-from units.pipeline import PipelineUnit, StageInputs, StageOutput
+from units.pipeline import PipelineUnit, StageInputs, StageOutput, inferring_shapes
 from units.unit import EvalUnit, TrainUnit
 
 IGNORE_INDEX = -100
@@ -139,7 +139,8 @@ class LMTrainUnit(TrainUnit[TokenBatch], PipelineUnit[TokenBatch]):
         # Counted on the device: no host sync inside the schedule.
         num_targets = (target != IGNORE_INDEX).sum()
         aux_part = self.aux_loss_coefficient * num_targets * aux_loss.float()
-        self._aux_parts.append(aux_part.detach())
+        if not inferring_shapes():
+            self._aux_parts.append(aux_part.detach())
         return loss + aux_part
 
     def stage_aux_loss(self) -> Tensor | None:

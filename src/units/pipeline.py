@@ -91,3 +91,20 @@ PIPELINE_UNIT_HINT = (
     "record_loss (units.lm.LMTrainUnit and LMEvalUnit do)"
 )
 """What a unit must implement to run under pipeline parallelism, as refusals say it."""
+
+
+_INFERRING_SHAPES = [False]
+
+
+def inferring_shapes() -> bool:
+    """Whether the pipeline runs a stage's forward (or the last stage's loss) only to learn the
+    shapes of its activations: torch does that with real tensors before the first batch (and
+    after the shapes change). What it computes trains nothing, so a unit or a model records
+    nothing of it (a mixture of experts' loads, its auxiliary loss)."""
+    return _INFERRING_SHAPES[0]
+
+
+def set_inferring_shapes(value: bool) -> None:
+    """Mark what runs from now on as :func:`inferring_shapes`, or no more (the pipeline does,
+    around each such forward and loss)."""
+    _INFERRING_SHAPES[0] = value

@@ -30,6 +30,7 @@ from gangs import Gang, ReduceOperation
 from models.moe.experts import num_experts, tokens_per_expert
 from units.callback import TrainerCallback
 from units.metric_bag import MetricBag
+from units.pipeline import inferring_shapes
 
 _STATS = ("min", "max", "cv", "idle")
 _LAYER_NUMBER = re.compile(r"layers\.(\d+)\.")
@@ -128,8 +129,9 @@ class ExpertLoad:
     def _record_hook(self, layer: int, count: int) -> Any:
         def record(module: nn.Module, args: Any, output: Any) -> None:
             # A valid pass runs without gradients: its routings count for nothing here, as
-            # without pipeline parallelism (where the unit's forward alone records).
-            if torch.is_grad_enabled():
+            # without pipeline parallelism (where the unit's forward alone records); nor do a
+            # forward's that only infers the activations' shapes.
+            if torch.is_grad_enabled() and not inferring_shapes():
                 self._record(layer, count)
             else:
                 self._pending.pop(layer, None)

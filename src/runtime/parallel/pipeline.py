@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from gangs import Gangs, ProcessGroupGang
-from units.pipeline import StageInputs
+from units.pipeline import StageInputs, set_inferring_shapes
 
 PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]
 
@@ -174,11 +174,17 @@ class Pipeline:
         """The PP rank of the last stage, which holds the losses."""
         self._loss_fn: LossFn | None = None
         self._shapes: object = None
+        self._inferring: set[object] = set()
+        """The stages (and the loss: ``self``) whose next call only infers shapes."""
         group = pp.as_process_group()
         self._stages = [
             PipelineStage(module, stage_id, self.num_stages, gangs.root.device, group=group)
             for module, stage_id in zip(stages, ids, strict=True)
         ]
+        self.stage_modules = list(stages)
+        for module in stages:
+            module.register_forward_pre_hook(self._begin_forward)
+            module.register_forward_hook(self._end_forward)
         cls = _schedule_class(schedule)
         first = self._stages if schedule not in _SINGLE else self._stages[0]
         self._schedule = cls(first, num_microbatches, loss_fn=self._loss, scale_grads=False)
@@ -192,7 +198,29 @@ class Pipeline:
 
     def _loss(self, output: Tensor, target: Tensor) -> Tensor:
         assert self._loss_fn is not None, "Pipeline.step sets the loss"
-        return self._loss_fn(output, target)
+        inferring = self in self._inferring
+        self._inferring.discard(self)
+        set_inferring_shapes(inferring)
+        try:
+            return self._loss_fn(output, target)
+        finally:
+            set_inferring_shapes(False)
+
+    def _begin_forward(self, module: Module, args: Any) -> None:
+        set_inferring_shapes(module in self._inferring)
+        self._inferring.discard(module)
+
+    def _end_forward(self, module: Module, args: Any, output: Any) -> None:
+        set_inferring_shapes(False)
+
+    def _infers_shapes(self) -> bool:
+        """Whether torch's next run infers the activations' shapes first, with real tensors:
+        one forward of each stage and the last stage's loss before the microbatches' (torch
+        2.13). Older torch infers them on meta tensors without a gradient or a loss, which
+        records nothing; its flags differ, and the answer is no."""
+        schedule = self._schedule
+        names = [name for name in _INITIALIZED_FLAGS if hasattr(schedule, name)]
+        return len(names) == 2 and not all(getattr(schedule, name) for name in names)
 
     def step(self, inputs: StageInputs, loss_fn: LossFn) -> Tensor | None:
         """Forward and backward of one batch; on the rank of the last stage, the sum of the
@@ -222,6 +250,10 @@ class Pipeline:
             self._forget_shapes(shapes)
         self._shapes = shapes
         self._loss_fn = loss_fn
+        # What the stages and the loss compute only to infer shapes counts for nothing
+        # (units.pipeline.inferring_shapes).
+        if self._infers_shapes():
+            self._inferring = {*self.stage_modules, self}
         losses: list[Tensor] = []
         try:
             run(
@@ -269,12 +301,8 @@ class Pipeline:
         differs: a shorter last batch, or a valid set's). torch infers them once, at the first
         batch; the flags it keeps are private, so a torch without them refuses the change."""
         schedule = self._schedule
-        flags = (
-            ("_stage_forward_initialized", "_stage_backward_initialized")
-            if hasattr(schedule, "_stage_forward_initialized")
-            else ("_stages_forward_initialized", "_stages_backward_initialized")
-        )
-        if not all(hasattr(schedule, flag) for flag in flags):
+        flags = [name for name in _INITIALIZED_FLAGS if hasattr(schedule, name)]
+        if len(flags) != 2:
             raise ValueError(
                 f"The batch's shapes {shapes} differ from the last batch's {self._shapes}, and "
                 f"torch {torch.__version__}'s pipeline cannot change them. Give batches of one "
@@ -282,6 +310,16 @@ class Pipeline:
             )
         for flag in flags:
             setattr(schedule, flag, False)
+
+
+_INITIALIZED_FLAGS: Final = (
+    "_stage_forward_initialized",
+    "_stage_backward_initialized",
+    "_stages_forward_initialized",
+    "_stages_backward_initialized",
+)
+"""torch's private flags of a schedule (one stage per rank, or several) whose stages know the
+shapes of their activations."""
 
 
 def _shapes(inputs: StageInputs) -> object:

@@ -1,0 +1,92 @@
+"""recipes.lm with mixtures of experts under pipeline parallelism: the load-balancing loss and
+expert parallelism within each stage train as without a pipeline.
+
+A mixture of experts' load-balancing loss is computed per forward pass (a product of means over
+its tokens), so a pipeline run equals the run whose micro-batches are the pipeline's
+microbatches: ``data.batch_size / pipeline.num_microbatches`` sequences, accumulated
+``pipeline.num_microbatches`` times as often.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import assert_ok, read_jsonl, torchrun
+from tests.recipes.families import FAMILY_BY_NAME, make_family_dir, write_train
+from tests.recipes.test_lm import TINY_TRAINING, last_model, recipe_args, run_here
+
+_BATCH, _MICROBATCHES, _ACCUMULATE = 4, 2, 2
+"""Sequences per micro-batch and DP rank, pipeline microbatches, accumulated micro-batches."""
+
+_PIPELINE = (
+    "gang.pp_size=2",
+    "pipeline.schedule=1f1b",
+    f"pipeline.num_microbatches={_MICROBATCHES}",
+    f"data.batch_size={_BATCH}",
+    f"data.num_accumulate={_ACCUMULATE}",
+)
+_UNPIPED = (
+    f"data.batch_size={_BATCH // _MICROBATCHES}",
+    f"data.num_accumulate={_ACCUMULATE * _MICROBATCHES}",
+)
+"""The run without a pipeline whose micro-batches are the pipeline's microbatches."""
+
+
+def _config(tmp_path: Path, family: str) -> tuple[str, ...]:
+    model_dir = make_family_dir(FAMILY_BY_NAME[family], tmp_path / "model")
+    return (
+        f"model.hf_path={model_dir}",
+        f"data.train={write_train(tmp_path / 'train.jsonl')}",
+        "trainer.max_num_steps=3",
+        "trainer.checkpoint_every_n_steps=3",
+        *TINY_TRAINING,
+    )
+
+
+def _assert_trains_alike(piped: Path, reference: Path, *, aux_loss: bool) -> None:
+    """The same published losses, gradient norms and expert loads at every step, and the same
+    weights at the end, within float32 rounding of the microbatches' sums."""
+    records = read_jsonl(piped / "metrics" / "train.jsonl")
+    expected = read_jsonl(reference / "metrics" / "train.jsonl")
+    assert len(records) == len(expected) == 3
+    keys = [k for k in expected[0] if k.startswith(("moe_", "router_aux_loss", "nll_loss"))]
+    assert any(k.startswith("moe_tokens_cv_layer_") for k in keys)
+    assert ("router_aux_loss" in keys) == aux_loss
+    for key in ("loss", "grad_norm", "num_targets", *keys):
+        assert [r[key] for r in records] == pytest.approx([r[key] for r in expected], abs=1e-5), key
+    weights, expected_weights = last_model(piped), last_model(reference)
+    assert weights.keys() == expected_weights.keys()
+    for key, value in weights.items():
+        torch.testing.assert_close(value, expected_weights[key], rtol=0, atol=1e-5, msg=key)
+
+
+@pytest.mark.distributed
+def test_qwen3_moe_under_pp2_trains_as_one_process_does(tmp_path: Path) -> None:
+    """Qwen3-MoE (load-balancing loss 0.001), its two layers on two stages that pass the
+    routers' sums on: the loss, its gradient to both stages' routers, and the expert loads of
+    both stages, published by every rank (the checkpointed activations too)."""
+    config = _config(tmp_path, "Qwen3-MoE")
+    reference, piped = tmp_path / "one", tmp_path / "pp2"
+    assert_ok(run_here(reference, *config, *_UNPIPED))
+    piped_config = (*config, *_PIPELINE, "model.activation_checkpointing=true")
+    assert_ok(torchrun(2, *recipe_args(piped, *piped_config)))
+    _assert_trains_alike(piped, reference, aux_loss=True)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", ["Qwen3-MoE", "DeepSeek-V3"])
+def test_pp2_x_ep2_trains_as_ep2_does(tmp_path: Path, family: str) -> None:
+    """Four processes: two stages, each splitting its layers' experts over its two DP ranks,
+    against EP=2 on two processes. DeepSeek-V3 (a dense first layer, shared experts, no
+    load-balancing loss) moves its routers' correction biases from each stage's own loads."""
+    config = _config(tmp_path, family)
+    if family == "DeepSeek-V3":
+        config = (*config, "model.expert_bias_update_rate=0.01")
+    reference, piped = tmp_path / "ep2", tmp_path / "pp2_ep2"
+    assert_ok(torchrun(2, *recipe_args(reference, *config, *_UNPIPED, "gang.ep_size=2")))
+    assert_ok(torchrun(4, *recipe_args(piped, *config, *_PIPELINE, "gang.ep_size=2")))
+    _assert_trains_alike(piped, reference, aux_loss=family == "Qwen3-MoE")
