@@ -90,3 +90,6 @@ def test_pp2_x_ep2_trains_as_ep2_does(tmp_path: Path, family: str) -> None:
     assert_ok(torchrun(2, *recipe_args(reference, *config, *_UNPIPED, "gang.ep_size=2")))
     assert_ok(torchrun(4, *recipe_args(piped, *config, *_PIPELINE, "gang.ep_size=2")))
     _assert_trains_alike(piped, reference, aux_loss=family == "Qwen3-MoE")
+    if family == "DeepSeek-V3":
+        biases = [v for k, v in last_model(piped).items() if k.endswith("correction_bias")]
+        assert len(biases) == 1 and biases[0].abs().sum() > 0, "the MoE layer's bias moved"
