@@ -18,21 +18,37 @@ from tests.conftest import assert_ok, read_jsonl, torchrun
 from tests.recipes.families import FAMILY_BY_NAME, make_family_dir, write_train
 from tests.recipes.test_lm import TINY_TRAINING, last_model, recipe_args, run_here
 
-_BATCH, _MICROBATCHES, _ACCUMULATE = 4, 2, 2
-"""Sequences per micro-batch and DP rank, pipeline microbatches, accumulated micro-batches."""
+_BATCH, _ACCUMULATE = 4, 2
+"""Sequences per micro-batch and DP rank, and accumulated micro-batches."""
 
-_PIPELINE = (
-    "gang.pp_size=2",
-    "pipeline.schedule=1f1b",
-    f"pipeline.num_microbatches={_MICROBATCHES}",
-    f"data.batch_size={_BATCH}",
-    f"data.num_accumulate={_ACCUMULATE}",
-)
-_UNPIPED = (
-    f"data.batch_size={_BATCH // _MICROBATCHES}",
-    f"data.num_accumulate={_ACCUMULATE * _MICROBATCHES}",
-)
-"""The run without a pipeline whose micro-batches are the pipeline's microbatches."""
+_SCHEDULES = {
+    "1f1b": ("pipeline.schedule=1f1b", "pipeline.num_microbatches=2"),
+    # Two stages per rank, the first and the last on rank 0, which hold no MoE layer.
+    "zbv": (
+        "pipeline.schedule=zbv",
+        "pipeline.stages_per_rank=2",
+        "pipeline.split=[0, 1, 1, 0]",
+        "pipeline.num_microbatches=4",
+    ),
+}
+
+
+def _pipelined(schedule: str) -> tuple[str, ...]:
+    return (
+        "gang.pp_size=2",
+        *_SCHEDULES[schedule],
+        f"data.batch_size={_BATCH}",
+        f"data.num_accumulate={_ACCUMULATE}",
+    )
+
+
+def _unpipelined(schedule: str) -> tuple[str, ...]:
+    """The run without a pipeline whose micro-batches are the pipeline's microbatches."""
+    microbatches = int(_SCHEDULES[schedule][-1].rpartition("=")[2])
+    return (
+        f"data.batch_size={_BATCH // microbatches}",
+        f"data.num_accumulate={_ACCUMULATE * microbatches}",
+    )
 
 
 def _config(tmp_path: Path, family: str) -> tuple[str, ...]:
@@ -64,15 +80,16 @@ def _assert_trains_alike(piped: Path, reference: Path, *, aux_loss: bool) -> Non
 
 
 @pytest.mark.distributed
-def test_qwen3_moe_under_pp2_trains_as_one_process_does(tmp_path: Path) -> None:
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zbv", marks=pytest.mark.slow)])
+def test_qwen3_moe_under_pp2_trains_as_one_process_does(tmp_path: Path, schedule: str) -> None:
     """Qwen3-MoE (load-balancing loss 0.001), its two layers on two stages that pass the
     routers' sums on: the loss, its gradient to both stages' routers, and the expert loads of
-    both stages, published by every rank (the checkpointed activations too)."""
+    both stages, published by every rank (with checkpointed activations under 1F1B)."""
     config = _config(tmp_path, "Qwen3-MoE")
     reference, piped = tmp_path / "one", tmp_path / "pp2"
-    assert_ok(run_here(reference, *config, *_UNPIPED))
-    piped_config = (*config, *_PIPELINE, "model.activation_checkpointing=true")
-    assert_ok(torchrun(2, *recipe_args(piped, *piped_config)))
+    assert_ok(run_here(reference, *config, *_unpipelined(schedule)))
+    checkpointing = ("model.activation_checkpointing=true",) if schedule == "1f1b" else ()
+    assert_ok(torchrun(2, *recipe_args(piped, *config, *_pipelined(schedule), *checkpointing)))
     _assert_trains_alike(piped, reference, aux_loss=True)
 
 
@@ -87,8 +104,9 @@ def test_pp2_x_ep2_trains_as_ep2_does(tmp_path: Path, family: str) -> None:
     if family == "DeepSeek-V3":
         config = (*config, "model.expert_bias_update_rate=0.01")
     reference, piped = tmp_path / "ep2", tmp_path / "pp2_ep2"
-    assert_ok(torchrun(2, *recipe_args(reference, *config, *_UNPIPED, "gang.ep_size=2")))
-    assert_ok(torchrun(4, *recipe_args(piped, *config, *_PIPELINE, "gang.ep_size=2")))
+    reference_config = (*config, *_unpipelined("1f1b"), "gang.ep_size=2")
+    assert_ok(torchrun(2, *recipe_args(reference, *reference_config)))
+    assert_ok(torchrun(4, *recipe_args(piped, *config, *_pipelined("1f1b"), "gang.ep_size=2")))
     _assert_trains_alike(piped, reference, aux_loss=family == "Qwen3-MoE")
     if family == "DeepSeek-V3":
         biases = [v for k, v in last_model(piped).items() if k.endswith("correction_bias")]

@@ -184,7 +184,7 @@ class Pipeline:
         self.stage_modules = list(stages)
         for module in stages:
             module.register_forward_pre_hook(self._begin_forward)
-            module.register_forward_hook(self._end_forward)
+            module.register_forward_hook(self._end_forward, always_call=True)
         cls = _schedule_class(schedule)
         first = self._stages if schedule not in _SINGLE else self._stages[0]
         self._schedule = cls(first, num_microbatches, loss_fn=self._loss, scale_grads=False)
