@@ -209,9 +209,9 @@ class HFDecoderStage(_DecoderStage):
         self.config = model.config
         self.model.rotary_emb = model.model.rotary_emb
         self.routers = RouterStatistics.of(model, self.model.layers.values())
+        """A mixture of experts with a load-balancing loss: the sums its routers pass on."""
         self.hf_weight_conversions = weight_conversions(model)
         """How the files' keys become the model's (a mixture of experts' are merged at load)."""
-        """A mixture of experts with a load-balancing loss: the sums its routers pass on."""
 
     def forward(self, x: Tensor, router_sums: Tensor | None = None) -> Tensor | tuple[Tensor, ...]:
         """The logits (last stage) or hidden states (others) of ``x``. With :attr:`routers`, the

@@ -175,6 +175,8 @@ class Pipeline:
         self._loss_fn: LossFn | None = None
         self._shapes: object = None
         self._inferring: set[object] = set()
+        self._mode: str | None = None
+        """The kind of the last run (step or eval) since the stages last inferred shapes."""
         """The stages (and the loss: ``self``) whose next call only infers shapes."""
         group = pp.as_process_group()
         self._stages = [
@@ -213,19 +215,19 @@ class Pipeline:
     def _end_forward(self, module: Module, args: Any, output: Any) -> None:
         set_inferring_shapes(False)
 
-    def _infers_shapes(self) -> bool:
-        """Whether torch's next run infers the activations' shapes first, with real tensors:
-        one forward of each stage and the last stage's loss before the microbatches' (torch
-        2.13). Older torch infers them on meta tensors without a gradient or a loss, which
-        records nothing; its flags differ, and the answer is no."""
-        schedule = self._schedule
-        names = [name for name in _INITIALIZED_FLAGS if hasattr(schedule, name)]
-        return len(names) == 2 and not all(getattr(schedule, name) for name in names)
+    def _infers_shapes(self, mode: str) -> bool:
+        """Whether torch's next run (``mode``: step or eval) first infers the activations'
+        shapes with real tensors: one forward of each stage, and for a step the last stage's
+        loss, before the microbatches'. torch 2.13 does at the first run, after the shapes
+        change (:meth:`_forget_shapes`) and after a switch between step and eval."""
+        infers = self._mode != mode
+        self._mode = mode
+        return infers
 
     def step(self, inputs: StageInputs, loss_fn: LossFn) -> Tensor | None:
         """Forward and backward of one batch; on the rank of the last stage, the sum of the
         microbatches' losses (detached), None elsewhere."""
-        return self._run(inputs, loss_fn, self._schedule.step)
+        return self._run(inputs, loss_fn, "step")
 
     def check_evaluates(self) -> None:
         """Refuse validation where :meth:`eval` cannot run: torch's V-shaped schedules have no
@@ -241,19 +243,20 @@ class Pipeline:
         """Forward only; as :meth:`step`."""
         self.check_evaluates()
         with torch.no_grad():
-            return self._run(inputs, loss_fn, self._schedule.eval)
+            return self._run(inputs, loss_fn, "eval")
 
-    def _run(self, inputs: StageInputs, loss_fn: LossFn, run: Any) -> Tensor | None:
+    def _run(self, inputs: StageInputs, loss_fn: LossFn, mode: str) -> Tensor | None:
         inputs = self._padded(inputs)
         shapes = _shapes(inputs)
         if self._shapes is not None and shapes != self._shapes:
             self._forget_shapes(shapes)
         self._shapes = shapes
         self._loss_fn = loss_fn
-        # What the stages and the loss compute only to infer shapes counts for nothing
+        # What the stages (and a step's loss) compute only to infer shapes counts for nothing
         # (units.pipeline.inferring_shapes).
-        if self._infers_shapes():
-            self._inferring = {*self.stage_modules, self}
+        inferring = {*self.stage_modules, *([self] if mode == "step" else [])}
+        self._inferring = inferring if self._infers_shapes(mode) else set()
+        run = self._schedule.step if mode == "step" else self._schedule.eval
         losses: list[Tensor] = []
         try:
             run(
@@ -265,6 +268,7 @@ class Pipeline:
             )
         finally:
             self._loss_fn = None
+            self._inferring = set()
         if not self.has_last:
             return None
         return torch.stack([loss.detach() for loss in losses]).sum()
@@ -301,8 +305,12 @@ class Pipeline:
         differs: a shorter last batch, or a valid set's). torch infers them once, at the first
         batch; the flags it keeps are private, so a torch without them refuses the change."""
         schedule = self._schedule
-        flags = [name for name in _INITIALIZED_FLAGS if hasattr(schedule, name)]
-        if len(flags) != 2:
+        flags = (
+            ("_stage_forward_initialized", "_stage_backward_initialized")
+            if hasattr(schedule, "_stage_forward_initialized")
+            else ("_stages_forward_initialized", "_stages_backward_initialized")
+        )
+        if not all(hasattr(schedule, flag) for flag in flags):
             raise ValueError(
                 f"The batch's shapes {shapes} differ from the last batch's {self._shapes}, and "
                 f"torch {torch.__version__}'s pipeline cannot change them. Give batches of one "
@@ -310,16 +318,7 @@ class Pipeline:
             )
         for flag in flags:
             setattr(schedule, flag, False)
-
-
-_INITIALIZED_FLAGS: Final = (
-    "_stage_forward_initialized",
-    "_stage_backward_initialized",
-    "_stages_forward_initialized",
-    "_stages_backward_initialized",
-)
-"""torch's private flags of a schedule (one stage per rank, or several) whose stages know the
-shapes of their activations."""
+        self._mode = None
 
 
 def _shapes(inputs: StageInputs) -> object:
