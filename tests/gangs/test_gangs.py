@@ -101,6 +101,8 @@ def four_process_layouts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     }
     # Expert parallelism over 4 DP ranks, and over the 2 DP ranks beside TP.
     cases |= {"ep": (1, None, None, 2), "ep_tp": (2, None, None, 2)}
+    # Expert parallelism over the 2 DP ranks of each of 2 pipeline stages.
+    cases |= {"pp_ep": (1, None, None, 2, 1, 2)}
     # Sequence parallelism beside DP, and beside TP.
     cases |= {"sp": (1, None, None, 1, 2), "sp_tp": (2, None, None, 1, 2)}
     assert_ok(torchrun(4, WORKER, str(out), "--cases", json.dumps(cases)))
@@ -167,6 +169,22 @@ def test_four_processes_ep_gangs_are_consecutive_dp_ranks_and_replicas_stride(
         assert report["ep_members"] == [float(rank % 2), float(rank % 2 + 2)]
         assert "ep_replicas_members" in report and len(report["ep_replicas_members"]) == 1
         assert report["expert_mesh"] == [["ep_replicate", "ep", "tp"], [[[0, 1], [2, 3]]]]
+
+
+@pytest.mark.distributed
+def test_four_processes_each_pipeline_stage_splits_its_own_experts(
+    four_process_layouts: Path,
+) -> None:
+    for rank, report in enumerate(four_process_reports(four_process_layouts, "pp_ep")):
+        start = rank - rank % 2  # the stage's first rank
+        assert report["dp_members"] == [float(start), float(start + 1)]
+        assert report["ep_members"] == [float(start), float(start + 1)]
+        assert report["ep_replicas_members"] == [float(rank)]
+        assert report["ep_mesh"] == [start, start + 1]
+        assert report["expert_mesh"] == [
+            ["pp", "ep_replicate", "ep", "tp"],
+            [[[[0], [1]]], [[[2], [3]]]],
+        ]
 
 
 @pytest.mark.distributed
