@@ -202,7 +202,8 @@ class HFDecoderStage(_DecoderStage):
     """The part of a Hugging Face decoder (Llama, Qwen2, Mistral and their kin) that pipeline
     stages hold, as :class:`LlamaStage` for the project's model. Attention runs as ``sdpa``
     without a mask (causal), so batches hold no padding: packed text, as ``task=pretrain`` makes.
-    The rotary embedding (no parameters) is on every stage."""
+    The rotary embedding (no parameters) is on every stage. Mixtures of experts split alike;
+    with a load-balancing loss their stages pass their routers' sums on (``routers``)."""
 
     def __init__(self, model: Any, layers: Sequence[int], *, first: bool, last: bool) -> None:
         super().__init__(model, layers, first=first, last=last)
