@@ -110,18 +110,29 @@ def test_qwen3_moe_under_pp2_trains_as_one_process_does(tmp_path: Path, schedule
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("family", ["Qwen3-MoE", "DeepSeek-V3"])
-def test_pp2_x_ep2_trains_as_ep2_does(tmp_path: Path, family: str) -> None:
-    """Four processes: two stages, each splitting its layers' experts over its two DP ranks,
-    against EP=2 on two processes. DeepSeek-V3 (a dense first layer, shared experts, no
+@pytest.mark.parametrize(
+    ("family", "within_stage"),
+    [
+        ("Qwen3-MoE", "gang.ep_size=2"),
+        ("DeepSeek-V3", "gang.ep_size=2"),
+        ("Qwen3-MoE", "gang.tp_size=2"),
+    ],
+    ids=["qwen3_moe-ep2", "deepseek_v3-ep2", "qwen3_moe-tp2"],
+)
+def test_pp2_on_four_processes_trains_as_its_stages_layout_on_two(
+    tmp_path: Path, family: str, within_stage: str
+) -> None:
+    """Four processes, two stages: each splits its layers' experts over its two DP ranks
+    (against EP=2 on two processes), or its layers over two TP ranks, whose routers see the
+    same tokens (against TP=2). DeepSeek-V3 (a dense first layer, shared experts, no
     load-balancing loss) moves its routers' correction biases from each stage's own loads."""
     config = _config(tmp_path, family)
     if family == "DeepSeek-V3":
         config = (*config, "model.expert_bias_update_rate=0.01")
-    reference, piped = tmp_path / "ep2", tmp_path / "pp2_ep2"
-    reference_config = (*config, *_unpipelined("1f1b"), "gang.ep_size=2")
+    reference, piped = tmp_path / "two", tmp_path / "pp2"
+    reference_config = (*config, *_unpipelined("1f1b"), within_stage)
     assert_ok(torchrun(2, *recipe_args(reference, *reference_config)))
-    assert_ok(torchrun(4, *recipe_args(piped, *config, *_pipelined("1f1b"), "gang.ep_size=2")))
+    assert_ok(torchrun(4, *recipe_args(piped, *config, *_pipelined("1f1b"), within_stage)))
     _assert_trains_alike(piped, reference, aux_loss=family == "Qwen3-MoE")
     if family == "DeepSeek-V3":
         biases = [v for k, v in last_model(piped).items() if k.endswith("correction_bias")]
