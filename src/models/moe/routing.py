@@ -8,8 +8,8 @@ no sum of per-stage parts. So each stage adds its layers' *sums* to a ``[2, expe
 passed to the next stage beside the hidden states (row 0: the routing probabilities summed per
 expert, which carry the gradient back to every stage's routers; row 1: the top-k routings
 counted per expert, which carry none), and the last stage computes the loss from the totals, in
-the order and with the arithmetic of ``transformers``' own. Its rows are the counts' sum over
-top-k: no mask, as the pipeline's batches hold no padding.
+the order and with the arithmetic of ``transformers``' own. The number of rows is the counts'
+sum over top-k: no attention mask weighs them, as the stages run without one.
 """
 
 from __future__ import annotations
@@ -29,7 +29,11 @@ class RouterStatistics:
     """The routers of a stage's layers and the sums of their routings (see the module
     docstring). :meth:`begin` before the stage's layers run, :meth:`add` after them."""
 
-    def __init__(self, routers: list[nn.Module], *, index: int, top_k: int, num_experts: int):
+    def __init__(
+        self, *, routers: list[nn.Module], index: int, top_k: int, num_experts: int
+    ) -> None:
+        """``routers``: the router modules, whose output's element ``index`` is the logits of
+        each token (``[tokens, num_experts]``); ``top_k``: the experts of each token."""
         self._routers = routers
         self._index = index
         self.top_k = top_k
@@ -50,7 +54,7 @@ class RouterStatistics:
         every = [m for m in model.modules() if isinstance(m, kind)]
         routers = [m for layer in layers for m in layer.modules() if isinstance(m, kind)]
         return RouterStatistics(
-            routers,
+            routers=routers,
             index=index,
             top_k=int(model.config.num_experts_per_tok),
             num_experts=int(every[0].weight.shape[0]),
