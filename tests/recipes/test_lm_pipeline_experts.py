@@ -17,6 +17,7 @@ import torch
 from tests.conftest import assert_ok, read_jsonl, torchrun
 from tests.recipes.families import FAMILY_BY_NAME, make_family_dir, write_train, write_valid
 from tests.recipes.test_lm import TINY_TRAINING, last_model, recipe_args, run_here
+from tests.recipes.test_lm_pipeline import _exported
 
 _BATCH, _ACCUMULATE = 4, 2
 """Sequences per micro-batch and DP rank, and accumulated micro-batches."""
@@ -106,6 +107,13 @@ def test_qwen3_moe_under_pp2_trains_as_one_process_does(tmp_path: Path, schedule
         valid = [r["nll_loss"] for r in read_jsonl(piped / "metrics" / "valid.jsonl")]
         expected = [r["nll_loss"] for r in read_jsonl(reference / "metrics" / "valid.jsonl")]
         assert len(valid) == 3 and valid == pytest.approx(expected, abs=1e-5)
+        # The export splits the experts into the files' per-expert keys, as one process's.
+        exported = _exported(piped, tmp_path / "exported_pp2")
+        expected_export = _exported(reference, tmp_path / "exported_one")
+        assert exported.keys() == expected_export.keys()
+        assert "model.layers.1.mlp.experts.3.down_proj.weight" in exported
+        for key, value in exported.items():
+            torch.testing.assert_close(value, expected_export[key], rtol=0, atol=1e-5, msg=key)
 
 
 @pytest.mark.slow
