@@ -119,28 +119,31 @@ def test_qwen3_moe_under_pp2_trains_as_one_process_does(tmp_path: Path, schedule
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("family", "within_stage"),
+    ("family", "within_stage", "nproc"),
     [
-        ("Qwen3-MoE", "gang.ep_size=2"),
-        ("DeepSeek-V3", "gang.ep_size=2"),
-        ("Qwen3-MoE", "gang.tp_size=2"),
+        ("Qwen3-MoE", ("gang.ep_size=2",), 4),
+        ("DeepSeek-V3", ("gang.ep_size=2",), 4),
+        ("Qwen3-MoE", ("gang.tp_size=2",), 4),
+        ("Qwen3-MoE", ("gang.ep_size=2", "data_parallel=fsdp"), 8),
     ],
-    ids=["qwen3_moe-ep2", "deepseek_v3-ep2", "qwen3_moe-tp2"],
+    ids=["qwen3_moe-ep2", "deepseek_v3-ep2", "qwen3_moe-tp2", "qwen3_moe-fsdp4-ep2"],
 )
-def test_pp2_on_four_processes_trains_as_its_stages_layout_on_two(
-    tmp_path: Path, family: str, within_stage: str
+def test_pp2_trains_as_its_stages_layout_does_alone(
+    tmp_path: Path, family: str, within_stage: tuple[str, ...], nproc: int
 ) -> None:
-    """Four processes, two stages: each splits its layers' experts over its two DP ranks
-    (against EP=2 on two processes), or its layers over two TP ranks, whose routers see the
-    same tokens (against TP=2). DeepSeek-V3 (a dense first layer, shared experts, no
-    load-balancing loss) moves its routers' correction biases from each stage's own loads."""
+    """Two stages, each in the layout of the run without PP on half the processes: its layers'
+    experts split over two of its DP ranks (EP=2; on 8 processes each expert has a replica,
+    FSDP2 shards the experts over the two), or its layers over two TP ranks, whose routers see
+    the same tokens. DeepSeek-V3 (a dense first layer, shared experts, no load-balancing loss)
+    moves its routers' correction biases from each stage's own loads."""
     config = _config(tmp_path, family)
     if family == "DeepSeek-V3":
         config = (*config, "model.expert_bias_update_rate=0.01")
-    reference, piped = tmp_path / "two", tmp_path / "pp2"
-    reference_config = (*config, *_unpipelined("1f1b"), within_stage)
-    assert_ok(torchrun(2, *recipe_args(reference, *reference_config)))
-    assert_ok(torchrun(4, *recipe_args(piped, *config, *_pipelined("1f1b"), within_stage)))
+    reference, piped = tmp_path / "alone", tmp_path / "pp2"
+    reference_config = (*config, *_unpipelined("1f1b"), *within_stage)
+    assert_ok(torchrun(nproc // 2, *recipe_args(reference, *reference_config), timeout=900))
+    piped_config = (*config, *_pipelined("1f1b"), *within_stage)
+    assert_ok(torchrun(nproc, *recipe_args(piped, *piped_config), timeout=900))
     _assert_trains_alike(piped, reference, aux_loss=family == "Qwen3-MoE")
     if family == "DeepSeek-V3":
         biases = [v for k, v in last_model(piped).items() if k.endswith("correction_bias")]
