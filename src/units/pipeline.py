@@ -10,7 +10,13 @@ activations. The Trainer cannot call the unit's ``__call__`` there, so a unit th
 - :meth:`~PipelineUnit.stage_loss`: the SUMMED loss of one microbatch of the last stage's
   output, as ``__call__`` would return it;
 - :meth:`~PipelineUnit.record_loss`: what to record into the metric bag from a batch and its
-  summed loss, which every rank receives (so every rank publishes the same metrics).
+  summed loss, which every rank receives (so every rank publishes the same metrics);
+- optionally, :meth:`~PipelineUnit.stage_aux_loss` and :meth:`~PipelineUnit.record_aux_loss`:
+  the part of the loss that is not the targets' (a mixture of experts' load balancing), sent to
+  every rank with the loss and recorded apart.
+
+What a stage computes only so that torch learns its activations' shapes counts for nothing
+(:func:`inferring_shapes`).
 
 The target count comes from the batch, which every stage reads, so the Trainer normalizes by the
 step's targets exactly as without pipeline parallelism.
