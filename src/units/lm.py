@@ -126,6 +126,8 @@ class LMTrainUnit(TrainUnit[TokenBatch], PipelineUnit[TokenBatch]):
 
     def stage_inputs(self, batch: TokenBatch) -> StageInputs:
         self.metric_bag.num_bad_lines.update(torch.tensor(getattr(batch, "num_bad_lines", 0)))
+        # A micro-batch's auxiliary parts start afresh, whatever a failed one left.
+        self._aux_parts.clear()
         return lm_stage_inputs(batch)
 
     def stage_loss(self, output: StageOutput, target: Tensor) -> Tensor:
