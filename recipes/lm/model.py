@@ -16,7 +16,13 @@ from models.flops import flops_per_token
 from models.hf import hf_model
 from models.llama import Llama, hf_config, llama_args, tensor_parallel_plan
 from models.lora import LoraAdapters, apply_lora
-from models.moe import ExpertBiasUpdate, MoeLMTrainUnit, apply_expert_parallel, correction_biases
+from models.moe import (
+    ExpertBiasUpdate,
+    MoeLMTrainUnit,
+    apply_expert_parallel,
+    correction_biases,
+    expert_modules,
+)
 from recipes.common import PipelineSplit, parallel_options
 from recipes.lm.config import LMConfig
 from runtime import InitSource, parallelize_model
@@ -69,13 +75,16 @@ def build_model(
     elif config.lora.rank is not None:
         lora, init_fn = apply_lora(model, config.lora, init_fn)
     flops = flops_per_token(model, hf, config.data.seq_len)
-    expert_params = apply_expert_parallel(model, gangs)
-    model = apply_sequence_parallel(model, gangs, config.data.seq_len)
+    model = whole = apply_sequence_parallel(model, gangs, config.data.seq_len)
     split = None
     if gangs.pp.size > 1 and not frozen:
         # This rank keeps its stages' part of the model, under the whole model's names.
         split = PipelineSplit(model, gangs, config.pipeline)
         model = split.part
+    # On the part only: a stage's DP ranks split the experts of its own layers (a stage of
+    # dense layers alone has none, where other stages have).
+    dense_stage = split is not None and not expert_modules(model) and bool(expert_modules(whole))
+    expert_params = [] if dense_stage else apply_expert_parallel(model, gangs)
     model = parallelize_model(
         model,
         gangs,
@@ -99,7 +108,10 @@ def bias_update(rate: float, unit: TrainUnit[Any], gangs: Gangs) -> ExpertBiasUp
         )
     load = unit.expert_load if isinstance(unit, MoeLMTrainUnit) else None
     biases = correction_biases(unwrap_model(unit.model))
-    if load is None or not biases:
+    # Under pipeline parallelism each stage moves the biases of its own layers (none on a
+    # stage of dense layers), from its own counts: the model has them if any stage has.
+    found = bool(biases) if gangs.pp.size == 1 else any(gangs.pp.all_gather_objects(bool(biases)))
+    if load is None or not found:
         raise ValueError(
             f"model.expert_bias_update_rate ({rate}) moves the correction bias of a mixture of "
             f"experts' routers (DeepSeek-V3's), but {type(unwrap_model(unit.model)).__name__} "

@@ -41,8 +41,9 @@ def build_units(
     """The task's train unit and the eval unit of its valid set (None when precomputed values
     exist for no valid set). ``precompute``: what ``preference.precompute_reference`` needs."""
     if config.task not in PREFERENCE_TASKS:
-        moe = is_mixture_of_experts(built.model)
-        unit = MoeLMTrainUnit(built.model) if moe else LMTrainUnit(built.model)
+        pp_gang = gangs.pp if built.pipeline is not None else None
+        moe = is_mixture_of_experts(built.model, pp_gang)
+        unit = MoeLMTrainUnit(built.model, pp_gang=pp_gang) if moe else LMTrainUnit(built.model)
         return unit, LMEvalUnit(built.model)
     if config.task != "dpo":
         unit = preference_unit(config.task, built.model, config.preference, None)

@@ -139,8 +139,9 @@ class Gangs:
 
     @property
     def expert_mesh(self) -> DeviceMesh:
-        """The ``("ep_replicate", "ep", "tp")`` mesh of the experts: a view of the DP ranks in
-        which ``ep`` is the EP gang and ``ep_replicate`` its replicas. Experts are sharded over
+        """The ``("ep_replicate", "ep", "tp")`` mesh of the experts (``"pp"`` first under
+        pipeline parallelism: each stage's own): a view of the DP ranks in which ``ep`` is the EP
+        gang and ``ep_replicate`` its replicas. Experts are sharded over
         ``ep``, and FSDP2 shards them further over ``ep_replicate``, which needs both dims cut
         from one mesh."""
         if self._expert_mesh is None:
@@ -373,8 +374,8 @@ def setup_parallel_gangs(
 
     ``pp_size`` (pipeline parallelism) adds ``pp`` as the outermost mesh dim, ``("pp", <the DP
     dims>, "tp")``: a stage's ranks are a run of ``root.size / pp_size`` consecutive ranks, and
-    :attr:`Gangs.pp` strides across the stages. The DP and TP gangs are those of one stage. It
-    composes with DDP, FSDP2, HSDP and TP, not yet with EP or SP.
+    :attr:`Gangs.pp` strides across the stages. The DP, TP and EP gangs are those of one stage.
+    It composes with DDP, FSDP2, HSDP, TP and EP, not yet with SP.
     """
     dp_size = _check_sizes(
         root.size,
@@ -459,12 +460,11 @@ def _check_sizes(
     """The DP size of ``world_size`` processes with these sizes, or a :class:`GangSizeError`
     that names the sizes that would fit. With pipeline stages the other sizes divide the
     processes of one stage."""
-    for other, size in (("ep_size", ep_size), ("sp_size", sp_size)):
-        if pp_size > 1 and size > 1:
-            raise GangSizeError(
-                f"{{pp_size}} ({pp_size}) and {{{other}}} ({size}) do not compose yet: they are "
-                "not built within pipeline stages. Set one of them to 1."
-            )
+    if pp_size > 1 and sp_size > 1:
+        raise GangSizeError(
+            f"{{pp_size}} ({pp_size}) and {{sp_size}} ({sp_size}) do not compose yet: they are "
+            "not built within pipeline stages. Set one of them to 1."
+        )
     _check_divides("pp_size", pp_size, world_size, f"the number of processes ({world_size})")
     world = world_size // pp_size
     if sp_size > 1 and dp_shard_size is not None:
@@ -551,12 +551,16 @@ def _gang_of(dim_mesh: DeviceMesh, root: Gang, timeout: timedelta | None) -> Gan
 
 def _expert_mesh(mesh: DeviceMesh, ep_size: int, timeout: timedelta | None) -> DeviceMesh:
     """The ``("ep_replicate", "ep", "tp")`` view of ``mesh``: its ranks by DP rank (by DP x SP
-    rank with SP), then TP rank, with each run of ``ep_size`` consecutive such ranks an EP gang. One mesh, not groups of its
-    own, because FSDP2 shards a DTensor over a second dim only of the mesh that holds the first.
+    rank with SP), then TP rank, with each run of ``ep_size`` consecutive such ranks an EP gang;
+    with pipeline stages ``("pp", "ep_replicate", "ep", "tp")``, each stage's DP ranks split its
+    own experts. One mesh, not groups of its own, because FSDP2 shards a DTensor over a second dim only of the mesh that holds the first.
     Every rank makes every group, in one order (the public ``DeviceMesh`` constructor)."""
     tp_size = mesh.mesh.shape[-1]
-    ranks = mesh.mesh.reshape(-1, ep_size, tp_size)  # [replica][ep rank][tp rank]
-    names = ("ep_replicate", "ep", "tp")
+    # [replica][ep rank][tp rank], within each pipeline stage: a stage's experts are its own.
+    lead: tuple[str, ...] = ("pp",) if "pp" in (mesh.mesh_dim_names or ()) else ()
+    stages = mesh.mesh.shape[:1] if lead else ()
+    ranks = mesh.mesh.reshape(*stages, -1, ep_size, tp_size)
+    names = (*lead, "ep_replicate", "ep", "tp")
     expert_mesh = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=names)
     for name in names:
         _set_timeout(expert_mesh[name].get_group(), timeout)

@@ -21,7 +21,9 @@ from typing import Any, final
 
 from torch import Tensor, nn
 
+from models.hf.conversion import weight_conversions
 from models.llama import Llama, LlamaArgs, rotary_and_mask
+from models.moe.routing import RouterStatistics
 from trainkit_utils.modules import record_split_ties
 
 
@@ -207,16 +209,26 @@ class HFDecoderStage(_DecoderStage):
     """The part of a Hugging Face decoder (Llama, Qwen2, Mistral and their kin) that pipeline
     stages hold, as :class:`LlamaStage` for the project's model. Attention runs as ``sdpa``
     without a mask (causal), so batches hold no padding: packed text, as ``task=pretrain`` makes.
-    The rotary embedding (no parameters) is on every stage."""
+    The rotary embedding (no parameters) is on every stage. Mixtures of experts split alike;
+    with a load-balancing loss their stages pass their routers' sums on (``routers``)."""
 
     def __init__(self, model: Any, layers: Sequence[int], *, first: bool, last: bool) -> None:
         super().__init__(model, layers, first=first, last=last)
         self.config = model.config
         self.model.rotary_emb = model.model.rotary_emb
+        self.routers = RouterStatistics.of(model, self.model.layers.values())
+        """A mixture of experts with a load-balancing loss: the sums its routers pass on."""
+        self.hf_weight_conversions = weight_conversions(model)
+        """How the files' keys become the model's (a mixture of experts' are merged at load)."""
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, router_sums: Tensor | None = None) -> Tensor | tuple[Tensor, ...]:
+        """The logits (last stage) or hidden states (others) of ``x``. With :attr:`routers`, the
+        stages also pass on the router sums (:mod:`models.moe.routing`), and the last returns
+        ``(logits, load-balancing loss)``."""
         import torch
 
+        if self.routers is not None:
+            self.routers.begin()
         if self.first:
             x = self.model.embed_tokens(x)
         position_ids = torch.arange(x.size(1), device=x.device)[None, :]
@@ -231,7 +243,10 @@ class HFDecoderStage(_DecoderStage):
             x = out[0] if isinstance(out, tuple) else out
         if self.last:
             x = self.lm_head(self.model.norm(x))
-        return x
+        if self.routers is None:
+            return x
+        router_sums = self.routers.add(router_sums, x)
+        return (x, self.routers.loss(router_sums)) if self.last else (x, router_sums)
 
 
 __all__ = [

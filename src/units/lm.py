@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torcheval.metrics import Max, Mean
 
-from units.pipeline import PipelineUnit, StageInputs
+from units.pipeline import PipelineUnit, StageInputs, StageOutput, inferring_shapes
 from units.unit import EvalUnit, TrainUnit
 
 IGNORE_INDEX = -100
@@ -102,6 +102,8 @@ class LMTrainUnit(TrainUnit[TokenBatch], PipelineUnit[TokenBatch]):
         self.metric_bag.register_metric("nll_loss", Mean(), persistent=False)
         self.metric_bag.register_metric("num_bad_lines", Max(), persistent=False)
         self.aux_loss_coefficient = aux_loss_coefficient
+        self._aux_parts: list[Tensor] = []
+        """Under pipeline parallelism, the last stage's auxiliary losses (:meth:`stage_loss`)."""
         if aux_loss_coefficient:
             self.metric_bag.register_metric("router_aux_loss", Mean(), persistent=False)
 
@@ -123,21 +125,41 @@ class LMTrainUnit(TrainUnit[TokenBatch], PipelineUnit[TokenBatch]):
         return loss, batch.num_targets
 
     def stage_inputs(self, batch: TokenBatch) -> StageInputs:
-        if self.aux_loss_coefficient:
-            raise ValueError(
-                "A mixture of experts' auxiliary loss (aux_loss_coefficient) is not computed "
-                "under pipeline parallelism. Use gang.pp_size=1 for it."
-            )
         self.metric_bag.num_bad_lines.update(torch.tensor(getattr(batch, "num_bad_lines", 0)))
+        # A micro-batch's auxiliary parts start afresh, whatever a failed one left.
+        self._aux_parts.clear()
         return lm_stage_inputs(batch)
 
-    def stage_loss(self, output: Tensor, target: Tensor) -> Tensor:
-        return summed_nll_loss(output, target)
+    def stage_loss(self, output: StageOutput, target: Tensor) -> Tensor:
+        """The summed cross entropy of a pipeline microbatch; with ``aux_loss_coefficient`` and
+        a last stage that returns ``(logits, aux_loss)``, plus the auxiliary loss weighted by
+        the microbatch's targets, as :meth:`__call__` weighs a micro-batch's."""
+        logits, aux_loss = (output[0], output[1]) if isinstance(output, tuple) else (output, None)
+        loss = summed_nll_loss(logits, target)
+        if aux_loss is None or not self.aux_loss_coefficient:
+            return loss
+        # Counted on the device: no host sync inside the schedule.
+        num_targets = (target != IGNORE_INDEX).sum()
+        aux_part = self.aux_loss_coefficient * num_targets * aux_loss.float()
+        if not inferring_shapes():
+            self._aux_parts.append(aux_part.detach())
+        return loss + aux_part
+
+    def stage_aux_loss(self) -> Tensor | None:
+        if not self.aux_loss_coefficient:
+            return None
+        parts, self._aux_parts = self._aux_parts, []
+        return torch.stack(parts).sum() if parts else torch.zeros(())
 
     def record_loss(self, batch: TokenBatch, loss: Tensor) -> None:
         # A micro-batch of an SFT run may hold no response token; its mean is left out.
         weight = max(batch.num_targets, 1)
         self.metric_bag.nll_loss.update(loss / weight, weight=batch.num_targets)
+
+    def record_aux_loss(self, batch: TokenBatch, aux_loss: Tensor) -> None:
+        # The mean of the microbatches' auxiliary losses, weighted by their targets.
+        weight = max(batch.num_targets, 1) * self.aux_loss_coefficient
+        self.metric_bag.router_aux_loss.update(aux_loss / weight, weight=batch.num_targets)
 
 
 class LMEvalUnit(EvalUnit[TokenBatch], PipelineUnit[TokenBatch]):
@@ -155,8 +177,8 @@ class LMEvalUnit(EvalUnit[TokenBatch], PipelineUnit[TokenBatch]):
     def stage_inputs(self, batch: TokenBatch) -> StageInputs:
         return lm_stage_inputs(batch)
 
-    def stage_loss(self, output: Tensor, target: Tensor) -> Tensor:
-        return summed_nll_loss(output, target)
+    def stage_loss(self, output: StageOutput, target: Tensor) -> Tensor:
+        return summed_nll_loss(output[0] if isinstance(output, tuple) else output, target)
 
     def record_loss(self, batch: TokenBatch, loss: Tensor) -> None:
         if batch.num_targets > 0:

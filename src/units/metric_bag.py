@@ -32,11 +32,23 @@ class MetricBag:
     def __init__(self) -> None:
         self._metrics: dict[str, Metric[Any]] = {}
         self._persistent: set[str] = set()
+        self._per_stage: set[str] = set()
         self._snapshot: dict[str, dict[str, Any]] | None = None
         self._device: torch.device | None = None
 
-    def register_metric(self, name: str, metric: Metric[Any], persistent: bool = True) -> None:
-        """Add ``metric`` as ``name``; a non-persistent metric resets after each publish."""
+    def register_metric(
+        self, name: str, metric: Metric[Any], persistent: bool = True, *, per_stage: bool = False
+    ) -> None:
+        """Add ``metric`` as ``name``; a non-persistent metric resets after each publish.
+
+        ``per_stage``: under pipeline parallelism each stage updates its own part of the metric
+        (a mixture of experts' layers), which is zero on the other stages' ranks: its
+        ``summed_states`` are summed over the PP gang too (:meth:`sync_and_compute`)."""
+        if per_stage and not hasattr(metric, "summed_states"):
+            raise ValueError(
+                f"The metric '{name}' is per_stage, so its states are summed over the pipeline "
+                f"stages, but {type(metric).__name__} names no summed_states."
+            )
         # "group/name" (TRL's "rewards/chosen") groups metrics in TensorBoard; such a metric is
         # read back with getattr(bag, "group/name") or bag.metrics["group/name"].
         parts = name.split("/")
@@ -50,6 +62,8 @@ class MetricBag:
         self._metrics[name] = metric.to(self._device) if self._device is not None else metric
         if persistent:
             self._persistent.add(name)
+        if per_stage:
+            self._per_stage.add(name)
 
     def __getattr__(self, name: str) -> Metric[Any]:
         metrics = self.__dict__.get("_metrics", {})
@@ -119,19 +133,23 @@ class MetricBag:
         for name, state in states.items():
             self._metrics[name].load_state_dict(state)
 
-    def sync_and_compute(self, gang: Gang) -> dict[str, Any]:
-        """Merge every rank's metric states over ``gang`` and compute each metric.
+    def sync_and_compute(self, gang: Gang, *, pp_gang: Gang | None = None) -> dict[str, Any]:
+        """Merge every rank's metric states over ``gang`` and compute each metric; the
+        ``per_stage`` ones over ``pp_gang`` too (one more all-reduce).
 
-        Every rank of ``gang`` must call it. 0-dim results become Python numbers.
+        Every rank of ``gang`` (and ``pp_gang``) must call it. 0-dim results become Python
+        numbers.
         """
         if not self._metrics:
             return {}
-        if gang.size == 1:
-            merged: Mapping[str, Metric[Any]] = self._metrics
-        else:
+        merged: Mapping[str, Metric[Any]] = self._metrics
+        if gang.size > 1:
             summed = {n: m for n, m in self._metrics.items() if hasattr(m, "summed_states")}
             gathered = {n: m for n, m in self._metrics.items() if n not in summed}
             merged = _summed_over(gang, summed) | _gathered_over(gang, gathered)
+        if pp_gang is not None and pp_gang.size > 1 and self._per_stage:
+            staged = {name: merged[name] for name in sorted(self._per_stage)}
+            merged = {**merged, **_summed_over(pp_gang, staged)}
         return {name: _to_python(merged[name].compute()) for name in self._metrics}
 
     def state_dict(self) -> dict[str, Any]:

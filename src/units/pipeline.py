@@ -10,7 +10,13 @@ activations. The Trainer cannot call the unit's ``__call__`` there, so a unit th
 - :meth:`~PipelineUnit.stage_loss`: the SUMMED loss of one microbatch of the last stage's
   output, as ``__call__`` would return it;
 - :meth:`~PipelineUnit.record_loss`: what to record into the metric bag from a batch and its
-  summed loss, which every rank receives (so every rank publishes the same metrics).
+  summed loss, which every rank receives (so every rank publishes the same metrics);
+- optionally, :meth:`~PipelineUnit.stage_aux_loss` and :meth:`~PipelineUnit.record_aux_loss`:
+  the part of the loss that is not the targets' (a mixture of experts' load balancing), sent to
+  every rank with the loss and recorded apart.
+
+What a stage computes only so that torch learns its activations' shapes counts for nothing
+(:func:`inferring_shapes`).
 
 The target count comes from the batch, which every stage reads, so the Trainer normalizes by the
 step's targets exactly as without pipeline parallelism.
@@ -25,6 +31,10 @@ from typing import Generic, TypeVar, final
 from torch import Tensor
 
 BatchT_contra = TypeVar("BatchT_contra", contravariant=True)
+
+StageOutput = Tensor | tuple[Tensor, ...]
+"""What the last stage returns: its output (the logits), or that first and what else the loss
+needs (a mixture of experts' load-balancing loss, :mod:`models.moe.routing`)."""
 
 
 @final
@@ -59,14 +69,27 @@ class PipelineUnit(ABC, Generic[BatchT_contra]):
         """The pipeline's inputs, targets and target count of ``batch``."""
 
     @abstractmethod
-    def stage_loss(self, output: Tensor, target: Tensor) -> Tensor:
+    def stage_loss(self, output: StageOutput, target: Tensor) -> Tensor:
         """The loss of one microbatch, SUMMED over its targets, from the last stage's
         ``output``; a 0-dim tensor."""
 
     @abstractmethod
     def record_loss(self, batch: BatchT_contra, loss: Tensor) -> None:
         """Record the metrics of ``batch`` whose summed loss is ``loss`` (detached, on every
-        rank)."""
+        rank; without the auxiliary part, see :meth:`stage_aux_loss`)."""
+
+    def stage_aux_loss(self) -> Tensor | None:
+        """For a unit whose :meth:`stage_loss` adds an auxiliary loss (a mixture of experts'
+        load balancing) to the targets' loss: that part of its losses since the last call,
+        summed and detached, on the last stage's ranks; zero elsewhere. None (on every rank)
+        for a unit without one. The Trainer asks once per micro-batch and sends it with the
+        loss to every rank: :meth:`record_loss` gets the loss without it,
+        :meth:`record_aux_loss` the part."""
+        return None
+
+    def record_aux_loss(self, batch: BatchT_contra, aux_loss: Tensor) -> None:
+        """Record the auxiliary part ``aux_loss`` of the summed loss of ``batch`` (see
+        :meth:`stage_aux_loss`; detached, on every rank)."""
 
 
 PIPELINE_UNIT_HINT = (
@@ -74,3 +97,20 @@ PIPELINE_UNIT_HINT = (
     "record_loss (units.lm.LMTrainUnit and LMEvalUnit do)"
 )
 """What a unit must implement to run under pipeline parallelism, as refusals say it."""
+
+
+_INFERRING_SHAPES = [False]
+
+
+def inferring_shapes() -> bool:
+    """Whether the pipeline runs a stage's forward (or the last stage's loss) only to learn the
+    shapes of its activations: torch does that with real tensors before the first batch (and
+    after the shapes change). What it computes trains nothing, so a unit or a model records
+    nothing of it (a mixture of experts' loads, its auxiliary loss)."""
+    return _INFERRING_SHAPES[0]
+
+
+def set_inferring_shapes(value: bool) -> None:
+    """Mark what runs from now on as :func:`inferring_shapes`, or no more (the pipeline does,
+    around each such forward and loss)."""
+    _INFERRING_SHAPES[0] = value

@@ -101,6 +101,8 @@ def four_process_layouts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     }
     # Expert parallelism over 4 DP ranks, and over the 2 DP ranks beside TP.
     cases |= {"ep": (1, None, None, 2), "ep_tp": (2, None, None, 2)}
+    # Expert parallelism over the 2 DP ranks of each of 2 pipeline stages.
+    cases |= {"pp_ep": (1, None, None, 2, 1, 2)}
     # Sequence parallelism beside DP, and beside TP.
     cases |= {"sp": (1, None, None, 1, 2), "sp_tp": (2, None, None, 1, 2)}
     assert_ok(torchrun(4, WORKER, str(out), "--cases", json.dumps(cases)))
@@ -170,6 +172,22 @@ def test_four_processes_ep_gangs_are_consecutive_dp_ranks_and_replicas_stride(
 
 
 @pytest.mark.distributed
+def test_four_processes_each_pipeline_stage_splits_its_own_experts(
+    four_process_layouts: Path,
+) -> None:
+    for rank, report in enumerate(four_process_reports(four_process_layouts, "pp_ep")):
+        start = rank - rank % 2  # the stage's first rank
+        assert report["dp_members"] == [float(start), float(start + 1)]
+        assert report["ep_members"] == [float(start), float(start + 1)]
+        assert report["ep_replicas_members"] == [float(rank)]
+        assert report["ep_mesh"] == [start, start + 1]
+        assert report["expert_mesh"] == [
+            ["pp", "ep_replicate", "ep", "tp"],
+            [[[[0], [1]]], [[[2], [3]]]],
+        ]
+
+
+@pytest.mark.distributed
 def test_four_processes_sp_gangs_are_consecutive_and_gradients_add_over_dp_x_sp(
     four_process_layouts: Path,
 ) -> None:
@@ -217,17 +235,21 @@ def test_sp_size_must_divide_the_processes_and_compose() -> None:
         setup_parallel_gangs(FakeGang(), sp_size=2, dp_shard_size=2)
 
 
-def test_pipeline_stages_do_not_compose_with_sp_or_ep_yet() -> None:
+def test_pipeline_stages_split_their_own_experts_but_not_sequences_yet() -> None:
     from gangs.setup import _check_sizes
 
     assert _check_sizes(8, tp_size=2, sp_size=1, ep_size=1, dp_shard_size=2, pp_size=2) == 2
-    for other in ("sp_size", "ep_size"):
-        sizes = {"sp_size": 1, "ep_size": 1, other: 2}
-        with pytest.raises(
-            GangSizeError, match=rf"^pp_size \(2\) and {other} \(2\) do not compose yet"
-        ) as info:
-            _check_sizes(8, tp_size=1, dp_shard_size=None, pp_size=2, **sizes)
-        assert info.value.naming({"pp_size": "gang.pp_size"}).startswith("gang.pp_size (2)")
+    assert _check_sizes(8, tp_size=1, sp_size=1, ep_size=4, dp_shard_size=None, pp_size=2) == 4
+    with pytest.raises(
+        GangSizeError,
+        match=r"^ep_size is 8, but must divide the DP size \(4 = 4 processes of a stage / ",
+    ):
+        _check_sizes(8, tp_size=1, sp_size=1, ep_size=8, dp_shard_size=None, pp_size=2)
+    with pytest.raises(
+        GangSizeError, match=r"^pp_size \(2\) and sp_size \(2\) do not compose yet"
+    ) as info:
+        _check_sizes(8, tp_size=1, sp_size=2, ep_size=1, dp_shard_size=None, pp_size=2)
+    assert info.value.naming({"pp_size": "gang.pp_size"}).startswith("gang.pp_size (2)")
 
 
 def test_ep_size_must_divide_the_dp_size() -> None:

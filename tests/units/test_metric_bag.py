@@ -186,3 +186,26 @@ def test_summed_metrics_merge_by_one_all_reduce_and_the_others_by_gathering() ->
     gang = _TwoRanks(other_summed)
     assert only_summed.sync_and_compute(gang) == {"tokens": 10.0}
     assert gang.gathers == 0
+
+
+def test_per_stage_metrics_are_summed_over_the_pipeline_stages_too() -> None:
+    """Under pipeline parallelism a stage updates only its own layers' metrics: a per-stage
+    metric is summed over the PP gang as well, so every rank computes the totals; the others
+    (the loss every rank records) are left as the DP gang merged them."""
+
+    def bag_of(tokens: float, loss: float) -> MetricBag:
+        bag = MetricBag()
+        bag.register_metric("tokens_layer_1", _SummedSum(), per_stage=True)
+        bag.register_metric("nll_loss", Mean())
+        bag.tokens_layer_1.update(torch.tensor(tokens))
+        bag.nll_loss.update(torch.tensor(loss))
+        return bag
+
+    stage_0, stage_1 = bag_of(0.0, 3.0), bag_of(7.0, 3.0)
+    pp_gang = _TwoRanks(stage_1)
+    values = stage_0.sync_and_compute(FakeGang(), pp_gang=pp_gang)
+    assert values == {"tokens_layer_1": 7.0, "nll_loss": 3.0}
+    assert pp_gang.gathers == 0
+    assert stage_0.sync_and_compute(FakeGang()) == {"tokens_layer_1": 0.0, "nll_loss": 3.0}
+    with pytest.raises(ValueError, match=r"^The metric 'loss' is per_stage, .* names no summed_"):
+        stage_0.register_metric("loss", Mean(), per_stage=True)

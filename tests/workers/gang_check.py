@@ -2,7 +2,8 @@
 
 Usage: ``gang_check.py OUT TP_SIZE [DP_SHARD_SIZE]`` writes ``OUT/rank_R.json``;
 ``gang_check.py OUT --cases JSON`` checks several layouts of one launch (one torchrun start-up),
-JSON mapping each case's name to ``[tp_size, dp_shard_size, torch path(, ep_size(, sp_size))]``, into
+JSON mapping each case's name to ``[tp_size, dp_shard_size, torch path(, ep_size(, sp_size(,
+pp_size)))]``, into
 ``OUT/NAME/rank_R.json``. The torch path is ``private`` or ``public`` (gangs.torch_versions).
 """
 
@@ -131,6 +132,7 @@ def main(output_dir: Path, cases: dict[str, tuple[Any, ...]]) -> None:
                 dp_shard_size=dp_shard_size,
                 ep_size=more[0] if more else 1,
                 sp_size=more[1] if len(more) > 1 else 1,
+                pp_size=more[2] if len(more) > 2 else 1,
             )
             report = check(gangs)
         except BaseException as ex:

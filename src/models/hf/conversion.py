@@ -28,7 +28,12 @@ from torch.nn import Module
 
 def weight_conversions(model: Module) -> list[Any]:
     """The ``transformers`` weight transforms ``from_pretrained`` applies to ``model`` (an
-    unwrapped model); empty for any other model, or a family that loads its keys as they are."""
+    unwrapped model); empty for any other model, or a family that loads its keys as they are.
+    A pipeline stage's part of such a model (:class:`models.pipeline.HFDecoderStage`) keeps
+    the whole model's as ``hf_weight_conversions``: its keys are the whole model's."""
+    kept = getattr(model, "hf_weight_conversions", None)
+    if kept is not None:
+        return list(kept)
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping

@@ -1,5 +1,6 @@
 """Mixtures of experts: the load-balancing loss, expert parallelism over the DP ranks, the
-experts' load metrics, aux-loss-free balancing, and the LM unit that trains them."""
+experts' load metrics, aux-loss-free balancing, the load-balancing loss over pipeline stages, and
+the LM unit that trains them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from models.moe.experts import (
     tokens_per_expert,
 )
 from models.moe.load import ExpertBiasUpdate, ExpertLoad, ExpertTokens, correction_biases
+from models.moe.routing import RouterStatistics
 from models.moe.unit import MoeLMTrainUnit, is_mixture_of_experts
 
 __all__ = [
@@ -17,6 +19,7 @@ __all__ = [
     "ExpertLoad",
     "ExpertTokens",
     "MoeLMTrainUnit",
+    "RouterStatistics",
     "apply_expert_parallel",
     "correction_biases",
     "expert_modules",

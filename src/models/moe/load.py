@@ -30,6 +30,7 @@ from gangs import Gang, ReduceOperation
 from models.moe.experts import num_experts, tokens_per_expert
 from units.callback import TrainerCallback
 from units.metric_bag import MetricBag
+from units.pipeline import inferring_shapes
 
 _STATS = ("min", "max", "cv", "idle")
 _LAYER_NUMBER = re.compile(r"layers\.(\d+)\.")
@@ -85,6 +86,7 @@ class ExpertLoad:
         """``experts``: each MoE layer's experts module by its qualified name."""
         self._pending: dict[int, Tensor] = {}
         self._layers: list[tuple[int, int]] = []
+        self._names: dict[int, str] = {}
         self.step_counts: dict[int, Tensor] | None = None
         """Each layer's tokens per expert in the current step, when asked for
         (:meth:`count_steps`): what the aux-loss-free bias update reads."""
@@ -92,17 +94,49 @@ class ExpertLoad:
             match = _LAYER_NUMBER.search(name + ".")
             layer = int(match.group(1)) if match else len(self._layers)
             self._layers.append((layer, num_experts(module)))
+            if match:
+                self._names[layer] = name[: match.end(1)]
             module.register_forward_pre_hook(self._hook(layer), with_kwargs=True)
         self._metric_bag: MetricBag | None = None
 
-    def register(self, bag: MetricBag) -> None:
-        """Register each layer's four metrics (non-persistent: they restart at each publish)."""
-        for layer, count in self._layers:
+    @property
+    def layers(self) -> list[tuple[int, int]]:
+        """Each MoE layer of the model as ``(number, experts)``."""
+        return list(self._layers)
+
+    def register(self, bag: MetricBag, *, stages: list[tuple[int, int]] | None = None) -> None:
+        """Register each layer's four metrics (non-persistent: they restart at each publish).
+
+        ``stages``: under pipeline parallelism, the MoE layers of every stage (each rank
+        registers them all, so that every rank publishes them; a rank counts its own layers,
+        and a publish sums each over the PP gang: ``per_stage``)."""
+        for layer, count in sorted(set(self._layers) | set(stages or ())):
             for stat in _STATS:
-                bag.register_metric(
-                    _metric_name(stat, layer), ExpertTokens(count, stat), persistent=False
-                )
+                metric = ExpertTokens(count, stat)
+                name = _metric_name(stat, layer)
+                bag.register_metric(name, metric, persistent=False, per_stage=stages is not None)
         self._metric_bag = bag
+
+    def record_after_layers(self, model: nn.Module) -> None:
+        """Count each MoE layer's routings after its own forward (a hook on the decoder layer),
+        not after the whole model's: under pipeline parallelism the schedule runs the stages,
+        and the unit's forward never runs. An activation checkpoint's recomputation calls the
+        layer's inner forward, which fires no hook of the layer: nothing is counted twice."""
+        for layer, count in self._layers:
+            module = model.get_submodule(self._names[layer])
+            module.register_forward_hook(self._record_hook(layer, count))
+
+    def _record_hook(self, layer: int, count: int) -> Any:
+        def record(module: nn.Module, args: Any, output: Any) -> None:
+            # A valid pass runs without gradients: its routings count for nothing here, as
+            # without pipeline parallelism (where the unit's forward alone records); nor do a
+            # forward's that only infers the activations' shapes.
+            if torch.is_grad_enabled() and not inferring_shapes():
+                self._record(layer, count)
+            else:
+                self._pending.pop(layer, None)
+
+        return record
 
     def count_steps(self) -> None:
         """Also count each step's tokens per expert into :attr:`step_counts`."""
@@ -121,19 +155,22 @@ class ExpertLoad:
 
     def record(self) -> None:
         """Add the routings of the forward that just ran to the metrics."""
-        assert self._metric_bag is not None  # register
         for layer, count in self._layers:
-            index = self._pending.pop(layer, None)
-            if index is None:
-                continue
-            counts = tokens_per_expert(index, count, torch.float32)
-            for stat in _STATS:
-                getattr(self._metric_bag, _metric_name(stat, layer)).update(counts)
-            if self.step_counts is not None:
-                if layer in self.step_counts:
-                    self.step_counts[layer] += counts
-                else:
-                    self.step_counts[layer] = counts
+            self._record(layer, count)
+
+    def _record(self, layer: int, count: int) -> None:
+        assert self._metric_bag is not None  # register
+        index = self._pending.pop(layer, None)
+        if index is None:
+            return
+        counts = tokens_per_expert(index, count, torch.float32)
+        for stat in _STATS:
+            getattr(self._metric_bag, _metric_name(stat, layer)).update(counts)
+        if self.step_counts is not None:
+            if layer in self.step_counts:
+                self.step_counts[layer] += counts
+            else:
+                self.step_counts[layer] = counts
 
 
 def _metric_name(stat: str, layer: int) -> str:

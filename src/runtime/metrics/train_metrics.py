@@ -279,7 +279,9 @@ class TrainMetrics:
         if mfu is not None:
             values["mfu"] = mfu
         values.update(extra_values)
-        values.update(self._unit_metrics.sync_and_compute(self._gangs.dp_sp))
+        values.update(
+            self._unit_metrics.sync_and_compute(self._gangs.dp_sp, pp_gang=self._gangs.pp)
+        )
         self._unit_metrics.reset_non_persistent_metrics()
         self.reset()
         return values

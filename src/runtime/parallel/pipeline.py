@@ -22,7 +22,7 @@ from torch.nn import Module
 from gangs import Gangs, ProcessGroupGang
 from gangs.torch_versions import private_apis_refused, private_apis_supported
 from runtime.parallel.pipeline_ties import StageTies
-from units.pipeline import StageInputs
+from units.pipeline import StageInputs, set_inferring_shapes
 
 PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"]
 
@@ -215,6 +215,10 @@ class Pipeline:
         self._shapes: object = None
         self.ties = StageTies(part=part, gangs=gangs, last_stage_rank=self.last_stage_rank)
         """The copies of tied weights whose holders are this stage and one on another rank."""
+        self._inferring: set[object] = set()
+        """The stages (and the loss: ``self``) whose next call only infers shapes."""
+        self._mode: str | None = None
+        """The kind of the last run (step or eval) since the stages last inferred shapes."""
         group = pp.as_process_group()
         modules = [data_parallel_stage(module) for module in stages]
         _check_replicated_stages(schedule, modules)
@@ -222,6 +226,10 @@ class Pipeline:
             Stage(module, stage_id, self.num_stages, gangs.root.device, group=group)
             for module, stage_id in zip(modules, ids, strict=True)
         ]
+        self.stage_modules = list(stages)
+        for module in stages:
+            module.register_forward_pre_hook(self._begin_forward)
+            module.register_forward_hook(self._end_forward, always_call=True)
         cls = _schedule_class(schedule)
         first = self._stages if schedule not in _SINGLE else self._stages[0]
         self._schedule = cls(first, num_microbatches, loss_fn=self._loss, scale_grads=False)
@@ -235,7 +243,29 @@ class Pipeline:
 
     def _loss(self, output: Tensor, target: Tensor) -> Tensor:
         assert self._loss_fn is not None, "Pipeline.step sets the loss"
-        return self._loss_fn(output, target)
+        inferring = self in self._inferring
+        self._inferring.discard(self)
+        set_inferring_shapes(inferring)
+        try:
+            return self._loss_fn(output, target)
+        finally:
+            set_inferring_shapes(False)
+
+    def _begin_forward(self, module: Module, args: Any) -> None:
+        set_inferring_shapes(module in self._inferring)
+        self._inferring.discard(module)
+
+    def _end_forward(self, module: Module, args: Any, output: Any) -> None:
+        set_inferring_shapes(False)
+
+    def _infers_shapes(self, mode: str) -> bool:
+        """Whether torch's next run (``mode``: step or eval) first infers the activations'
+        shapes with real tensors: one forward of each stage, and for a step the last stage's
+        loss, before the microbatches'. torch 2.13 does at the first run, after the shapes
+        change (:meth:`_forget_shapes`) and after a switch between step and eval."""
+        infers = self._mode != mode
+        self._mode = mode
+        return infers
 
     def step(
         self, inputs: StageInputs, loss_fn: LossFn, *, sync_gradients: bool = True
@@ -248,14 +278,14 @@ class Pipeline:
         others add to the unsynced gradients (see :mod:`runtime.parallel.pipeline_stage`)."""
         for stage in self._stages:
             stage.sync_gradients = sync_gradients
-        return self._run(inputs, loss_fn, self._schedule.step)
+        return self._run(inputs, loss_fn, "step")
 
     def eval(self, inputs: StageInputs, loss_fn: LossFn) -> Tensor | None:
         """Forward only; as :meth:`step`."""
         with torch.no_grad():
-            return self._run(inputs, loss_fn, self._schedule.eval)
+            return self._run(inputs, loss_fn, "eval")
 
-    def _run(self, inputs: StageInputs, loss_fn: LossFn, run: Any) -> Tensor | None:
+    def _run(self, inputs: StageInputs, loss_fn: LossFn, mode: str) -> Tensor | None:
         self.ties.sync_weights()
         inputs = self._padded(inputs)
         shapes = _shapes(inputs)
@@ -263,6 +293,11 @@ class Pipeline:
             self._forget_shapes(shapes)
         self._shapes = shapes
         self._loss_fn = loss_fn
+        # What the stages (and a step's loss) compute only to infer shapes counts for nothing
+        # (units.pipeline.inferring_shapes).
+        inferring = {*self.stage_modules, *([self] if mode == "step" else [])}
+        self._inferring = inferring if self._infers_shapes(mode) else set()
+        run = self._schedule.step if mode == "step" else self._schedule.eval
         losses: list[Tensor] = []
         try:
             run(
@@ -274,6 +309,7 @@ class Pipeline:
             )
         finally:
             self._loss_fn = None
+            self._inferring = set()
         if not self.has_last:
             return None
         return torch.stack([loss.detach() for loss in losses]).sum()
@@ -331,6 +367,7 @@ class Pipeline:
             )
         for flag in flags:
             setattr(schedule, flag, False)
+        self._mode = None
 
 
 def _shapes(inputs: StageInputs) -> object:

@@ -81,6 +81,7 @@ class PipelineTrainStep(TrainStep[BatchT]):
         num_targets = 0
         num_examples = 0
         sums: list[Tensor] = []
+        aux_parts: list[Tensor] = []
         last = len(batches) - 1
         for index, batch in enumerate(batches):
             inputs = unit.stage_inputs(batch)
@@ -100,10 +101,17 @@ class PipelineTrainStep(TrainStep[BatchT]):
                 total = self._pipeline.step(inputs, loss_fn, sync_gradients=index == last)
             if total is not None:
                 sums.append(total / scale if scale != 1.0 else total)
+            aux_part = unit.stage_aux_loss()
+            if aux_part is not None:
+                aux_parts.append(aux_part)
         self._pipeline.ties.sum_gradients()
-        losses = self._broadcast_losses(sums, len(batches))
-        for batch, loss in zip(batches, losses, strict=True):
-            unit.record_loss(batch, loss)
+        losses, aux_losses = self._broadcast_losses(sums, aux_parts, len(batches))
+        for i, (batch, loss) in enumerate(zip(batches, losses, strict=True)):
+            if aux_losses:
+                unit.record_loss(batch, loss - aux_losses[i])
+                unit.record_aux_loss(batch, aux_losses[i])
+            else:
+                unit.record_loss(batch, loss)
         self._totals.start(
             num_targets=num_targets,
             num_examples=num_examples,
@@ -112,16 +120,19 @@ class PipelineTrainStep(TrainStep[BatchT]):
         )
         return losses, num_targets, losses[-1]
 
-    def _broadcast_losses(self, sums: list[Tensor], count: int) -> list[Tensor]:
-        """The summed loss of each micro-batch, from the last stage to every PP rank: one
-        broadcast per step."""
+    def _broadcast_losses(
+        self, sums: list[Tensor], aux_parts: list[Tensor], count: int
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """The summed loss of each micro-batch and its auxiliary part (none without one), from
+        the last stage to every PP rank: one broadcast per step."""
         device = self._pp_gang.device
+        width = 2 if aux_parts else 1
         if sums:
-            losses = torch.stack(sums).to(device=device, dtype=torch.float32)
+            values = torch.stack(sums + aux_parts).to(device=device, dtype=torch.float32)
         else:
-            losses = torch.empty(count, dtype=torch.float32, device=device)
-        self._pp_gang.broadcast(losses, source_rank=self._pipeline.last_stage_rank)
-        return list(losses.unbind())
+            values = torch.empty(width * count, dtype=torch.float32, device=device)
+        self._pp_gang.broadcast(values, source_rank=self._pipeline.last_stage_rank)
+        return list(values[:count].unbind()), list(values[count:].unbind())
 
 
 @final
