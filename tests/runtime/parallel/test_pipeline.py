@@ -153,9 +153,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
 @pytest.fixture(scope="module")
 def pipeline_runs(tmp_path_factory: pytest.TempPathFactory, reference: Reference) -> Path:
     """One two-process launch of every run of pipeline_checks.RUNS under pp_size=2, and of the
-    one-process reference resumed from its step 2 at pp_size=2."""
+    one-process references resumed from their step 2 at pp_size=2 (the tied one beside)."""
     out = tmp_path_factory.mktemp("pipeline_checks")
-    one_process_run = reference["valid"][0]
+    # The worker finds the tied reference beside the other: both are made before it starts.
+    one_process_run, _ = reference["valid"]
+    assert reference["tied"][0] == one_process_run.parent / "tied"
     assert_ok(
         torchrun(2, "tests/workers/pipeline_checks.py", str(out), "two", str(one_process_run))
     )
