@@ -362,8 +362,8 @@ def test_tied_embeddings_split_into_a_copy_per_rank_or_one_weight_on_one() -> No
 def many_process_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
     """``runs(nproc)``: the directory of one launch of pipeline_checks on 4 processes (PP=2 x
     FSDP2 and x DDP over DP=2, PP=2 x TP=2 with two stages a rank, each also with tied
-    embeddings, PP=4 with them, and the runs that count gradient syncs) or 8 (PP=2 x FSDP2 x
-    TP=2), each made once."""
+    embeddings, PP=4 with them, zbv and dualpipev over FSDP2, HSDP and TP=2, and the runs that
+    count gradient syncs) or 8 (PP=2 x FSDP2 x TP=2), each made once."""
     outs: dict[int, Path] = {}
 
     def runs(nproc: int) -> Path:
