@@ -157,8 +157,10 @@ def test_refusals_exit_2_in_one_line(
         (4, ("gang.pp_size=2", "gang.tp_size=2", "data.batch_size=8")),
         # Each stage's 4 DP ranks: 2 replicas of 2 shards, 2 examples each.
         (8, ("gang.pp_size=2", "gang.dp_shard_size=2", "data.batch_size=2")),
+        # FSDP2 under a split backward: the 4 microbatches zbv needs, one example each.
+        (4, ("gang.pp_size=2", "data.batch_size=4", *PIPELINES["qwen2_tied"])),
     ],
-    ids=["pp2_fsdp2", "pp2_ddp", "pp2_tp2", "pp2_hsdp"],
+    ids=["pp2_fsdp2", "pp2_ddp", "pp2_tp2", "pp2_hsdp", "pp2_fsdp2_zbv"],
 )
 def test_pp2_composes_with_data_and_tensor_parallelism(
     tmp_path: Path, nproc: int, layout: tuple[str, ...]

@@ -10,7 +10,7 @@ of :data:`RUNS` (:data:`FOUR_PROCESS_RUNS`) trains under ``pp_size=2`` into ``OU
 weights to ``OUT/NAME/part_{pp_rank}.pt``. ``four`` also runs :data:`SYNC_COUNT_RUNS`, which
 count each rank's DP gradient syncs (:func:`count_gradient_syncs`), and tries DDP under ZBV,
 whose one-line refusal each rank writes to ``OUT/zbv_ddp_{rank}.txt``. :func:`train` is also the
-one-process reference the tests compare with (``pp_size`` 1).
+one-process reference the tests compare with (``pp_size`` 1; :data:`REFERENCES`).
 """
 
 from __future__ import annotations
@@ -98,6 +98,25 @@ RUNS: dict[str, dict[str, Any]] = {
 }
 NUM_STEPS = 4
 
+REFERENCES: dict[str, dict[str, Any]] = {
+    "valid": {},
+    "no_valid": {"valid": False},
+    "tied": TIED,
+    "batch_8": {"batch_size": 8},
+    "batch_8_no_accumulation": {"batch_size": 8, "num_accumulate": 1},
+}
+"""The one-process runs of :func:`train` that the tests compare the runs with: a run's
+``reference`` names its own, else it is ``tied``, ``valid`` or ``no_valid`` by its options."""
+
+V_SHAPED_FSDP: dict[str, Any] = {
+    "stages_per_rank": 2,
+    "num_microbatches": 4,
+    "kind": "fsdp",
+    "batch_size": 4,
+    "reference": "batch_8",
+}
+"""The options of the four-process runs of a V-shaped schedule over two DP ranks a stage."""
+
 FOUR_PROCESS_RUNS: dict[str, dict[str, Any]] = {
     # pp outermost: ranks 0-1 are stage 0 (a DP or TP pair), ranks 2-3 stage 1.
     "pp2_fsdp2": {"schedule": "1f1b", "num_microbatches": 2, "kind": "fsdp", "batch_size": 2},
@@ -114,6 +133,17 @@ FOUR_PROCESS_RUNS: dict[str, dict[str, Any]] = {
     "pp2_tp2_tied": {"schedule": "1f1b", "num_microbatches": 2, "tp_size": 2, **TIED},
     # PP=4: the first and the last stage's ranks sum the tie's gradients in a group of their own.
     "pp4_tied": {"schedule": "1f1b", "num_microbatches": 4, "pp_size": 4, **TIED},
+    # The V-shaped schedules split the backward into input and weight gradients: over FSDP2,
+    # HSDP (2 replicas of one shard) and TP. Their 4 microbatches need batches of 4 a DP rank,
+    # so the FSDP2 and HSDP runs equal one process reading batches of 8 ("reference").
+    "pp2_fsdp2_zbv": {**V_SHAPED_FSDP, "schedule": "zbv"},
+    "pp2_fsdp2_dualpipev": {**V_SHAPED_FSDP, "schedule": "dualpipev"},
+    "pp2_fsdp2_dualpipev_no_accumulation": {**V_SHAPED_FSDP, "schedule": "dualpipev",
+                                            "num_accumulate": 1,
+                                            "reference": "batch_8_no_accumulation"},
+    "pp2_hsdp_zbv": {**V_SHAPED_FSDP, "schedule": "zbv", "kind": "hsdp", "dp_shard_size": 1},
+    "pp2_tp2_zbv": {"schedule": "zbv", "stages_per_rank": 2, "num_microbatches": 4,
+                    "tp_size": 2},
 }  # fmt: skip
 """Runs of ``pipeline_checks.py OUT four`` on four processes (the slow tests)."""
 
@@ -387,7 +417,10 @@ def main(output_dir: Path, which: str, one_process_run: Path | None) -> None:
         run_dir = output_dir / name
         run_dir.mkdir(parents=True, exist_ok=True)
         gangs = setup_parallel_gangs(
-            root, pp_size=options.get("pp_size", 2), tp_size=options.get("tp_size", 1)
+            root,
+            pp_size=options.get("pp_size", 2),
+            tp_size=options.get("tp_size", 1),
+            dp_shard_size=options.get("dp_shard_size"),
         )
         resume_from = options.get("resume_from")
         try:

@@ -162,6 +162,21 @@ def _check_replicated_stages(schedule: str, modules: Sequence[Module]) -> None:
         )
 
 
+def _keep_sharded_stages_gathered(schedule: str, modules: Sequence[Module]) -> None:
+    """Keep FSDP2's gathered parameters from each forward to the backward under the schedules
+    that split it. Their input-gradient action (I) finds the weights it leaves to the
+    weight-gradient action (W) among the stage's parameters as registered when it starts: a
+    layer resharded after its forward is registered by its shards, which the forward's graph
+    never used, so W would skip that layer's gradients. The stage's gradient sync reshards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if schedule not in _V_SHAPED:
+        return
+    for module in modules:
+        if isinstance(module, FSDPModule):
+            module.set_reshard_after_forward(False)
+
+
 @final
 class Pipeline:
     """A rank's stages of a model and the schedule that runs them.
@@ -222,6 +237,7 @@ class Pipeline:
         group = pp.as_process_group()
         modules = [data_parallel_stage(module) for module in stages]
         _check_replicated_stages(schedule, modules)
+        _keep_sharded_stages_gathered(schedule, modules)
         self._stages = [
             Stage(module, stage_id, self.num_stages, gangs.root.device, group=group)
             for module, stage_id in zip(modules, ids, strict=True)
