@@ -144,6 +144,15 @@ FOUR_PROCESS_RUNS: dict[str, dict[str, Any]] = {
     "pp2_hsdp_zbv": {**V_SHAPED_FSDP, "schedule": "zbv", "kind": "hsdp", "dp_shard_size": 1},
     "pp2_tp2_zbv": {"schedule": "zbv", "stages_per_rank": 2, "num_microbatches": 4,
                     "tp_size": 2},
+    # The rest of the schedules x layouts matrix: every schedule over FSDP2 and over TP.
+    "pp2_fsdp2_gpipe": {"schedule": "gpipe", "num_microbatches": 2, "kind": "fsdp",
+                        "batch_size": 2},
+    "pp2_fsdp2_interleaved": {"schedule": "interleaved_1f1b", "stages_per_rank": 2,
+                              "num_microbatches": 2, "kind": "fsdp", "batch_size": 2},
+    "pp2_tp2_gpipe": {"schedule": "gpipe", "num_microbatches": 2, "tp_size": 2},
+    "pp2_tp2_1f1b": {"schedule": "1f1b", "num_microbatches": 2, "tp_size": 2},
+    "pp2_tp2_dualpipev": {"schedule": "dualpipev", "stages_per_rank": 2, "num_microbatches": 4,
+                          "tp_size": 2},
 }  # fmt: skip
 """Runs of ``pipeline_checks.py OUT four`` on four processes (the slow tests)."""
 
@@ -160,6 +169,14 @@ SYNC_COUNT_RUNS: dict[str, dict[str, Any]] = {
 EIGHT_PROCESS_RUNS: dict[str, dict[str, Any]] = {
     "pp2_fsdp2_tp2": {"schedule": "1f1b", "num_microbatches": 2, "kind": "fsdp", "batch_size": 2,
                       "tp_size": 2},
+    # Every other schedule over the same layout.
+    "pp2_fsdp2_tp2_gpipe": {"schedule": "gpipe", "num_microbatches": 2, "kind": "fsdp",
+                            "batch_size": 2, "tp_size": 2},
+    "pp2_fsdp2_tp2_interleaved": {"schedule": "interleaved_1f1b", "stages_per_rank": 2,
+                                  "num_microbatches": 2, "kind": "fsdp", "batch_size": 2,
+                                  "tp_size": 2},
+    "pp2_fsdp2_tp2_zbv": {**V_SHAPED_FSDP, "schedule": "zbv", "tp_size": 2},
+    "pp2_fsdp2_tp2_dualpipev": {**V_SHAPED_FSDP, "schedule": "dualpipev", "tp_size": 2},
 }  # fmt: skip
 """Runs of ``pipeline_checks.py OUT eight`` on eight processes (slow)."""
 

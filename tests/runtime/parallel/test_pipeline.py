@@ -383,7 +383,10 @@ def many_process_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("nproc", "name"),
-    [*((4, name) for name in sorted(FOUR_PROCESS_RUNS)), (8, "pp2_fsdp2_tp2")],
+    [
+        *((4, name) for name in sorted(FOUR_PROCESS_RUNS)),
+        *((8, name) for name in sorted(EIGHT_PROCESS_RUNS)),
+    ],
 )
 def test_pp2_with_fsdp2_and_tp2_equals_one_process(
     many_process_runs: Callable[[int], Path], reference: Reference, nproc: int, name: str
