@@ -17,7 +17,8 @@ model's).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, final
+from dataclasses import dataclass
+from typing import Any, Final, final
 
 from torch import Tensor, nn
 
@@ -54,8 +55,8 @@ def split_layers(
 
 
 class _Body(nn.Module):
-    """The whole model's ``model`` submodule as far as a stage holds it (the flags of the stage
-    say which of these it has)."""
+    """The whole model's body (``model``, GPT-2's ``transformer``) as far as a stage holds it
+    (the flags of the stage say which of its modules it has)."""
 
     embed_tokens: nn.Module
     layers: nn.ModuleDict
@@ -63,23 +64,63 @@ class _Body(nn.Module):
     rotary_emb: nn.Module
 
 
+@dataclass(frozen=True)
+class _Names:
+    """Where a decoder keeps what its stages split, under its body (``model`` or
+    ``transformer``): the token embedding, the absolute position embedding and the dropout after
+    the embeddings (GPT-2's; None: none), the list of layers and the final norm."""
+
+    body: str = "model"
+    tokens: str = "embed_tokens"
+    positions: str | None = None
+    dropout: str | None = None
+    layers: str = "layers"
+    norm: str = "norm"
+
+    @property
+    def embeddings(self) -> tuple[str, ...]:
+        return tuple(n for n in (self.tokens, self.positions, self.dropout) if n is not None)
+
+
+_LLAMA_NAMES = _Names()
+_GPT2_NAMES = _Names(
+    body="transformer", tokens="wte", positions="wpe", dropout="drop", layers="h", norm="ln_f"
+)
+
+
 class _DecoderStage(nn.Module):
     """The modules of a decoder that its stages ``layers`` hold, under the whole model's names
-    (the project's Llama and Hugging Face decoders name them alike): the embedding on the first
-    stage (``first``), the norm and the head on the last (``last``)."""
+    (``names`` says where they are): the embeddings on the first stage (``first``), the norm and
+    the head on the last (``last``)."""
 
+    model: _Body
+    """The body, where ``names.body`` is ``model`` (the project's Llama and most Hugging Face
+    decoders)."""
     lm_head: nn.Module
 
-    def __init__(self, model: Any, layers: Sequence[int], *, first: bool, last: bool) -> None:
+    def __init__(
+        self,
+        model: Any,
+        layers: Sequence[int],
+        *,
+        first: bool,
+        last: bool,
+        names: _Names = _LLAMA_NAMES,
+    ) -> None:
         super().__init__()
         self.first = first
         self.last = last
-        self.model = _Body()
+        whole = getattr(model, names.body)
+        body = _Body()
         if first:
-            self.model.embed_tokens = model.model.embed_tokens
-        self.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in layers})
+            for name in names.embeddings:
+                body.add_module(name, getattr(whole, name))
+        every_layer = getattr(whole, names.layers)
+        body.add_module(names.layers, nn.ModuleDict({str(i): every_layer[i] for i in layers}))
         if last:
-            self.model.norm = model.model.norm
+            body.add_module(names.norm, getattr(whole, names.norm))
+        self.add_module(names.body, body)
+        if last:
             self.lm_head = model.lm_head
 
 
@@ -127,21 +168,18 @@ def split_model(
 ) -> tuple[list[nn.Module], nn.Module]:
     """The stages ``stage_ids`` (of ``num_stages``) of ``model``, and the rank's part that holds
     them all (see the module docstring). ``split``: each stage's number of layers (None:
-    balanced). The project's :class:`~models.llama.Llama` and Hugging Face Llama-family decoders
-    (``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``) split."""
+    balanced). The project's :class:`~models.llama.Llama` and the Hugging Face decoders of
+    :data:`HF_PIPELINE_FAMILIES` split; any other model is refused in one line."""
     if isinstance(model, Llama):
         num_layers = model.args.num_layers
+        names = _LLAMA_NAMES
         stage_type: type[LlamaStage] | type[HFDecoderStage] = LlamaStage
-    elif _is_hf_decoder(model):
-        num_layers = len(model.get_submodule("model.layers"))  # type: ignore[arg-type]
-        stage_type = HFDecoderStage
     else:
-        raise ValueError(
-            f"{type(model).__name__} does not split into pipeline stages: the project's Llama "
-            "(model.name) and Hugging Face decoders with model.embed_tokens, model.layers, "
-            "model.norm and lm_head do. Use gang.pp_size=1."
-        )
-    tied = model.get_submodule("lm_head").weight is model.get_submodule("model.embed_tokens").weight
+        names = hf_stage_names(model)
+        num_layers = len(model.get_submodule(f"{names.body}.{names.layers}"))  # type: ignore[arg-type]
+        stage_type = HFDecoderStage
+    embedding = model.get_submodule(f"{names.body}.{names.tokens}")
+    tied = model.get_submodule("lm_head").weight is embedding.weight
     return split_by_layers(
         model,
         stage_ids,
@@ -186,48 +224,124 @@ def split_by_layers(
     return stages, make_stage(model, owned, 0 in stage_ids, last in stage_ids)
 
 
-def _is_hf_decoder(model: nn.Module) -> bool:
-    body = getattr(model, "model", None)
-    return (
-        hasattr(model, "lm_head")
-        and hasattr(model, "config")
-        and all(hasattr(body, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb"))
-    )
+HF_PIPELINE_FAMILIES: Final = frozenset(
+    {
+        "llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt2", "phi3", "olmo2",
+        "qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss",
+    }
+)  # fmt: skip
+"""The ``model_type`` of the Hugging Face decoders that split into :class:`HFDecoderStage`: their
+forward is embeddings, layers, norm and head, with the quirks the stages read off the config
+(sliding windows, final logit soft-capping, absolute positions). A family outside it may do more
+between its layers (scale the embeddings or logits by a config factor, mix per-layer rotary
+tables), which the stages would silently leave out: it is refused."""
+
+_NAMES_BY_FAMILY: Final = {"gpt2": _GPT2_NAMES}
+"""Families whose modules are not under ``model.embed_tokens``, ``model.layers``, ``model.norm``."""
+
+
+def hf_stage_names(model: nn.Module) -> _Names:
+    """Where the Hugging Face decoder ``model`` keeps what its stages split, or the one-line
+    refusal (a ``ValueError``) of a model that does not split."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in HF_PIPELINE_FAMILIES or not hasattr(model, "lm_head"):
+        raise ValueError(
+            f"{type(model).__name__} (model_type {model_type!r}) does not split into pipeline "
+            "stages: the project's Llama (model.name) and the Hugging Face families "
+            f"{', '.join(sorted(HF_PIPELINE_FAMILIES))} do, whose forward the stages reproduce. "
+            "Use gang.pp_size=1."
+        )
+    return _NAMES_BY_FAMILY.get(model_type, _LLAMA_NAMES)
+
+
+def _attention_kinds(config: Any, num_layers: int) -> list[str]:
+    """Each layer's attention, as the model's own forward picks its mask: ``layer_types`` where
+    the config has them (Gemma 2's alternating sliding window, Qwen2's and Qwen3's), else a
+    sliding window on every layer where the config sets one (Mistral, Phi-3), else causal."""
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None:
+        return list(kinds)
+    sliding = getattr(config, "sliding_window", None) is not None
+    return ["sliding_attention" if sliding else "full_attention"] * num_layers
 
 
 @final
 class HFDecoderStage(_DecoderStage):
-    """The part of a Hugging Face decoder (Llama, Qwen2, Mistral and their kin) that pipeline
-    stages hold, as :class:`LlamaStage` for the project's model. Attention runs as ``sdpa``
-    without a mask (causal), so batches hold no padding: packed text, as ``task=pretrain`` makes.
-    The rotary embedding (no parameters) is on every stage."""
+    """The part of a Hugging Face decoder (:data:`HF_PIPELINE_FAMILIES`) that pipeline stages
+    hold, as :class:`LlamaStage` for the project's model. Each stage builds the masks of its
+    layers with ``transformers``' own mask functions for the config's attention (causal, or a
+    sliding window), without padding: packed text (``task=pretrain``) or right-padded examples
+    whose padding is never a target (``task=sft``). The rotary embedding (no parameters) is on
+    every stage; the last applies the config's final logit soft-capping (Gemma 2)."""
 
     def __init__(self, model: Any, layers: Sequence[int], *, first: bool, last: bool) -> None:
-        super().__init__(model, layers, first=first, last=last)
+        names = hf_stage_names(model)
+        super().__init__(model, layers, first=first, last=last, names=names)
         self.config = model.config
-        self.model.rotary_emb = model.model.rotary_emb
+        self._names = names
+        whole = getattr(model, names.body)
+        self._rotary = hasattr(whole, "rotary_emb")
+        if self._rotary:
+            self._body.rotary_emb = whole.rotary_emb
+        kinds = _attention_kinds(model.config, len(getattr(whole, names.layers)))
+        self._kinds = {str(i): kinds[i] for i in layers}
+        self._softcap: float | None = getattr(model.config, "final_logit_softcapping", None)
+
+    @property
+    def _body(self) -> _Body:
+        return self.get_submodule(self._names.body)  # type: ignore[return-value]
 
     def forward(self, x: Tensor) -> Tensor:
         import torch
 
-        if self.first:
-            x = self.model.embed_tokens(x)
+        body, names = self._body, self._names
         position_ids = torch.arange(x.size(1), device=x.device)[None, :]
-        position_embeddings = self.model.rotary_emb(x, position_ids)
-        for layer in self.model.layers.values():
-            out = layer(
-                x,
-                attention_mask=None,
-                position_ids=position_ids,
-                position_embeddings=position_embeddings,
-            )
+        if self.first:
+            x = self._embed(x, position_ids)
+        kwargs: dict[str, Any] = {"position_ids": position_ids}
+        if self._rotary:
+            kwargs["position_embeddings"] = body.rotary_emb(x, position_ids)
+        masks = {kind: self._mask(kind, x, position_ids) for kind in set(self._kinds.values())}
+        for name, layer in body.get_submodule(names.layers).named_children():
+            out = layer(x, attention_mask=masks[self._kinds[name]], **kwargs)
             x = out[0] if isinstance(out, tuple) else out
         if self.last:
-            x = self.lm_head(self.model.norm(x))
+            x = self.lm_head(body.get_submodule(names.norm)(x))
+            if self._softcap is not None:
+                x = torch.tanh(x / self._softcap) * self._softcap
         return x
+
+    def _embed(self, ids: Tensor, position_ids: Tensor) -> Tensor:
+        body, names = self._body, self._names
+        x: Tensor = body.get_submodule(names.tokens)(ids)
+        if names.positions is not None:
+            x = x + body.get_submodule(names.positions)(position_ids)
+        if names.dropout is not None:
+            x = body.get_submodule(names.dropout)(x)
+        return x
+
+    def _mask(self, kind: str, x: Tensor, position_ids: Tensor) -> Any:
+        """The mask ``transformers`` builds for the whole model's layers of ``kind`` (None where
+        its attention is causal by itself, as ``sdpa``'s)."""
+        from transformers.masking_utils import (
+            create_causal_mask,
+            create_sliding_window_causal_mask,
+        )
+
+        make = (
+            create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+        )
+        return make(
+            config=self.config,
+            inputs_embeds=x,
+            attention_mask=None,
+            cache=None,
+            position_ids=position_ids,
+        )
 
 
 __all__ = [
+    "HF_PIPELINE_FAMILIES",
     "HFDecoderStage",
     "LlamaStage",
     "StageFactory",

@@ -20,6 +20,7 @@ from models.pipeline import LlamaStage, split_layers, split_model
 from runtime.parallel.pipeline import check_pipeline, schedule_available, stage_ids
 from runtime.training.pipeline_step import pipeline_unit
 from tests.conftest import assert_ok, read_jsonl, torchrun
+from tests.recipes import families
 from tests.workers import pipeline_checks
 from tests.workers.pipeline_checks import ARGS, FOUR_PROCESS_RUNS, NUM_STEPS, RUNS
 from units import TrainUnit
@@ -273,6 +274,46 @@ def test_a_hugging_face_llama_splits_into_stages_that_compute_its_logits() -> No
         k for k in model.state_dict() if k.startswith(("model.layers.0.", "model.layers.1."))
     }
     assert part.state_dict().keys() == model.state_dict().keys()
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, id=f.slug) for f in families.FAMILIES])
+def test_a_hugging_face_family_splits_into_stages_that_compute_its_logits(
+    family: families.Family,
+) -> None:
+    """Every family of the recipe's matrix, split into four stages run in order (an embedding
+    stage, one layer each, a head stage), on sequences longer than the sliding windows (Mistral's
+    16, Gemma 2's 8 on every other layer): the logits of the whole model, with Gemma 2's final
+    soft-capping and GPT-2's absolute positions, under the whole model's names."""
+    transformers = pytest.importorskip("transformers")
+    config = family.config(40)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, 40, (2, 40))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        stages, part = split_model(model, [0, 1, 2, 3], 4, split=[0, 1, 1, 0])
+        x = ids
+        for stage in stages:
+            x = stage(x)
+    torch.testing.assert_close(x, expected, rtol=0, atol=1e-5)
+    assert part.state_dict().keys() == model.state_dict().keys()
+
+
+def test_a_family_the_stages_do_not_reproduce_is_refused_by_name() -> None:
+    """Granite scales its embeddings, residuals and logits by config factors that a stage would
+    leave out: refused in one line, before anything is built."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GraniteConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(
+        ValueError, match=r"model_type 'granite'.*gemma2.*Use gang.pp_size=1"
+    ) as info:
+        split_model(model, [0], 2)
+    assert "\n" not in str(info.value)
 
 
 def test_tied_embeddings_need_the_first_and_last_stages_on_one_rank() -> None:
