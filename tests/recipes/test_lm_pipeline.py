@@ -13,11 +13,12 @@ from tests.conftest import (
     assert_ok,
     kill_9_after_first_checkpoint,
     make_tokenizer_dir,
+    needs_cpp_compiler,
     read_jsonl,
     torchrun,
     torchrun_command,
 )
-from tests.recipes.families import FAMILIES, Family, make_family_dir
+from tests.recipes.families import FAMILIES, FAMILY_BY_NAME, Family, make_family_dir
 from tests.recipes.test_lm import (
     TINY_TRAINING,
     last_model,
@@ -260,3 +261,31 @@ def test_pp2_resumes_bitwise_after_kill_9_and_exports_what_one_process_exports(
     # The tolerance of test_pp2_trains_as_one_process_does, over twice the steps.
     for key, value in exported.items():
         torch.testing.assert_close(value, expected_export[key], rtol=0, atol=1e-4, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", ["Mistral", "Gemma 2"])
+def test_pp2_compiles_and_checkpoints_each_stage_as_one_process_trains(
+    tmp_path: Path, family: str
+) -> None:
+    """compile=true and activation checkpointing under PP=2 (1F1B; ZBV for Gemma 2's tied
+    embeddings) against the one-process eager run. The blocks compile in place, so torch's
+    zero-bubble schedules, which refuse a compiled stage module, take them."""
+    needs_cpp_compiler()
+    model_dir = make_family_dir(FAMILY_BY_NAME[family], tmp_path / "model", dropout=False)
+    config = (f"model.hf_path={model_dir}", *_config(tmp_path)[2:])
+    reference, piped = tmp_path / "one", tmp_path / "pp2"
+    assert_ok(run_here(reference, *config))
+    options = (
+        "gang.pp_size=2",
+        *family_pipeline(FAMILY_BY_NAME[family]),
+        "compile=true",
+        "model.activation_checkpointing=true",
+    )
+    # A cache of its own: inductor compiles here, and nothing compiled elsewhere is reused.
+    cache = tmp_path / "inductor"
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    assert_ok(torchrun(2, *recipe_args(piped, *config, *options), env=env, timeout=600))
+    assert any(cache.rglob("*.py")), "nothing was compiled"
+    assert_same_run(piped, reference)

@@ -299,6 +299,39 @@ def test_a_hugging_face_family_splits_into_stages_that_compute_its_logits(
     assert part.state_dict().keys() == model.state_dict().keys()
 
 
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, id=f.slug) for f in families.FAMILIES if not f.experts]
+)
+def test_each_rank_materializes_its_part_on_meta_as_the_whole_model_starts(
+    family: families.Family,
+) -> None:
+    """Built on meta, split, and each rank's part materialized on its own (as the recipe does
+    under PP=2; V-shaped for tied embeddings): together the parts hold exactly the weights of the
+    whole model materialized from the same seed, GPT-2's depth-scaled projections included."""
+    transformers = pytest.importorskip("transformers")
+    from models.hf import hf_init_fn
+    from runtime.parallel.materialize import materialize_model
+
+    def on_meta() -> Any:
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(family.config(40))
+
+    whole = on_meta()
+    materialize_model(whole, device=torch.device("cpu"), seed=2, init_fn=hf_init_fn(whole))
+    tied = family.config(40).tie_word_embeddings
+    ranks = ([0, 3], [1, 2]) if tied else ([0], [1])
+    weights: dict[str, Tensor] = {}
+    for ids in ranks:
+        model = on_meta()
+        _, part = split_model(model, ids, 2 * len(ids), split=[0, 1, 1, 0] if tied else None)
+        materialize_model(part, device=torch.device("cpu"), seed=2, init_fn=hf_init_fn(model))
+        weights |= part.state_dict()
+    expected = whole.state_dict()
+    assert weights.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(weights[key], value), key
+
+
 def test_a_family_the_stages_do_not_reproduce_is_refused_by_name() -> None:
     """Granite scales its embeddings, residuals and logits by config factors that a stage would
     leave out: refused in one line, before anything is built."""
