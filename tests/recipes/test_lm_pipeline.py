@@ -3,6 +3,7 @@ does, and what cannot run is refused in one line with exit 2."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from tests.conftest import (
 from tests.recipes.families import FAMILIES, FAMILY_BY_NAME, Family, make_family_dir
 from tests.recipes.test_lm import (
     TINY_TRAINING,
+    WORDS,
     last_model,
     make_hf_model_dir,
     recipe_args,
@@ -289,3 +291,42 @@ def test_pp2_compiles_and_checkpoints_each_stage_as_one_process_trains(
     assert_ok(torchrun(2, *recipe_args(piped, *config, *options), env=env, timeout=600))
     assert any(cache.rglob("*.py")), "nothing was compiled"
     assert_same_run(piped, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_pp2_sft_of_a_hugging_face_model_equals_one_process(tmp_path: Path) -> None:
+    """task=sft of a Mistral (sliding window 16) at PP=2 under 1F1B: examples of up to 30 tokens
+    right-padded to the longest of each batch, prompts and padding ignored as targets, a valid
+    set whose last batch of one is padded up to the microbatches."""
+    model_dir = make_family_dir(FAMILY_BY_NAME["Mistral"], tmp_path / "model", dropout=False)
+    rng = random.Random(5)
+
+    def records(count: int) -> list[dict[str, object]]:
+        return [
+            {
+                "prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 24))),
+                "response": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 4))),
+            }
+            for _ in range(count)
+        ]
+
+    config = (
+        "task=sft",
+        f"model.hf_path={model_dir}",
+        f"data.train={write_jsonl(tmp_path / 'train.jsonl', records(40))}",
+        f"data.valid={write_jsonl(tmp_path / 'valid.jsonl', records(9))}",
+        "trainer.max_num_steps=4",
+        "trainer.checkpoint_every_n_steps=4",
+        *TINY_TRAINING,
+        "trainer.validate_every_n_steps=2",
+    )
+    reference, piped = tmp_path / "one", tmp_path / "pp2"
+    assert_ok(run_here(reference, *config))
+    assert_ok(torchrun(2, *recipe_args(piped, *config, "gang.pp_size=2"), timeout=600))
+    assert_same_run(piped, reference)
+    valid = read_jsonl(piped / "metrics" / "valid.jsonl")
+    expected = read_jsonl(reference / "metrics" / "valid.jsonl")
+    assert [r["step_nr"] for r in valid] == [r["step_nr"] for r in expected] == [2, 4]
+    scores = [r["nll_loss"] for r in valid]
+    assert scores == pytest.approx([r["nll_loss"] for r in expected], abs=1e-5)
