@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from models.llama import PRESETS
 from models.lora import LoraSection
-from models.pipeline import split_layers
+from models.pipeline import hf_pipeline_refusal, split_layers
 from recipes.common import (
     FsdpSection,
     GangSection,
@@ -227,6 +227,13 @@ class LMConfig:
                 "data_parallel=fsdp (or auto) across the DP ranks of a stage."
             )
         self.pipeline.check(pp_size, self.data.batch_size)
+        if self.model.hf_path is not None:
+            model_type = json.loads((self.model.hf_path / "config.json").read_text()).get(
+                "model_type"
+            )
+            refusal = hf_pipeline_refusal(model_type, "The model of model.hf_path")
+            if refusal is not None:
+                raise ValueError(refusal)
         num_layers = self._num_layers()
         if num_layers is not None:
             # The same check as the split's, here so that it fails before the launch's work.

@@ -175,7 +175,7 @@ def split_model(
         names = _LLAMA_NAMES
         stage_type: type[LlamaStage] | type[HFDecoderStage] = LlamaStage
     else:
-        names = hf_stage_names(model)
+        names = _hf_stage_names(model)
         num_layers = len(model.get_submodule(f"{names.body}.{names.layers}"))  # type: ignore[arg-type]
         stage_type = HFDecoderStage
     embedding = model.get_submodule(f"{names.body}.{names.tokens}")
@@ -240,18 +240,27 @@ _NAMES_BY_FAMILY: Final = {"gpt2": _GPT2_NAMES}
 """Families whose modules are not under ``model.embed_tokens``, ``model.layers``, ``model.norm``."""
 
 
-def hf_stage_names(model: nn.Module) -> _Names:
+def hf_pipeline_refusal(model_type: object, model: str) -> str | None:
+    """The one-line refusal of a Hugging Face decoder of ``model_type`` (``model``: how to name
+    it to the user) that does not split into pipeline stages; None where it splits."""
+    if model_type in HF_PIPELINE_FAMILIES:
+        return None
+    return (
+        f"{model} (model_type {model_type!r}) does not split into pipeline stages: the "
+        "project's Llama (model.name) and the Hugging Face families "
+        f"{', '.join(sorted(HF_PIPELINE_FAMILIES))} do, whose forward the stages reproduce. "
+        "Use gang.pp_size=1."
+    )
+
+
+def _hf_stage_names(model: nn.Module) -> _Names:
     """Where the Hugging Face decoder ``model`` keeps what its stages split, or the one-line
     refusal (a ``ValueError``) of a model that does not split."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in HF_PIPELINE_FAMILIES or not hasattr(model, "lm_head"):
-        raise ValueError(
-            f"{type(model).__name__} (model_type {model_type!r}) does not split into pipeline "
-            "stages: the project's Llama (model.name) and the Hugging Face families "
-            f"{', '.join(sorted(HF_PIPELINE_FAMILIES))} do, whose forward the stages reproduce. "
-            "Use gang.pp_size=1."
-        )
-    return _NAMES_BY_FAMILY.get(model_type, _LLAMA_NAMES)
+    refusal = hf_pipeline_refusal(model_type, type(model).__name__)
+    if refusal is not None:
+        raise ValueError(refusal)
+    return _NAMES_BY_FAMILY.get(str(model_type), _LLAMA_NAMES)
 
 
 def _attention_kinds(config: Any, num_layers: int) -> list[str]:
@@ -275,7 +284,7 @@ class HFDecoderStage(_DecoderStage):
     every stage; the last applies the config's final logit soft-capping (Gemma 2)."""
 
     def __init__(self, model: Any, layers: Sequence[int], *, first: bool, last: bool) -> None:
-        names = hf_stage_names(model)
+        names = _hf_stage_names(model)
         super().__init__(model, layers, first=first, last=last, names=names)
         self.config = model.config
         self._names = names
@@ -345,6 +354,7 @@ __all__ = [
     "HFDecoderStage",
     "LlamaStage",
     "StageFactory",
+    "hf_pipeline_refusal",
     "split_by_layers",
     "split_layers",
     "split_model",

@@ -176,6 +176,21 @@ def test_refusals_exit_2_in_one_line(
     assert len(lines) == 1 and message in lines[0], result.stderr
 
 
+def test_a_family_the_stages_do_not_reproduce_is_refused_before_the_launch(
+    tmp_path: Path,
+) -> None:
+    """Granite scales its embeddings, residuals and logits by config factors that no stage
+    applies: refused at the config, in one line, with exit 2."""
+    model_dir = make_hf_model_dir(tmp_path / "granite", architecture="Granite")
+    config = (f"model.hf_path={model_dir}", *_config(tmp_path)[2:], "gang.pp_size=2")
+    result = run_here(tmp_path / "run", *config)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    assert "model.hf_path (model_type 'granite') does not split" in lines[0]
+    assert "Use gang.pp_size=1." in lines[0]
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize(
