@@ -310,7 +310,7 @@ class HFDecoderStage(_DecoderStage):
         kwargs: dict[str, Any] = {"position_ids": position_ids}
         if self._rotary:
             kwargs["position_embeddings"] = body.rotary_emb(x, position_ids)
-        masks = {kind: self._mask(kind, x, position_ids) for kind in set(self._kinds.values())}
+        masks = {kind: self._mask(kind, x) for kind in set(self._kinds.values())}
         for name, layer in body.get_submodule(names.layers).named_children():
             out = layer(x, attention_mask=masks[self._kinds[name]], **kwargs)
             x = out[0] if isinstance(out, tuple) else out
@@ -329,9 +329,11 @@ class HFDecoderStage(_DecoderStage):
             x = body.get_submodule(names.dropout)(x)
         return x
 
-    def _mask(self, kind: str, x: Tensor, position_ids: Tensor) -> Any:
+    def _mask(self, kind: str, x: Tensor) -> Any:
         """The mask ``transformers`` builds for the whole model's layers of ``kind`` (None where
-        its attention is causal by itself, as ``sdpa``'s)."""
+        its attention is causal by itself, as ``sdpa``'s). Without the position ids: from them
+        ``transformers`` would look for packed sequences, reading a flag off the device, where
+        the stage's positions are one sequence's anyway."""
         from transformers.masking_utils import (
             create_causal_mask,
             create_sliding_window_causal_mask,
@@ -340,13 +342,7 @@ class HFDecoderStage(_DecoderStage):
         make = (
             create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
         )
-        return make(
-            config=self.config,
-            inputs_embeds=x,
-            attention_mask=None,
-            cache=None,
-            position_ids=position_ids,
-        )
+        return make(config=self.config, inputs_embeds=x, attention_mask=None, cache=None)
 
 
 __all__ = [
