@@ -97,7 +97,7 @@ class CharLMConfig:
                     f"gang.pp_size ({self.gang.pp_size}) with HSDP (gang.dp_shard_size) is not "
                     "built yet. Use data_parallel=fsdp (or auto) across a stage's DP ranks."
                 )
-            self.pipeline.check(self.gang.pp_size, self.data.batch_size)
+            self.pipeline.check(self.gang.pp_size, self.data.batch_size, compile=self.compile)
         check_not_negative("data.max_train_bytes", self.data.max_train_bytes)
         check_not_negative("data.max_valid_bytes", self.data.max_valid_bytes)
         if self.model.dim % self.model.num_heads != 0:

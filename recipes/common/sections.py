@@ -42,8 +42,9 @@ class PipelineSection:
             return self.num_microbatches
         return pp_size * (2 if self.schedule in ("zbv", "dualpipev") else 1)
 
-    def check(self, pp_size: int, batch_size: int | None) -> None:
-        """Refuse, in one line, a pipeline that cannot run (with ``pp_size`` > 1)."""
+    def check(self, pp_size: int, batch_size: int | None, *, compile: bool = False) -> None:
+        """Refuse, in one line, a pipeline that cannot run (with ``pp_size`` > 1); ``compile``:
+        the recipe's ``compile``."""
         if pp_size > 1:
             check_pipeline(
                 self.schedule,
@@ -51,6 +52,7 @@ class PipelineSection:
                 stages_per_rank=self.stages_per_rank,
                 num_microbatches=self.microbatches(pp_size),
                 batch_size=batch_size,
+                compile=compile,
             )
 
 

@@ -226,7 +226,7 @@ class LMConfig:
                 f"gang.pp_size ({pp_size}) with HSDP (gang.dp_shard_size) is not built yet. Use "
                 "data_parallel=fsdp (or auto) across the DP ranks of a stage."
             )
-        self.pipeline.check(pp_size, self.data.batch_size)
+        self.pipeline.check(pp_size, self.data.batch_size, compile=self.compile)
         if self.model.hf_path is not None:
             model_type = json.loads((self.model.hf_path / "config.json").read_text()).get(
                 "model_type"

@@ -158,6 +158,15 @@ def test_every_dense_family_trains_at_pp2_as_one_process_does(
         ),
         (("gang.pp_size=2", "task=dpo"), "gang.pp_size (2) trains task=pretrain"),
         (
+            (
+                "gang.pp_size=2",
+                "pipeline.schedule=dualpipev",
+                "pipeline.stages_per_rank=2",
+                "compile=true",
+            ),
+            "pipeline.schedule=dualpipev splits each backward into an input and a weight pass",
+        ),
+        (
             ("gang.pp_size=2", "pipeline.schedule=interleaved_1f1b", "pipeline.stages_per_rank=2"),
             "The pipeline has 4 stages, but the model has only 2 layers",
         ),
@@ -280,15 +289,27 @@ def test_pp2_resumes_bitwise_after_kill_9_and_exports_what_one_process_exports(
         torch.testing.assert_close(value, expected_export[key], rtol=0, atol=1e-4, msg=key)
 
 
+COMPILED_PIPELINES = {
+    "Mistral": ("pipeline.schedule=1f1b",),
+    # Two stages a rank, looped: rank 0 holds the embedding and layer 1, rank 1 layer 0 and the
+    # head.
+    "Qwen3": (
+        "pipeline.schedule=interleaved_1f1b",
+        "pipeline.stages_per_rank=2",
+        "pipeline.split=[0, 1, 1, 0]",
+    ),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("family", ["Mistral", "Gemma 2"])
+@pytest.mark.parametrize("family", sorted(COMPILED_PIPELINES))
 def test_pp2_compiles_and_checkpoints_each_stage_as_one_process_trains(
     tmp_path: Path, family: str
 ) -> None:
-    """compile=true and activation checkpointing under PP=2 (1F1B; ZBV for Gemma 2's tied
-    embeddings) against the one-process eager run. The blocks compile in place, so torch's
-    zero-bubble schedules, which refuse a compiled stage module, take them."""
+    """compile=true and activation checkpointing under PP=2 (1F1B, and interleaved 1F1B with two
+    stages a rank) against the one-process eager run. (The V-shaped schedules refuse
+    compile=true: test_refusals_exit_2_in_one_line.)"""
     needs_cpp_compiler()
     model_dir = make_family_dir(FAMILY_BY_NAME[family], tmp_path / "model", dropout=False)
     config = (f"model.hf_path={model_dir}", *_config(tmp_path)[2:])
@@ -296,7 +317,7 @@ def test_pp2_compiles_and_checkpoints_each_stage_as_one_process_trains(
     assert_ok(run_here(reference, *config))
     options = (
         "gang.pp_size=2",
-        *family_pipeline(FAMILY_BY_NAME[family]),
+        *COMPILED_PIPELINES[family],
         "compile=true",
         "model.activation_checkpointing=true",
     )
