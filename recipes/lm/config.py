@@ -245,7 +245,8 @@ class LMConfig:
             return PRESETS[self.model.name]["num_layers"]
         if self.model.hf_path is not None:
             config = json.loads((self.model.hf_path / "config.json").read_text())
-            layers = config.get("num_hidden_layers")
+            # GPT-2's config.json names them n_layer.
+            layers = config.get("num_hidden_layers", config.get("n_layer"))
             return layers if isinstance(layers, int) else None
         return None
 

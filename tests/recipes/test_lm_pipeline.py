@@ -200,6 +200,24 @@ def test_a_family_the_stages_do_not_reproduce_is_refused_before_the_launch(
     assert "Use gang.pp_size=1." in lines[0]
 
 
+def test_more_stages_than_gpt2_layers_are_refused_before_the_launch(tmp_path: Path) -> None:
+    """GPT-2's config.json counts its layers as n_layer: the recipe reads it too."""
+    model_dir = make_family_dir(FAMILY_BY_NAME["GPT-2"], tmp_path / "gpt2")
+    config = (
+        f"model.hf_path={model_dir}",
+        *_config(tmp_path)[2:],
+        "gang.pp_size=2",
+        "pipeline.schedule=interleaved_1f1b",
+        "pipeline.stages_per_rank=2",
+        "pipeline.split=[1, 1, 1, 0]",
+    )
+    result = run_here(tmp_path / "run", *config)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    assert "summing to the model's 2 layers, but is [1, 1, 1, 0]" in lines[0]
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize(
