@@ -45,13 +45,11 @@ def check_pipeline(
     stages_per_rank: int,
     num_microbatches: int,
     batch_size: int | None = None,
-    compile: bool = False,
 ) -> None:
     """Refuse, in one line naming the config keys, a pipeline that cannot run: an unknown
     schedule or one the installed torch lacks, a number of stages per rank the schedule does not
-    take, fewer microbatches than it needs (which hangs or fails mid-step in torch), a batch
-    that the microbatches do not divide, and compiled blocks (``compile``) under a V-shaped
-    schedule."""
+    take, fewer microbatches than it needs (which hangs or fails mid-step in torch), and a batch
+    that the microbatches do not divide."""
     if schedule not in SCHEDULES:
         raise ValueError(
             f"pipeline.schedule must be one of {', '.join(SCHEDULES)}, but is '{schedule}'."
@@ -95,15 +93,6 @@ def check_pipeline(
             f"pipeline.schedule=interleaved_1f1b runs the microbatches in rounds of "
             f"gang.pp_size ({pp_size}), but pipeline.num_microbatches ({num_microbatches}) is "
             f"no multiple of its {rounds} rounds. Use a multiple of {pp_size}."
-        )
-    if compile and schedule in _V_SHAPED:
-        # torch refuses a torch.compile wrapper under them; blocks compiled in place get through
-        # its check, and then fail mid-step (AOTAutograd's donated buffers forbid the
-        # retain_graph of the split backward).
-        raise ValueError(
-            f"pipeline.schedule={schedule} splits each backward into an input and a weight pass, "
-            "which torch cannot run through compiled blocks. Use compile=false, or 1f1b or "
-            "interleaved_1f1b with compile=true."
         )
     if batch_size is not None and batch_size % num_microbatches != 0:
         raise ValueError(
