@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -279,6 +280,13 @@ def preempted_dp2(
 def rank_reports(out: Path, num_ranks: int) -> list[Any]:
     """What each rank of a worker wrote to ``out/rank_R.json``, by rank."""
     return [json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(num_ranks)]
+
+
+def needs_cpp_compiler() -> None:
+    """Skip the test where inductor cannot compile for the CPU: it builds C++ with the
+    machine's compiler."""
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("inductor on CPU needs a C++ compiler (g++ or c++), and none is on PATH")
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -92,7 +92,7 @@ class CharLMConfig:
         check_not_negative("optimizer.warmup_steps", self.optimizer.warmup_steps)
         check_positive("gang.pp_size", self.gang.pp_size)
         if self.gang.pp_size > 1:
-            self.pipeline.check(self.gang.pp_size, self.data.batch_size)
+            self.pipeline.check(self.gang.pp_size, self.data.batch_size, compile=self.compile)
         check_not_negative("data.max_train_bytes", self.data.max_train_bytes)
         check_not_negative("data.max_valid_bytes", self.data.max_valid_bytes)
         if self.model.dim % self.model.num_heads != 0:

@@ -42,15 +42,26 @@ class PipelineSection:
             return self.num_microbatches
         return pp_size * (2 if self.schedule in ("zbv", "dualpipev") else 1)
 
-    def check(self, pp_size: int, batch_size: int | None) -> None:
-        """Refuse, in one line, a pipeline that cannot run (with ``pp_size`` > 1)."""
-        if pp_size > 1:
-            check_pipeline(
-                self.schedule,
-                pp_size=pp_size,
-                stages_per_rank=self.stages_per_rank,
-                num_microbatches=self.microbatches(pp_size),
-                batch_size=batch_size,
+    def check(self, pp_size: int, batch_size: int | None, *, compile: bool = False) -> None:
+        """Refuse, in one line, a pipeline that cannot run (with ``pp_size`` > 1); ``compile``:
+        the recipe's ``compile``."""
+        if pp_size <= 1:
+            return
+        check_pipeline(
+            self.schedule,
+            pp_size=pp_size,
+            stages_per_rank=self.stages_per_rank,
+            num_microbatches=self.microbatches(pp_size),
+            batch_size=batch_size,
+        )
+        if compile and self.schedule in ("zbv", "dualpipev"):
+            # torch refuses a torch.compile wrapper under them; blocks compiled in place get
+            # through its check, then fail mid-step (AOTAutograd's donated buffers forbid the
+            # retain_graph of the split backward).
+            raise ValueError(
+                f"pipeline.schedule={self.schedule} splits each backward into an input and a "
+                "weight pass, which torch cannot run through compiled blocks. Use "
+                "compile=false, or 1f1b or interleaved_1f1b with compile=true."
             )
 
 

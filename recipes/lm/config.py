@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from models.llama import PRESETS
 from models.lora import LoraSection
-from models.pipeline import split_layers
+from models.pipeline import hf_pipeline_refusal, split_layers
 from recipes.common import (
     FsdpSection,
     GangSection,
@@ -221,7 +221,14 @@ class LMConfig:
                 f"the task is {self.task}{' with lora.rank' if self.lora.rank else ''}. Use "
                 "gang.pp_size=1 for it."
             )
-        self.pipeline.check(pp_size, self.data.batch_size)
+        self.pipeline.check(pp_size, self.data.batch_size, compile=self.compile)
+        if self.model.hf_path is not None:
+            model_type = json.loads((self.model.hf_path / "config.json").read_text()).get(
+                "model_type"
+            )
+            refusal = hf_pipeline_refusal(model_type, "The model of model.hf_path")
+            if refusal is not None:
+                raise ValueError(refusal)
         num_layers = self._num_layers()
         if num_layers is not None:
             # The same check as the split's, here so that it fails before the launch's work.
@@ -233,7 +240,8 @@ class LMConfig:
             return PRESETS[self.model.name]["num_layers"]
         if self.model.hf_path is not None:
             config = json.loads((self.model.hf_path / "config.json").read_text())
-            layers = config.get("num_hidden_layers")
+            # GPT-2's config.json names them n_layer.
+            layers = config.get("num_hidden_layers", config.get("n_layer"))
             return layers if isinstance(layers, int) else None
         return None
 

@@ -251,14 +251,20 @@ def cells() -> list[tuple[Family, Layout]]:
 # --------------------------------------------------------------------------------- files
 
 
-def make_family_dir(family: Family, directory: Path) -> Path:
-    """The family's tiny model saved here with a word-level tokenizer: a ``model.hf_path``."""
+def make_family_dir(family: Family, directory: Path, *, dropout: bool = True) -> Path:
+    """The family's tiny model saved here with a word-level tokenizer: a ``model.hf_path``.
+    ``dropout=False``: every dropout probability of its config 0 (GPT-2's are 0.1), for runs that
+    must equal a run in another layout, which draws other masks."""
     from transformers import AutoModelForCausalLM
 
     from runtime.data.text import load_tokenizer
 
     make_tokenizer_dir(directory, sentences(200, seed=0))
     config = family.config(load_tokenizer(directory).vocab_size)
+    if not dropout:
+        for name, value in vars(config).items():
+            if name.endswith(("pdrop", "dropout")) and isinstance(value, float):
+                setattr(config, name, 0.0)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return directory

@@ -3,6 +3,7 @@ does, and what cannot run is refused in one line with exit 2."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -13,12 +14,15 @@ from tests.conftest import (
     assert_ok,
     kill_9_after_first_checkpoint,
     make_tokenizer_dir,
+    needs_cpp_compiler,
     read_jsonl,
     torchrun,
     torchrun_command,
 )
+from tests.recipes.families import FAMILIES, FAMILY_BY_NAME, Family, make_family_dir
 from tests.recipes.test_lm import (
     TINY_TRAINING,
+    WORDS,
     last_model,
     make_hf_model_dir,
     recipe_args,
@@ -113,6 +117,44 @@ def test_pp2_trains_as_one_process_does(tmp_path: Path, model: str) -> None:
         torch.testing.assert_close(value, expected_weights[key], rtol=0, atol=5e-5, msg=key)
 
 
+def assert_same_run(piped: Path, reference: Path) -> None:
+    """Losses, gradient norms, target counts and final weights within 1e-5 of the one-process
+    run's."""
+    records = read_jsonl(piped / "metrics" / "train.jsonl")
+    expected = read_jsonl(reference / "metrics" / "train.jsonl")
+    assert len(records) == len(expected)
+    for key in ("loss", "grad_norm", "num_targets"):
+        assert [r[key] for r in records] == pytest.approx([r[key] for r in expected], abs=1e-5)
+    weights, expected_weights = last_model(piped), last_model(reference)
+    assert weights.keys() == expected_weights.keys()
+    for key, value in weights.items():
+        torch.testing.assert_close(value, expected_weights[key], rtol=0, atol=1e-5, msg=key)
+
+
+def family_pipeline(family: Family) -> tuple[str, ...]:
+    """1F1B, or ZBV for a family with tied embeddings (first and last stage on rank 0)."""
+    tied = family.config(19).tie_word_embeddings
+    return PIPELINES["qwen2_tied" if tied else "qwen2"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", [pytest.param(f, id=f.slug) for f in FAMILIES if not f.experts])
+def test_every_dense_family_trains_at_pp2_as_one_process_does(
+    tmp_path: Path, family: Family
+) -> None:
+    """Each dense family of the matrix fine-tuned from its directory, on sequences longer than
+    Mistral's and Gemma 2's sliding windows, with its activations checkpointed per stage: PP=2
+    follows the one-process run. Without dropout (GPT-2's): the stages draw other masks."""
+    model_dir = make_family_dir(family, tmp_path / "model", dropout=False)
+    config = (f"model.hf_path={model_dir}", *_config(tmp_path)[2:])
+    reference, piped = tmp_path / "one", tmp_path / "pp2"
+    assert_ok(run_here(reference, *config))
+    options = ("gang.pp_size=2", *family_pipeline(family), "model.activation_checkpointing=true")
+    assert_ok(torchrun(2, *recipe_args(piped, *config, *options), timeout=600))
+    assert_same_run(piped, reference)
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -126,6 +168,15 @@ def test_pp2_trains_as_one_process_does(tmp_path: Path, model: str) -> None:
             "pipeline.schedule=zbv runs exactly two stages per rank",
         ),
         (("gang.pp_size=2", "task=dpo"), "gang.pp_size (2) trains task=pretrain"),
+        (
+            (
+                "gang.pp_size=2",
+                "pipeline.schedule=dualpipev",
+                "pipeline.stages_per_rank=2",
+                "compile=true",
+            ),
+            "pipeline.schedule=dualpipev splits each backward into an input and a weight pass",
+        ),
         (
             ("gang.pp_size=2", "pipeline.schedule=interleaved_1f1b", "pipeline.stages_per_rank=2"),
             "The pipeline has 4 stages, but the model has only 2 layers",
@@ -143,6 +194,39 @@ def test_refusals_exit_2_in_one_line(
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_a_family_the_stages_do_not_reproduce_is_refused_before_the_launch(
+    tmp_path: Path,
+) -> None:
+    """Granite scales its embeddings, residuals and logits by config factors that no stage
+    applies: refused at the config, in one line, with exit 2."""
+    model_dir = make_hf_model_dir(tmp_path / "granite", architecture="Granite")
+    config = (f"model.hf_path={model_dir}", *_config(tmp_path)[2:], "gang.pp_size=2")
+    result = run_here(tmp_path / "run", *config)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    assert "model.hf_path (model_type 'granite') does not split" in lines[0]
+    assert "Use gang.pp_size=1." in lines[0]
+
+
+def test_more_stages_than_gpt2_layers_are_refused_before_the_launch(tmp_path: Path) -> None:
+    """GPT-2's config.json counts its layers as n_layer: the recipe reads it too."""
+    model_dir = make_family_dir(FAMILY_BY_NAME["GPT-2"], tmp_path / "gpt2")
+    config = (
+        f"model.hf_path={model_dir}",
+        *_config(tmp_path)[2:],
+        "gang.pp_size=2",
+        "pipeline.schedule=interleaved_1f1b",
+        "pipeline.stages_per_rank=2",
+        "pipeline.split=[1, 1, 1, 0]",
+    )
+    result = run_here(tmp_path / "run", *config)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    assert "summing to the model's 2 layers, but is [1, 1, 1, 0]" in lines[0]
 
 
 @pytest.mark.slow
@@ -244,3 +328,82 @@ def test_pp2_resumes_bitwise_after_kill_9_and_exports_what_one_process_exports(
     # The tolerance of test_pp2_trains_as_one_process_does, over twice the steps.
     for key, value in exported.items():
         torch.testing.assert_close(value, expected_export[key], rtol=0, atol=1e-4, msg=key)
+
+
+COMPILED_PIPELINES = {
+    "Mistral": ("pipeline.schedule=1f1b",),
+    # Two stages a rank, looped: rank 0 holds the embedding and layer 1, rank 1 layer 0 and the
+    # head.
+    "Qwen3": (
+        "pipeline.schedule=interleaved_1f1b",
+        "pipeline.stages_per_rank=2",
+        "pipeline.split=[0, 1, 1, 0]",
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", sorted(COMPILED_PIPELINES))
+def test_pp2_compiles_and_checkpoints_each_stage_as_one_process_trains(
+    tmp_path: Path, family: str
+) -> None:
+    """compile=true and activation checkpointing under PP=2 (1F1B, and interleaved 1F1B with two
+    stages a rank) against the one-process eager run. (The V-shaped schedules refuse
+    compile=true: test_refusals_exit_2_in_one_line.)"""
+    needs_cpp_compiler()
+    model_dir = make_family_dir(FAMILY_BY_NAME[family], tmp_path / "model", dropout=False)
+    config = (f"model.hf_path={model_dir}", *_config(tmp_path)[2:])
+    reference, piped = tmp_path / "one", tmp_path / "pp2"
+    assert_ok(run_here(reference, *config))
+    options = (
+        "gang.pp_size=2",
+        *COMPILED_PIPELINES[family],
+        "compile=true",
+        "model.activation_checkpointing=true",
+    )
+    # A cache of its own: inductor compiles here, and nothing compiled elsewhere is reused.
+    cache = tmp_path / "inductor"
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    assert_ok(torchrun(2, *recipe_args(piped, *config, *options), env=env, timeout=600))
+    assert any(cache.rglob("*.py")), "nothing was compiled"
+    assert_same_run(piped, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_pp2_sft_of_a_hugging_face_model_equals_one_process(tmp_path: Path) -> None:
+    """task=sft of a Mistral (sliding window 16) at PP=2 under 1F1B: examples of up to 30 tokens
+    right-padded to the longest of each batch, prompts and padding ignored as targets, a valid
+    set whose last batch of one is padded up to the microbatches."""
+    model_dir = make_family_dir(FAMILY_BY_NAME["Mistral"], tmp_path / "model", dropout=False)
+    rng = random.Random(5)
+
+    def records(count: int) -> list[dict[str, object]]:
+        return [
+            {
+                "prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 24))),
+                "response": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 4))),
+            }
+            for _ in range(count)
+        ]
+
+    config = (
+        "task=sft",
+        f"model.hf_path={model_dir}",
+        f"data.train={write_jsonl(tmp_path / 'train.jsonl', records(40))}",
+        f"data.valid={write_jsonl(tmp_path / 'valid.jsonl', records(9))}",
+        "trainer.max_num_steps=4",
+        "trainer.checkpoint_every_n_steps=4",
+        *TINY_TRAINING,
+        "trainer.validate_every_n_steps=2",
+    )
+    reference, piped = tmp_path / "one", tmp_path / "pp2"
+    assert_ok(run_here(reference, *config))
+    assert_ok(torchrun(2, *recipe_args(piped, *config, "gang.pp_size=2"), timeout=600))
+    assert_same_run(piped, reference)
+    valid = read_jsonl(piped / "metrics" / "valid.jsonl")
+    expected = read_jsonl(reference / "metrics" / "valid.jsonl")
+    assert [r["step_nr"] for r in valid] == [r["step_nr"] for r in expected] == [2, 4]
+    scores = [r["nll_loss"] for r in valid]
+    assert scores == pytest.approx([r["nll_loss"] for r in expected], abs=1e-5)

@@ -4,7 +4,6 @@ block-wise compilation, under real torchrun processes (tests/workers/large_model
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from runtime import (
     has_meta_tensors,
     materialize_model,
 )
-from tests.conftest import RunTorch, assert_ok, torchrun
+from tests.conftest import RunTorch, assert_ok, needs_cpp_compiler, torchrun
 
 WORKER = "tests/workers/large_model.py"
 
@@ -278,15 +277,10 @@ def test_mixed_precision_is_rejected_with_ddp() -> None:
 # ---------------------------------------------------------------------------- compile
 
 
-def _needs_cpp_compiler() -> None:
-    if shutil.which("g++") is None and shutil.which("c++") is None:
-        pytest.skip("inductor on CPU needs a C++ compiler (g++ or c++), and none is on PATH")
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_compiled_ddp_run_matches_eager(run_torchrun: RunTorch, tmp_path: Path) -> None:
-    _needs_cpp_compiler()
+    needs_cpp_compiler()
     result = run_worker(run_torchrun, tmp_path, 2, mode="compile", data_parallel="ddp")
     assert_close_dicts(result["compiled"], result["eager"])
 
@@ -294,6 +288,6 @@ def test_compiled_ddp_run_matches_eager(run_torchrun: RunTorch, tmp_path: Path) 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_compiled_fsdp2_with_tp_run_matches_eager(run_torchrun: RunTorch, tmp_path: Path) -> None:
-    _needs_cpp_compiler()
+    needs_cpp_compiler()
     result = run_worker(run_torchrun, tmp_path, 4, mode="compile", tp_size=2)
     assert_close_dicts(result["compiled"], result["eager"])

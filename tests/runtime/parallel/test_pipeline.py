@@ -26,6 +26,7 @@ from runtime.parallel.pipeline import Pipeline, check_pipeline, schedule_availab
 from runtime.parallel.pipeline_stage import SYNCS_ONCE_WITH_FSDP
 from runtime.training.pipeline_step import pipeline_unit
 from tests.conftest import assert_ok, read_jsonl, torchrun
+from tests.recipes import families
 from tests.workers import pipeline_checks
 from tests.workers.pipeline_checks import (
     ARGS,
@@ -343,6 +344,79 @@ def test_a_hugging_face_llama_splits_into_stages_that_compute_its_logits() -> No
         k for k in model.state_dict() if k.startswith(("model.layers.0.", "model.layers.1."))
     }
     assert part.state_dict().keys() == model.state_dict().keys()
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, id=f.slug) for f in families.FAMILIES])
+def test_a_hugging_face_family_splits_into_stages_that_compute_its_logits(
+    family: families.Family,
+) -> None:
+    """Every family of the recipe's matrix, split into four stages run in order (an embedding
+    stage, one layer each, a head stage), on sequences longer than the sliding windows (Mistral's
+    16, Gemma 2's 8 on every other layer): the logits of the whole model, with Gemma 2's final
+    soft-capping and GPT-2's absolute positions, under the whole model's names."""
+    transformers = pytest.importorskip("transformers")
+    config = family.config(40)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, 40, (2, 40))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        stages, part = split_model(model, [0, 1, 2, 3], 4, split=[0, 1, 1, 0])
+        x = ids
+        for stage in stages:
+            x = stage(x)
+    torch.testing.assert_close(x, expected, rtol=0, atol=1e-5)
+    assert part.state_dict().keys() == model.state_dict().keys()
+
+
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, id=f.slug) for f in families.FAMILIES if not f.experts]
+)
+def test_each_rank_materializes_its_part_on_meta_as_the_whole_model_starts(
+    family: families.Family,
+) -> None:
+    """Built on meta, split, and each rank's part materialized on its own (as the recipe does
+    under PP=2; V-shaped for tied embeddings): together the parts hold exactly the weights of the
+    whole model materialized from the same seed, GPT-2's depth-scaled projections included."""
+    transformers = pytest.importorskip("transformers")
+    from models.hf import hf_init_fn
+    from runtime.parallel.materialize import materialize_model
+
+    def on_meta() -> Any:
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(family.config(40))
+
+    whole = on_meta()
+    materialize_model(whole, device=torch.device("cpu"), seed=2, init_fn=hf_init_fn(whole))
+    tied = family.config(40).tie_word_embeddings
+    ranks = ([0, 3], [1, 2]) if tied else ([0], [1])
+    weights: dict[str, Tensor] = {}
+    for ids in ranks:
+        model = on_meta()
+        _, part = split_model(model, ids, 2 * len(ids), split=[0, 1, 1, 0] if tied else None)
+        materialize_model(part, device=torch.device("cpu"), seed=2, init_fn=hf_init_fn(model))
+        weights |= part.state_dict()
+    expected = whole.state_dict()
+    assert weights.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(weights[key], value), key
+
+
+def test_a_family_the_stages_do_not_reproduce_is_refused_by_name() -> None:
+    """Granite scales its embeddings, residuals and logits by config factors that a stage would
+    leave out: refused in one line, before anything is built."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GraniteConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(
+        ValueError, match=r"model_type 'granite'.*gemma2.*Use gang.pp_size=1"
+    ) as info:
+        split_model(model, [0], 2)
+    assert "\n" not in str(info.value)
 
 
 def test_tied_embeddings_split_into_a_copy_per_rank_or_one_weight_on_one() -> None:
