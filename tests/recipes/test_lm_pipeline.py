@@ -265,7 +265,7 @@ def test_pp2_composes_with_data_and_tensor_parallelism(
         torch.testing.assert_close(value, expected_weights[key], rtol=0, atol=5e-5, msg=key)
 
 
-def _exported(out: Path, destination: Path) -> dict[str, torch.Tensor]:
+def hf_export_of(out: Path, destination: Path) -> dict[str, torch.Tensor]:
     """``python -m runtime export OUT DESTINATION --format hf`` (its main, in this process):
     the tensors of the file it writes, as stored."""
     from runtime.cli.tools import main as runtime_main
@@ -320,8 +320,8 @@ def test_pp2_resumes_bitwise_after_kill_9_and_exports_what_one_process_exports(
     for key in expected:
         assert torch.equal(resumed[key], expected[key]), key
 
-    exported = _exported(out, tmp_path / "exported_pp2")
-    expected_export = _exported(one, tmp_path / "exported_one")
+    exported = hf_export_of(out, tmp_path / "exported_pp2")
+    expected_export = hf_export_of(one, tmp_path / "exported_one")
     assert exported.keys() == expected_export.keys()
     if tied:
         assert "lm_head.weight" not in exported and "model.embed_tokens.weight" in exported

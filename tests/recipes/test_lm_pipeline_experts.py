@@ -17,7 +17,7 @@ import torch
 from tests.conftest import assert_ok, read_jsonl, torchrun
 from tests.recipes.families import FAMILY_BY_NAME, make_family_dir, write_train, write_valid
 from tests.recipes.test_lm import TINY_TRAINING, last_model, recipe_args, run_here
-from tests.recipes.test_lm_pipeline import _exported
+from tests.recipes.test_lm_pipeline import hf_export_of
 
 _BATCH, _ACCUMULATE, _STEPS = 4, 2, 2
 """Sequences per micro-batch and DP rank, accumulated micro-batches, and steps: the second
@@ -93,28 +93,24 @@ def _assert_trains_alike(piped: Path, reference: Path, *, aux_loss: bool) -> Non
 def test_qwen3_moe_under_pp2_trains_as_one_process_does(tmp_path: Path, schedule: str) -> None:
     """Qwen3-MoE (load-balancing loss 0.001), its two layers on two stages that pass the
     routers' sums on: the loss, its gradient to both stages' routers, and the expert loads of
-    both stages, published by every rank. Under 1F1B with checkpointed activations and a
+    both stages, published by every rank. With checkpointed activations and a
     validation after every step."""
     config = _config(tmp_path, "Qwen3-MoE")
-    # torch has no forward-only run of the V-shaped schedules.
     options = (*_validating(tmp_path), "model.activation_checkpointing=true")
-    if schedule == "zbv":
-        options = ()
     reference, piped = tmp_path / "one", tmp_path / "pp2"
     assert_ok(run_here(reference, *config, *_unpipelined(schedule), *options[:2]))
     assert_ok(torchrun(2, *recipe_args(piped, *config, *_pipelined(schedule), *options)))
     _assert_trains_alike(piped, reference, aux_loss=True)
-    if options:
-        valid = [r["nll_loss"] for r in read_jsonl(piped / "metrics" / "valid.jsonl")]
-        expected = [r["nll_loss"] for r in read_jsonl(reference / "metrics" / "valid.jsonl")]
-        assert len(valid) == _STEPS and valid == pytest.approx(expected, abs=1e-5)
-        # The export splits the experts into the files' per-expert keys, as one process's.
-        exported = _exported(piped, tmp_path / "exported_pp2")
-        expected_export = _exported(reference, tmp_path / "exported_one")
-        assert exported.keys() == expected_export.keys()
-        assert "model.layers.1.mlp.experts.3.down_proj.weight" in exported
-        for key, value in exported.items():
-            torch.testing.assert_close(value, expected_export[key], rtol=0, atol=1e-5, msg=key)
+    valid = [r["nll_loss"] for r in read_jsonl(piped / "metrics" / "valid.jsonl")]
+    expected = [r["nll_loss"] for r in read_jsonl(reference / "metrics" / "valid.jsonl")]
+    assert len(valid) == _STEPS and valid == pytest.approx(expected, abs=1e-5)
+    # The export splits the experts into the files' per-expert keys, as one process's.
+    exported = hf_export_of(piped, tmp_path / "exported_pp2")
+    expected_export = hf_export_of(reference, tmp_path / "exported_one")
+    assert exported.keys() == expected_export.keys()
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in exported
+    for key, value in exported.items():
+        torch.testing.assert_close(value, expected_export[key], rtol=0, atol=1e-5, msg=key)
 
 
 @pytest.mark.slow

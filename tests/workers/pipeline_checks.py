@@ -104,6 +104,7 @@ REFERENCES: dict[str, dict[str, Any]] = {
     "tied": TIED,
     "batch_8": {"batch_size": 8},
     "batch_8_no_accumulation": {"batch_size": 8, "num_accumulate": 1},
+    "tied_batch_8": {**TIED, "batch_size": 8},
 }
 """The one-process runs of :func:`train` that the tests compare the runs with: a run's
 ``reference`` names its own, else it is ``tied``, ``valid`` or ``no_valid`` by its options."""
@@ -153,6 +154,18 @@ FOUR_PROCESS_RUNS: dict[str, dict[str, Any]] = {
     "pp2_tp2_1f1b": {"schedule": "1f1b", "num_microbatches": 2, "tp_size": 2},
     "pp2_tp2_dualpipev": {"schedule": "dualpipev", "stages_per_rank": 2, "num_microbatches": 4,
                           "tp_size": 2},
+    # Every schedule over HSDP (2 replicas of one shard), and tied embeddings under the two
+    # schedules the runs above leave out.
+    **{f"pp2_hsdp_{schedule}": {"schedule": schedule, "stages_per_rank": stages,
+                                "num_microbatches": 2, "kind": "hsdp", "dp_shard_size": 1,
+                                "batch_size": 2}
+       for schedule, stages in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))},
+    "pp2_hsdp_dualpipev": {**V_SHAPED_FSDP, "schedule": "dualpipev", "kind": "hsdp",
+                           "dp_shard_size": 1},
+    "pp2_fsdp2_tied_gpipe": {"schedule": "gpipe", "num_microbatches": 2, "kind": "fsdp",
+                             "batch_size": 2, **TIED},
+    "pp2_fsdp2_tied_dualpipev": {**V_SHAPED_FSDP, "schedule": "dualpipev", **TIED,
+                                 "reference": "tied_batch_8"},
 }  # fmt: skip
 """Runs of ``pipeline_checks.py OUT four`` on four processes (the slow tests)."""
 

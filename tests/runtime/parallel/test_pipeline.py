@@ -3,9 +3,10 @@
 weights within 1e-5, with gradient accumulation and uneven valid sets, under every schedule and
 with tied embeddings split over two ranks; resumes from PP=2 to 1 and from 1 to 2
 (reshard_on_resume); no host sync; the shape flags of torch's schedules behind the private-API
-switch; and, slow, PP=2 x FSDP2 (also with tied embeddings), PP=2 x DDP and PP=2 x TP=2 on 4
-processes (with the DP gradient syncs of a step counted: one per step whatever the
-accumulation), zbv and dualpipev over FSDP2, HSDP and TP=2 on 4, PP=2 x FSDP2 x TP=2 on 8."""
+switch; and, slow, every schedule over FSDP2, HSDP and TP=2 on 4 processes and over FSDP2 x
+TP=2 on 8, PP=2 x DDP on 4 (with the DP gradient syncs of a step counted: one per step whatever
+the accumulation), and tied embeddings over FSDP2 under gpipe, 1f1b and dualpipev, over TP=2,
+and at PP=4."""
 
 from __future__ import annotations
 
@@ -438,10 +439,10 @@ def test_tied_embeddings_split_into_a_copy_per_rank_or_one_weight_on_one() -> No
 
 @pytest.fixture(scope="module")
 def many_process_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
-    """``runs(nproc)``: the directory of one launch of pipeline_checks on 4 processes (PP=2 x
-    FSDP2 and x DDP over DP=2, PP=2 x TP=2 with two stages a rank, each also with tied
-    embeddings, PP=4 with them, zbv and dualpipev over FSDP2, HSDP and TP=2, and the runs that
-    count gradient syncs) or 8 (PP=2 x FSDP2 x TP=2), each made once."""
+    """``runs(nproc)``: the directory of one launch of pipeline_checks on 4 processes
+    (:data:`FOUR_PROCESS_RUNS`: every schedule over FSDP2, HSDP and TP=2, DDP, tied embeddings,
+    PP=4, and the runs that count gradient syncs) or 8 (:data:`EIGHT_PROCESS_RUNS`: every
+    schedule over FSDP2 x TP=2), each made once."""
     outs: dict[int, Path] = {}
 
     def runs(nproc: int) -> Path:
