@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn import Module, Parameter
 
-from gangs import Gangs
+from gangs import Gangs, agree
 from runtime.parallel.activation_recompute import apply_activation_checkpointing
 from runtime.parallel.compile import compile_blocks
 from runtime.parallel.materialize import materialize_model
 from runtime.parallel.pipeline import set_data_parallel_stage
 from runtime.parallel.wrapping import DataParallelKind, apply_data_parallel, apply_tensor_parallel
-from trainkit_utils.modules import InitFn
+from trainkit_utils.modules import InitFn, split_ties
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -63,6 +63,8 @@ def parallelize_model(
     ``model`` itself.
     """
     if pipeline_stages:
+        if kind != "ddp":
+            _check_no_weight_shared_by_stages(model, pipeline_stages, gangs)
         names = {name for name, _ in model.named_modules()}
         tp_plan = {name: style for name, style in (tp_plan or {}).items() if name in names}
     model = apply_tensor_parallel(model, gangs, tp_plan or {})
@@ -94,6 +96,29 @@ def parallelize_model(
     if compile:
         compile_blocks(model, block_types=block_types)
     return model
+
+
+def _check_no_weight_shared_by_stages(
+    model: Module, stages: Sequence[Module], gangs: Gangs
+) -> None:
+    """Refuse, in one line on every rank, a weight that two stages of a rank hold (tied
+    embeddings under ``zbv`` and ``dualpipev``, which put the first and the last stage on rank
+    0): FSDP2 shards each stage apart and would give each its own copy, untied. Only a model
+    with ties asks its peers (one all-reduce at setup): other ranks cannot tell alone."""
+    if not split_ties(model):
+        return
+    holders: dict[int, int] = {}
+    shares = False
+    for index, stage in enumerate(stages):
+        for param in stage.parameters():
+            shares = shares or holders.setdefault(id(param), index) != index
+    if agree(gangs.root, failed=shares)[0]:
+        raise ValueError(
+            "Two pipeline stages of one rank share a tied weight (the first and the last stage "
+            "under zbv or dualpipev), which FSDP2 and HSDP shard per stage and would untie. Use "
+            "pipeline.schedule=1f1b or interleaved_1f1b (the first and the last stage's ranks "
+            "each keep a copy, kept tied), or data_parallel=ddp over one DP rank a stage."
+        )
 
 
 def _replicate_stages(

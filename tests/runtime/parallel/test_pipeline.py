@@ -5,8 +5,8 @@ with tied embeddings split over two ranks; resumes from PP=2 to 1 and from 1 to 
 (reshard_on_resume); no host sync; the shape flags of torch's schedules behind the private-API
 switch; and, slow, every schedule over FSDP2, HSDP and TP=2 on 4 processes and over FSDP2 x
 TP=2 on 8, PP=2 x DDP on 4 (with the DP gradient syncs of a step counted: one per step whatever
-the accumulation), and tied embeddings over FSDP2 under gpipe, 1f1b and dualpipev, over TP=2,
-and at PP=4."""
+the accumulation), and tied embeddings over FSDP2 under gpipe and 1f1b (refused under zbv,
+whose rank 0 holds both), over TP=2, and at PP=4."""
 
 from __future__ import annotations
 
@@ -538,6 +538,21 @@ def test_ddp_under_a_v_shaped_schedule_is_refused_in_one_line(
         message = (many_process_runs(4) / f"zbv_ddp_{rank}.txt").read_text()
         assert message.startswith("pipeline.schedule=zbv computes weight gradients apart"), message
         assert "Use data_parallel=fsdp" in message and "\n" not in message
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tied_embeddings_over_fsdp2_under_a_v_shaped_schedule_are_refused_in_one_line(
+    many_process_runs: Callable[[int], Path],
+) -> None:
+    """zbv puts the first and the last stage, which share the tied embedding, on rank 0; FSDP2
+    shards each stage apart and would give each its own copy, untied and initialized apart."""
+    if not schedule_available("zbv"):
+        pytest.skip(f"torch {torch.__version__} has no zbv schedule")
+    for rank in range(4):
+        message = (many_process_runs(4) / f"zbv_fsdp_tied_{rank}.txt").read_text()
+        assert message.startswith("Two pipeline stages of one rank share a tied weight"), message
+        assert "Use pipeline.schedule=1f1b" in message and "\n" not in message
 
 
 class _Schedule:
