@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -352,6 +353,22 @@ def make_toy_trainer(
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "over", "green"]
 WORDS += ["hills", "and", "birds", "sang"]
+
+
+def sft_records(
+    rng: random.Random, count: int, *, max_prompt_words: int
+) -> list[dict[str, object]]:
+    """``count`` records of ``task=sft`` made of :data:`WORDS`: a prompt of 3 to
+    ``max_prompt_words`` words and a response of 1 to 4."""
+    return [
+        {
+            "prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, max_prompt_words))),
+            "response": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 4))),
+        }
+        for _ in range(count)
+    ]
+
+
 """The vocabulary of the tests' small texts and word-level tokenizers."""
 
 

@@ -24,6 +24,7 @@ from tests.conftest import (
     main_in_process,
     make_tokenizer_dir,
     read_jsonl,
+    sft_records,
     torchrun,
 )
 from tests.recipes.test_lm import (
@@ -236,13 +237,7 @@ def test_sp2_sft_on_masked_targets_equals_one_process(tmp_path: Path) -> None:
     rng = random.Random(5)
 
     def records(count: int) -> list[dict[str, object]]:
-        return [
-            {
-                "prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 14))),
-                "response": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 4))),
-            }
-            for _ in range(count)
-        ]
+        return sft_records(rng, count, max_prompt_words=14)
 
     config = (
         *TINY_TRAINING,
