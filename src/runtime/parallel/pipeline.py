@@ -203,23 +203,9 @@ class Pipeline:
         pp = gangs.pp
         if not isinstance(pp, ProcessGroupGang):
             raise ValueError("A pipeline needs a PP gang of two or more processes (pp_size).")
-        stages_per_rank = len(stages)
-        check_pipeline(
-            schedule,
-            pp_size=pp.size,
-            stages_per_rank=stages_per_rank,
-            num_microbatches=num_microbatches,
-        )
-        expected = stage_ids(
-            schedule, pp_rank=pp.rank, pp_size=pp.size, stages_per_rank=stages_per_rank
-        )
-        if list(ids) != expected:
-            raise ValueError(
-                f"PP rank {pp.rank} holds stages {expected} under {schedule}, but was given "
-                f"{list(ids)}."
-            )
+        _check_placement(schedule, pp, ids, num_microbatches)
         self.part = part
-        self.num_stages = pp.size * stages_per_rank
+        self.num_stages = pp.size * len(stages)
         self.num_microbatches = num_microbatches
         self.has_first = 0 in ids
         self.has_last = self.num_stages - 1 in ids
@@ -384,6 +370,22 @@ class Pipeline:
         for flag in flags:
             setattr(schedule, flag, False)
         self._mode = None
+
+
+def _check_placement(
+    schedule: str, pp: ProcessGroupGang, ids: Sequence[int], num_microbatches: int
+) -> None:
+    """Refuse a pipeline that cannot run, or stages ``ids`` that are not the ones the schedule
+    places on this PP rank."""
+    check_pipeline(
+        schedule, pp_size=pp.size, stages_per_rank=len(ids), num_microbatches=num_microbatches
+    )
+    expected = stage_ids(schedule, pp_rank=pp.rank, pp_size=pp.size, stages_per_rank=len(ids))
+    if list(ids) != expected:
+        raise ValueError(
+            f"PP rank {pp.rank} holds stages {expected} under {schedule}, but was given "
+            f"{list(ids)}."
+        )
 
 
 def _shapes(inputs: StageInputs) -> object:
