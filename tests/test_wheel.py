@@ -204,6 +204,7 @@ def test_the_installed_lm_recipe_trains_on_two_ranks_and_exports_a_model_transfo
     assert_the_export_loads_with_the_trained_weights(installed_wheel, out, hf_llama_dir, empty_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_users_dpo_recipe_trains_under_fsdp2_on_two_ranks_from_the_installed_parts(
     installed_wheel: InstalledWheel, hf_llama_dir: Path, empty_dir: Path, tmp_path: Path

@@ -168,15 +168,18 @@ def rank_stderr_lines(log_dir: Path) -> list[list[str]]:
             "error: gang.ep_size is 4, but must divide the DP size (2 = 2 processes / "
             "gang.tp_size 1). Use one of 1, 2.",
         ),
-        (
+        # The other refusals of this path (make test-all): a dense model's, and an SP size.
+        pytest.param(
             "gang.ep_size=2",
             "error: gang.ep_size is 2, but LlamaForCausalLM has no stacked experts to split. "
             "Use gang.ep_size=1 for a dense model.",
+            marks=pytest.mark.slow,
         ),
-        (
+        pytest.param(
             "gang.sp_size=4",
             "error: gang.sp_size is 4, but must divide the processes over TP (2 = 2 processes / "
             "gang.tp_size 1). Use one of 1, 2.",
+            marks=pytest.mark.slow,
         ),
     ],
 )

@@ -129,6 +129,7 @@ def test_a_damaged_resume_from_fails_and_does_not_start_fresh(tmp_path: Path) ->
     assert trainer.step_nr == 0
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_resume_from_on_the_command_line_under_torchrun(
     tmp_path: Path, run_torchrun: RunTorch
