@@ -220,6 +220,16 @@ def test_a_prepared_byte_dataset_trains_and_validates_in_process(tmp_path: Path)
     assert valid["step_nr"] == 20
 
 
+_THREE_STEPS = (
+    "trainer.publish_metrics_every_n_steps=1",
+    "trainer.validate_every_n_steps=3",
+    "trainer.checkpoint_every_n_steps=3",
+    "trainer.max_num_steps=3",
+)
+"""The pipeline runs' length: three steps, each published, validated and checkpointed at the
+last."""
+
+
 @pytest.mark.slow
 def test_pipeline_stages_train_as_one_process_does(run_torchrun: RunTorch, tmp_path: Path) -> None:
     """gang.pp_size=2 with interleaved 1F1B (two stages a rank, four blocks) against one process:
@@ -228,10 +238,7 @@ def test_pipeline_stages_train_as_one_process_does(run_torchrun: RunTorch, tmp_p
     config = [
         *TINY,
         "model.num_layers=4",
-        "trainer.publish_metrics_every_n_steps=1",
-        "trainer.validate_every_n_steps=3",
-        "trainer.checkpoint_every_n_steps=3",
-        "trainer.max_num_steps=3",
+        *_THREE_STEPS,
     ]
     one, piped = tmp_path / "one", tmp_path / "pp2"
     assert_ok(run_torchrun(1, "-m", "recipes.char_lm", str(one), "--config", *config))
@@ -267,10 +274,7 @@ def test_pipeline_stages_over_hsdp_train_as_one_process_does(
         *TINY,
         "model.num_layers=2",
         "data.num_accumulate=2",
-        "trainer.publish_metrics_every_n_steps=1",
-        "trainer.validate_every_n_steps=3",
-        "trainer.checkpoint_every_n_steps=3",
-        "trainer.max_num_steps=3",
+        *_THREE_STEPS,
     ]
     one, piped = tmp_path / "one", tmp_path / "pp2_hsdp"
     assert_ok(run_torchrun(1, "-m", "recipes.char_lm", str(one), "--config", *config))

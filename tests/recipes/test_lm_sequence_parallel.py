@@ -70,6 +70,26 @@ def assert_same_run(one: Path, sp: Path) -> None:
         torch.testing.assert_close(weights[name], tensor, atol=1e-5, rtol=0, msg=name)
 
 
+def assert_sp_trains_as_one_process(
+    tmp_path: Path,
+    config: tuple[str, ...],
+    *sp_options: str,
+    nproc: int = 2,
+    one_options: tuple[str, ...] = (),
+) -> None:
+    """``config`` run in one process (with ``one_options``) into ``tmp_path / "one"`` and with
+    ``gang.sp_size=2`` on ``nproc`` processes (with ``sp_options``) into ``tmp_path / "sp"``:
+    the same run (:func:`assert_same_run`)."""
+    assert_ok(run_here(tmp_path / "one", *config, *one_options))
+    sp = torchrun(
+        nproc,
+        *recipe_args(tmp_path / "sp", *config, *sp_options, "gang.sp_size=2"),
+        timeout=300 * nproc // 2,
+    )
+    assert_ok(sp)
+    assert_same_run(tmp_path / "one", tmp_path / "sp")
+
+
 def assert_same_export(one: Path, sp: Path, destination: Path) -> None:
     """``python -m runtime export OUT DEST --format hf`` of both runs: the same files, the same
     config and the same keys, weights within 1e-5."""
@@ -114,16 +134,7 @@ def prepared_llama_config(tmp_path: Path) -> tuple[str, ...]:
 def test_sp2_on_packed_prepared_data_equals_one_process(tmp_path: Path) -> None:
     """The project's Llama: document masks over the whole sequence, positions kept."""
     config = prepared_llama_config(tmp_path)
-    assert_ok(run_here(tmp_path / "one", *config))
-    sp = torchrun(
-        2,
-        *recipe_args(
-            tmp_path / "sp", *config, "gang.sp_size=2", "trainer.checkpoint_every_n_steps=2"
-        ),
-        timeout=300,
-    )
-    assert_ok(sp)
-    assert_same_run(tmp_path / "one", tmp_path / "sp")
+    assert_sp_trains_as_one_process(tmp_path, config, "trainer.checkpoint_every_n_steps=2")
 
     # SP does not change the parameters: SP=2's checkpoint of step 2 resumes in one process
     # (a DP gang of one either way, so the data position carries over) to the same weights.
@@ -153,16 +164,7 @@ def test_sp2_hugging_face_llama_with_one_kv_head_equals_one_process(tmp_path: Pa
         f"data.train={train}",
         f"data.valid={valid}",
     )
-    assert_ok(run_here(tmp_path / "one", *config))
-    sp = torchrun(
-        2,
-        *recipe_args(
-            tmp_path / "sp", *config, "gang.sp_size=2", "model.activation_checkpointing=true"
-        ),
-        timeout=300,
-    )
-    assert_ok(sp)
-    assert_same_run(tmp_path / "one", tmp_path / "sp")
+    assert_sp_trains_as_one_process(tmp_path, config, "model.activation_checkpointing=true")
     # SP does not change the parameters: its Hugging Face export is that of one process.
     assert_same_export(tmp_path / "one", tmp_path / "sp", tmp_path / "exported")
 
@@ -209,10 +211,9 @@ def test_sp2_on_four_processes_equals_one_process(
     # process sums, and Adam's first steps magnify such float32 differences (FSDP2 alone, DP=2
     # without SP, already differs from one process by 2.5e-5 in the fourth step's norm at lr 0.01).
     config = (*prepared_llama_config(tmp_path), "optimizer.lr=0.001")
-    assert_ok(run_here(tmp_path / "one", *config, f"data.batch_size={batch_size}"))
-    sp = torchrun(4, *recipe_args(tmp_path / "sp", *config, *layout, "gang.sp_size=2"), timeout=600)
-    assert_ok(sp)
-    assert_same_run(tmp_path / "one", tmp_path / "sp")
+    assert_sp_trains_as_one_process(
+        tmp_path, config, *layout, nproc=4, one_options=(f"data.batch_size={batch_size}",)
+    )
 
 
 @pytest.mark.parametrize(
@@ -247,10 +248,7 @@ def test_sp2_sft_on_masked_targets_equals_one_process(tmp_path: Path) -> None:
         f"data.train={write_jsonl(tmp_path / 'train.jsonl', records(80))}",
         f"data.valid={write_jsonl(tmp_path / 'valid.jsonl', records(12))}",
     )
-    assert_ok(run_here(tmp_path / "one", *config))
-    sp = torchrun(2, *recipe_args(tmp_path / "sp", *config, "gang.sp_size=2"), timeout=300)
-    assert_ok(sp)
-    assert_same_run(tmp_path / "one", tmp_path / "sp")
+    assert_sp_trains_as_one_process(tmp_path, config)
 
 
 def test_heads_that_sp_does_not_divide_are_refused_in_one_line_on_every_rank(
@@ -316,10 +314,7 @@ def test_sp2_lora_equals_one_process(tmp_path: Path) -> None:
         f"data.valid={valid}",
         "lora.rank=4",
     )
-    assert_ok(run_here(tmp_path / "one", *config))
-    sp = torchrun(2, *recipe_args(tmp_path / "sp", *config, "gang.sp_size=2"), timeout=300)
-    assert_ok(sp)
-    assert_same_run(tmp_path / "one", tmp_path / "sp")
+    assert_sp_trains_as_one_process(tmp_path, config)
 
 
 # Every dense Hugging Face family of the matrix (tests/recipes/families.py) at SP=2, through the
@@ -379,7 +374,4 @@ def test_sp2_of_each_dense_family_equals_one_process_or_is_refused(
             errors = [line for line in lines if line.startswith("error: ")]
             assert len(errors) == 1 and refusal in errors[0], lines
         return
-    assert_ok(run_here(tmp_path / "one", *config))
-    sp = torchrun(2, *recipe_args(tmp_path / "sp", *config, "gang.sp_size=2"), timeout=300)
-    assert_ok(sp)
-    assert_same_run(tmp_path / "one", tmp_path / "sp")
+    assert_sp_trains_as_one_process(tmp_path, config)

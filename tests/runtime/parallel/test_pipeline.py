@@ -228,21 +228,20 @@ def test_pp2_equals_one_process(pipeline_runs: Path, reference: Reference, name:
 
 
 @pytest.mark.distributed
-def test_resume_of_pp1_at_pp2(pipeline_runs: Path, reference: Reference) -> None:
-    """A one-process checkpoint of step 2 resumes at PP=2 and ends where one process ends."""
-    run_dir = pipeline_runs / "resume_1_to_2"
-    assert [r["step_nr"] for r in read_jsonl(run_dir / "metrics" / "train.jsonl")] == [3, 4]
-    _, expected = reference["valid"]
-    for key, value in _whole_weights(run_dir).items():
-        torch.testing.assert_close(value, expected[key], rtol=0, atol=TOLERANCE, msg=key)
-
-
-@pytest.mark.distributed
-def test_resume_of_pp2_at_pp2(pipeline_runs: Path, reference: Reference) -> None:
-    """A PP=2 checkpoint of step 2 resumes at PP=2: each rank's optimizer gets its own param
-    groups back (their hyperparameters, its stage's names), and the run ends where one process
-    ends."""
-    run_dir = pipeline_runs / "resume_2_to_2"
+@pytest.mark.parametrize(
+    "run",
+    [
+        # A one-process checkpoint of step 2.
+        "resume_1_to_2",
+        # A PP=2 checkpoint of step 2: each rank's optimizer gets its own param groups back
+        # (their hyperparameters, its stage's names).
+        "resume_2_to_2",
+    ],
+)
+def test_a_checkpoint_of_step_2_resumes_at_pp2_and_ends_where_one_process_ends(
+    pipeline_runs: Path, reference: Reference, run: str
+) -> None:
+    run_dir = pipeline_runs / run
     assert [r["step_nr"] for r in read_jsonl(run_dir / "metrics" / "train.jsonl")] == [3, 4]
     _, expected = reference["valid"]
     for key, value in _whole_weights(run_dir).items():
